@@ -1,0 +1,226 @@
+//! Command-line arguments and dispatch.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::{procs, show};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tpuray",
+    version,
+    about = "tpuray: Ray-style tasks and actors with TPU slices as first-class resources"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Start a head node (--head) or join a node to a cluster (--address).
+    Start(StartArgs),
+    /// Show nodes, resource usage and pending or infeasible demand.
+    Status(AddressArg),
+    /// List cluster state: nodes, actors or jobs.
+    List(ListArgs),
+    /// Stop every tpuray process started on this machine.
+    Stop(StopArgs),
+    #[command(name = "_head", hide = true)]
+    Head(HeadArgs),
+    #[command(name = "_agent", hide = true)]
+    Agent(AgentArgs),
+    #[command(name = "_worker", hide = true)]
+    Worker,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AuthMode {
+    Token,
+    Disabled,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ResourceFlags {
+    /// Logical CPUs to advertise (default: detected).
+    #[arg(long, allow_negative_numbers = true)]
+    pub num_cpus: Option<f64>,
+    /// GPUs to advertise (default: 0).
+    #[arg(long, allow_negative_numbers = true)]
+    pub num_gpus: Option<f64>,
+    /// Custom resources as JSON, e.g. '{"special": 1}'.
+    #[arg(long)]
+    pub resources: Option<String>,
+    /// Node labels, e.g. zone=a,tier=gold.
+    #[arg(long)]
+    pub labels: Option<String>,
+    /// Object store capacity in bytes (default: 30% of available memory).
+    #[arg(long)]
+    pub object_store_memory: Option<u64>,
+    /// Memory for tasks and actors in bytes (default: 70% of available memory minus the object store).
+    #[arg(long)]
+    pub memory: Option<u64>,
+}
+
+impl ResourceFlags {
+    pub fn options(&self) -> tpuray_worker::AgentOptions {
+        tpuray_worker::AgentOptions {
+            num_cpus: self.num_cpus,
+            num_gpus: self.num_gpus,
+            resources_json: self.resources.clone(),
+            labels: self.labels.clone(),
+            object_store_memory: self.object_store_memory,
+            memory: self.memory,
+        }
+    }
+
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some(x) = self.num_cpus {
+            v.extend(["--num-cpus".into(), x.to_string()]);
+        }
+        if let Some(x) = self.num_gpus {
+            v.extend(["--num-gpus".into(), x.to_string()]);
+        }
+        if let Some(x) = &self.resources {
+            v.extend(["--resources".into(), x.clone()]);
+        }
+        if let Some(x) = &self.labels {
+            v.extend(["--labels".into(), x.clone()]);
+        }
+        if let Some(x) = self.object_store_memory {
+            v.extend(["--object-store-memory".into(), x.to_string()]);
+        }
+        if let Some(x) = self.memory {
+            v.extend(["--memory".into(), x.to_string()]);
+        }
+        v
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct StartArgs {
+    /// Start the head node of a new cluster.
+    #[arg(long, conflicts_with = "address")]
+    pub head: bool,
+    /// Join the cluster whose head is at HOST:PORT[,HOST:PORT...].
+    #[arg(long, required_unless_present = "head")]
+    pub address: Option<String>,
+    /// The head's port (with --head).
+    #[arg(long, default_value_t = 6379)]
+    pub port: u16,
+    /// This node's address as others reach it; servers listen on it.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub node_ip_address: String,
+    /// The node agent's port (default: any free port).
+    #[arg(long, default_value_t = 0)]
+    pub node_manager_port: u16,
+    /// Root folder for session files and logs.
+    #[arg(long, default_value = "/tmp/tpuray")]
+    pub temp_dir: PathBuf,
+    /// Stay in the foreground until the started processes stop.
+    #[arg(long)]
+    pub block: bool,
+    /// Cluster token auth (with --head): on by default.
+    #[arg(long, value_enum, default_value_t = AuthMode::Token)]
+    pub auth_mode: AuthMode,
+    #[command(flatten)]
+    pub resources: ResourceFlags,
+}
+
+#[derive(Args, Debug)]
+pub struct AddressArg {
+    /// Head address (default: the cluster `tpuray start` left on this machine).
+    #[arg(long)]
+    pub address: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ListKind {
+    Nodes,
+    Actors,
+    Jobs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    Table,
+    Json,
+}
+
+#[derive(Args, Debug)]
+pub struct ListArgs {
+    pub kind: ListKind,
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    #[command(flatten)]
+    pub address: AddressArg,
+}
+
+#[derive(Args, Debug)]
+pub struct StopArgs {
+    /// Kill with SIGKILL at once instead of stopping gracefully.
+    #[arg(long)]
+    pub force: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct HeadArgs {
+    #[arg(long)]
+    pub listen: String,
+    #[arg(long)]
+    pub session_dir: PathBuf,
+    #[arg(long)]
+    pub ready_file: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = AuthMode::Token)]
+    pub auth_mode: AuthMode,
+}
+
+#[derive(Args, Debug)]
+pub struct AgentArgs {
+    #[arg(long)]
+    pub address: String,
+    #[arg(long)]
+    pub listen: String,
+    #[arg(long)]
+    pub session_dir: PathBuf,
+    #[arg(long)]
+    pub ready_file: Option<PathBuf>,
+    #[arg(long)]
+    pub head_node: bool,
+    #[command(flatten)]
+    pub resources: ResourceFlags,
+}
+
+pub fn dispatch(cli: Cli) -> Result<i32> {
+    match cli.command {
+        Command::Start(a) => procs::start(a),
+        Command::Status(a) => show::status(&resolve_address(a.address)?),
+        Command::List(a) => show::list(&resolve_address(a.address.address)?, a.kind, a.format),
+        Command::Stop(a) => procs::stop(a.force),
+        Command::Head(a) => procs::run_head(a),
+        Command::Agent(a) => procs::run_agent(a),
+        Command::Worker => {
+            tpuray::worker::run_worker().context("worker process")?;
+            Ok(0)
+        }
+    }
+}
+
+/// `--address`, else `TPURAY_ADDRESS`, else the cluster `tpuray start --head`
+/// left on this machine.
+pub fn resolve_address(given: Option<String>) -> Result<String> {
+    if let Some(a) =
+        given.or_else(|| std::env::var("TPURAY_ADDRESS").ok()).filter(|a| !a.is_empty())
+    {
+        return Ok(a);
+    }
+    match tpuray_worker::registry::current_cluster() {
+        Some(c) => Ok(c.address),
+        None => bail!(
+            "no cluster found on this machine: start one with `tpuray start --head`, or pass --address HOST:PORT"
+        ),
+    }
+}

@@ -1,0 +1,402 @@
+//! Starting and stopping tpuray processes: `start` spawns the head and node
+//! agent processes detached (or keeps them in the foreground with `--block`),
+//! waits until each is ready, and records them in the machine-wide registry
+//! so `stop` finds them (REG-1).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use tpuray_worker::registry::{self, CurrentCluster, ProcEntry};
+
+use crate::args::{AgentArgs, AuthMode, HeadArgs, StartArgs};
+
+/// How long `start` waits for a spawned process to become ready.
+const READY_TIMEOUT: Duration = Duration::from_secs(45);
+
+/// The program and leading arguments that run this CLI again. The Python
+/// package sets `TPURAY_SELF_COMMAND` (a JSON list), since its executable is
+/// the interpreter.
+fn self_command() -> Result<Vec<String>> {
+    if let Ok(j) = std::env::var("TPURAY_SELF_COMMAND") {
+        let v: Vec<String> = serde_json::from_str(&j)
+            .with_context(|| format!("TPURAY_SELF_COMMAND is not a JSON list of strings: {j}"))?;
+        if !v.is_empty() {
+            return Ok(v);
+        }
+    }
+    let exe = std::env::current_exe().context("cannot find the tpuray executable")?;
+    Ok(vec![exe.display().to_string()])
+}
+
+fn new_session_dir(temp_dir: &Path) -> Result<PathBuf> {
+    let stamp = chrono_like_stamp();
+    let dir = temp_dir.join(format!("session_{stamp}_{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("logs"))
+        .with_context(|| format!("cannot create session folder {}", dir.display()))?;
+    let latest = temp_dir.join("session_latest");
+    let _ = std::fs::remove_file(&latest);
+    let _ = std::os::unix::fs::symlink(&dir, &latest);
+    Ok(dir)
+}
+
+fn chrono_like_stamp() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0);
+    format!("{secs}")
+}
+
+struct Spawned {
+    child: Child,
+    kind: &'static str,
+    ready: serde_json::Value,
+}
+
+/// Spawns `self_command() args...` with its output in `logs/<name>.{out,err}`
+/// and waits for it to write its ready file.
+fn spawn_and_wait(
+    session: &Path,
+    name: &str,
+    kind: &'static str,
+    args: Vec<String>,
+    detach: bool,
+) -> Result<Spawned> {
+    let ready_file = session.join(format!("{name}.ready"));
+    let _ = std::fs::remove_file(&ready_file);
+    let logs = session.join("logs");
+    let out = std::fs::File::create(logs.join(format!("{name}.out")))?;
+    let err_path = logs.join(format!("{name}.err"));
+    let err = std::fs::File::create(&err_path)?;
+    let cmdline = self_command()?;
+    let mut cmd = std::process::Command::new(&cmdline[0]);
+    cmd.args(&cmdline[1..])
+        .args(&args)
+        .arg("--ready-file")
+        .arg(&ready_file)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err);
+    if detach {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: setsid is async-signal-safe; it detaches the child from our
+        // terminal so it outlives `tpuray start`.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::setsid();
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd.spawn().with_context(|| format!("cannot start {kind} process"))?;
+    let started = Instant::now();
+    loop {
+        if let Ok(s) = std::fs::read_to_string(&ready_file)
+            && let Ok(v) = serde_json::from_str::<serde_json::Value>(&s)
+        {
+            let entry = ProcEntry::for_pid(
+                child.id(),
+                kind,
+                &session.display().to_string(),
+                v.get("address").and_then(|a| a.as_str()).unwrap_or(""),
+            );
+            if let Some(e) = entry {
+                registry::record(&e).context("cannot write the process registry")?;
+            }
+            return Ok(Spawned { child, kind, ready: v });
+        }
+        if let Some(status) = child.try_wait()? {
+            let tail = tail(&err_path, 3000);
+            bail!("the {kind} process exited during start-up ({status}):\n{}", tail.trim_end());
+        }
+        if started.elapsed() > READY_TIMEOUT {
+            let _ = child.kill();
+            bail!(
+                "the {kind} process did not become ready within {READY_TIMEOUT:?}; see {}",
+                err_path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn tail(path: &Path, max: usize) -> String {
+    let s = std::fs::read_to_string(path).unwrap_or_default();
+    let mut start = s.len().saturating_sub(max);
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    s[start..].to_string()
+}
+
+pub fn start(a: StartArgs) -> Result<i32> {
+    // Check every flag before anything starts, so bad input fails fast.
+    tpuray_worker::build_resources(&a.resources.options())?;
+    let session = new_session_dir(&a.temp_dir)?;
+    let detach = !a.block;
+    let mut spawned = Vec::new();
+    let head_address = if a.head {
+        if a.auth_mode == AuthMode::Token {
+            tpuray_proto::auth::load_or_create_token()?;
+        }
+        let listen = format!("{}:{}", a.node_ip_address, a.port);
+        let auth = match a.auth_mode {
+            AuthMode::Token => "token",
+            AuthMode::Disabled => "disabled",
+        };
+        let args = vec![
+            "_head".into(),
+            "--listen".into(),
+            listen,
+            "--session-dir".into(),
+            session.display().to_string(),
+            "--auth-mode".into(),
+            auth.into(),
+        ];
+        let s = spawn_and_wait(&session, "head", "head", args, detach)?;
+        let addr = s.ready["address"].as_str().unwrap_or_default().to_string();
+        spawned.push(s);
+        addr
+    } else {
+        a.address.clone().ok_or_else(|| anyhow!("--address is required without --head"))?
+    };
+    let mut args = vec![
+        "_agent".into(),
+        "--address".into(),
+        head_address.clone(),
+        "--listen".into(),
+        format!("{}:{}", a.node_ip_address, a.node_manager_port),
+        "--session-dir".into(),
+        session.display().to_string(),
+    ];
+    if a.head {
+        args.push("--head-node".into());
+    }
+    args.extend(a.resources.to_args());
+    let agent = match spawn_and_wait(&session, "agent", "agent", args, detach) {
+        Ok(s) => s,
+        Err(e) => {
+            for mut s in spawned {
+                terminate_child(&mut s.child);
+            }
+            return Err(e);
+        }
+    };
+    let node_id = agent.ready["node_id"].as_str().unwrap_or_default().to_string();
+    spawned.push(agent);
+    if a.head {
+        registry::set_current_cluster(&CurrentCluster {
+            address: head_address.clone(),
+            session_dir: session.display().to_string(),
+        })?;
+        println!("tpuray head started at {head_address} (node {node_id})");
+        println!("  session folder: {}", session.display());
+        println!("  add a node:     tpuray start --address {head_address}");
+        println!("  cluster status: tpuray status");
+        println!("  stop:           tpuray stop");
+    } else {
+        println!("tpuray node {node_id} joined the cluster at {head_address}");
+        println!("  session folder: {}", session.display());
+    }
+    if a.block {
+        return block_until_stopped(spawned);
+    }
+    Ok(0)
+}
+
+fn terminate_child(c: &mut Child) {
+    tpuray_worker::agent::signal(c.id(), libc::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = c.try_wait() {
+            registry::remove(c.id());
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = c.kill();
+    let _ = c.wait();
+    registry::remove(c.id());
+}
+
+/// `--block`: wait until SIGINT/SIGTERM or until a started process exits,
+/// then stop the rest (agents before the head).
+fn block_until_stopped(mut spawned: Vec<Spawned>) -> Result<i32> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let code = rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+        loop {
+            tokio::select! {
+                _ = term.recv() => return Ok::<i32, anyhow::Error>(0),
+                _ = int.recv() => return Ok(0),
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {
+                    for s in spawned.iter_mut() {
+                        if let Ok(Some(status)) = s.child.try_wait() {
+                            eprintln!("tpuray: the {} process exited ({status}); stopping the rest", s.kind);
+                            return Ok(1);
+                        }
+                    }
+                }
+            }
+        }
+    })?;
+    for s in spawned.iter_mut().rev() {
+        terminate_child(&mut s.child);
+    }
+    Ok(code)
+}
+
+/// Stops every live process in the registry: workers and agents first, then
+/// heads; returns once all have exited (SIGKILL after a grace period).
+pub fn stop(force: bool) -> Result<i32> {
+    let entries = registry::list();
+    let live: Vec<ProcEntry> = entries.iter().filter(|e| e.is_alive()).cloned().collect();
+    for e in entries.iter().filter(|e| !e.is_alive()) {
+        registry::remove(e.pid);
+    }
+    if live.is_empty() {
+        registry::clear_current_cluster();
+        println!("no tpuray processes are running on this machine");
+        return Ok(0);
+    }
+    let rank = |k: &str| match k {
+        "worker" => 0,
+        "agent" => 1,
+        _ => 2,
+    };
+    let mut groups: Vec<Vec<&ProcEntry>> = vec![vec![], vec![], vec![]];
+    for e in &live {
+        groups[rank(&e.kind)].push(e);
+    }
+    let sig = if force { libc::SIGKILL } else { libc::SIGTERM };
+    for group in groups.iter().filter(|g| !g.is_empty()) {
+        for e in group {
+            tpuray_worker::agent::signal(e.pid, sig);
+        }
+        wait_gone(group, Duration::from_secs(if force { 5 } else { 10 }));
+    }
+    let stubborn: Vec<&ProcEntry> = live.iter().filter(|e| e.is_alive()).collect();
+    for e in &stubborn {
+        tpuray_worker::agent::signal(e.pid, libc::SIGKILL);
+    }
+    wait_gone(&stubborn, Duration::from_secs(5));
+    let left: Vec<u32> = live.iter().filter(|e| e.is_alive()).map(|e| e.pid).collect();
+    for e in &live {
+        if !e.is_alive() {
+            registry::remove(e.pid);
+        }
+    }
+    registry::clear_current_cluster();
+    if !left.is_empty() {
+        bail!("these tpuray processes did not exit: {left:?}");
+    }
+    println!("stopped {} tpuray process(es)", live.len());
+    Ok(0)
+}
+
+fn wait_gone(group: &[&ProcEntry], within: Duration) {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline && group.iter().any(|e| e.is_alive()) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TPURAY_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+fn write_ready(path: &Option<PathBuf>, v: serde_json::Value) {
+    if let Some(p) = path {
+        let tmp = p.with_extension("tmp");
+        if std::fs::write(&tmp, v.to_string()).is_ok() {
+            let _ = std::fs::rename(tmp, p);
+        }
+    }
+}
+
+fn env_ms(var: &str, default: u64) -> Duration {
+    tpuray_worker::run::env_duration_ms(var, default)
+}
+
+pub fn run_head(a: HeadArgs) -> Result<i32> {
+    init_logging();
+    let listen: SocketAddr = a
+        .listen
+        .parse()
+        .with_context(|| format!("invalid listen address {:?} (expected IP:PORT)", a.listen))?;
+    let token = match a.auth_mode {
+        AuthMode::Token => Some(tpuray_proto::auth::load_or_create_token()?),
+        AuthMode::Disabled => tpuray_proto::auth::load_token().ok().flatten(),
+    };
+    let config = tpuray_head::HeadConfig {
+        listen,
+        token,
+        auth_required: a.auth_mode == AuthMode::Token,
+        heartbeat_interval: env_ms("TPURAY_HEARTBEAT_INTERVAL_MS", 1000),
+        node_death_timeout: env_ms("TPURAY_NODE_DEATH_TIMEOUT_MS", 10_000),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let ready = a.ready_file.clone();
+    rt.block_on(tpuray_head::serve(
+        config,
+        move |addr| write_ready(&ready, serde_json::json!({ "address": addr.to_string() })),
+        shutdown_signal(),
+    ))
+    .map_err(|e| anyhow!("{e}"))?;
+    Ok(0)
+}
+
+pub fn run_agent(a: AgentArgs) -> Result<i32> {
+    init_logging();
+    let (total, labels) = tpuray_worker::build_resources(&a.resources.options())?;
+    let listen: SocketAddr = a
+        .listen
+        .parse()
+        .with_context(|| format!("invalid listen address {:?} (expected IP:PORT)", a.listen))?;
+    let token = tpuray_proto::auth::load_token()?;
+    let mut worker_command = self_command()?;
+    worker_command.push("_worker".into());
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let ready = a.ready_file.clone();
+    let host = listen.ip().to_string();
+    let session = a.session_dir.clone();
+    rt.block_on(tpuray_worker::serve_agent(
+        listen,
+        &host,
+        &a.address,
+        total,
+        labels,
+        a.head_node,
+        session,
+        token,
+        worker_command,
+        move |addr, node_id| {
+            write_ready(
+                &ready,
+                serde_json::json!({ "address": addr.to_string(), "node_id": node_id.to_string() }),
+            )
+        },
+        shutdown_signal(),
+    ))?;
+    Ok(0)
+}

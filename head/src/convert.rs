@@ -1,0 +1,89 @@
+//! Durable records → wire messages (`to_proto`).
+
+use tpuray_proto::convert::{labels_to_proto, resources_to_proto, strategy_to_proto};
+use tpuray_proto::pb;
+
+use crate::state::{ActorRecord, ActorStatus, JobRecord, JobStatus, NodeRecord, NodeStatus};
+
+pub fn node_to_proto(n: &NodeRecord) -> pb::NodeInfo {
+    let (state, death_reason) = match &n.status {
+        NodeStatus::Alive => (pb::NodeState::Alive, String::new()),
+        NodeStatus::Dead { reason } => (pb::NodeState::Dead, reason.clone()),
+    };
+    pb::NodeInfo {
+        node_id: n.node_id.to_string(),
+        address: n.address.clone(),
+        hostname: n.hostname.clone(),
+        total: resources_to_proto(&n.total),
+        available: Default::default(),
+        labels: n.labels.0.clone().into_iter().collect(),
+        state: state as i32,
+        is_head_node: n.is_head_node,
+        death_reason,
+        start_time_ms: n.start_time_ms,
+        last_heartbeat_ms: 0,
+        pending: vec![],
+        num_workers: 0,
+        session_dir: n.session_dir.clone(),
+        pid: n.pid,
+    }
+}
+
+pub fn job_to_proto(j: &JobRecord) -> pb::JobInfo {
+    pb::JobInfo {
+        job_id: j.job_id.to_string(),
+        state: match j.status {
+            JobStatus::Running => pb::JobState::Running,
+            JobStatus::Finished => pb::JobState::Finished,
+        } as i32,
+        driver_address: j.driver_address.clone(),
+        entrypoint: j.entrypoint.clone(),
+        namespace: j.namespace.clone(),
+        start_time_ms: j.start_time_ms,
+        end_time_ms: j.end_time_ms,
+        driver_pid: j.driver_pid,
+    }
+}
+
+pub fn actor_to_proto(a: &ActorRecord, pending_reason: Option<&str>) -> pb::ActorInfo {
+    let mut info = pb::ActorInfo {
+        actor_id: a.actor_id.to_string(),
+        job_id: a.job_id.to_string(),
+        name: a.name.clone(),
+        namespace: a.namespace.clone(),
+        class_name: a.class_name.clone(),
+        num_restarts: a.num_restarts,
+        max_restarts: a.max_restarts,
+        detached: a.detached,
+        resources: resources_to_proto(&a.resources),
+        label_selector: labels_to_proto(&a.label_selector),
+        strategy: Some(strategy_to_proto(&match (&a.affinity, a.spread) {
+            (Some((node, soft)), _) => {
+                tpuray_scheduler::Strategy::NodeAffinity { node: node.to_string(), soft: *soft }
+            }
+            (None, true) => tpuray_scheduler::Strategy::Spread,
+            (None, false) => tpuray_scheduler::Strategy::Default,
+        })),
+        pending_reason: pending_reason.unwrap_or_default().to_string(),
+        ..Default::default()
+    };
+    match &a.status {
+        ActorStatus::PendingCreation => info.state = pb::ActorState::PendingCreation as i32,
+        ActorStatus::Alive { node_id, worker_id, address, pid } => {
+            info.state = pb::ActorState::Alive as i32;
+            info.node_id = node_id.to_string();
+            info.worker_id = worker_id.to_string();
+            info.worker_address = address.clone();
+            info.pid = *pid;
+        }
+        ActorStatus::Restarting { cause } => {
+            info.state = pb::ActorState::Restarting as i32;
+            info.death_cause = cause.clone();
+        }
+        ActorStatus::Dead { cause } => {
+            info.state = pb::ActorState::Dead as i32;
+            info.death_cause = cause.clone();
+        }
+    }
+    info
+}

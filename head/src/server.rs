@@ -1,0 +1,1057 @@
+//! `HeadService`: the gRPC face of the head, the node-death monitor and the
+//! actor placement loop.
+//!
+//! One `std::sync::Mutex` guards the state machine and soft state; it is held
+//! only for in-memory work, never across an `.await`.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{Notify, broadcast};
+use tokio_stream::Stream;
+use tonic::service::interceptor::InterceptedService;
+use tonic::{Request, Response, Status};
+use tpuray_proto::auth::ServerAuth;
+use tpuray_proto::convert::{labels_from_proto, resources_from_proto, resources_to_proto};
+use tpuray_proto::ids::{ActorId, JobId, NodeId, WorkerId};
+use tpuray_proto::pb::head_service_server::{HeadService, HeadServiceServer};
+use tpuray_proto::{PROTOCOL_VERSION, check_protocol_version, now_ms, pb};
+use tpuray_scheduler::{Decision, Labels, NodeView, ResourceSet};
+
+use crate::convert::{actor_to_proto, job_to_proto, node_to_proto};
+use crate::state::{
+    ActorRecord, ActorStatus, Changed, Command, CommandKind, DEFAULT_NAMESPACE, JobRecord,
+    JobStatus, NodeRecord, NodeStatus, Outcome, Rejection, StateMachine,
+};
+
+/// How many state changes are kept for subscribers that resume.
+const CHANGE_LOG_CAPACITY: usize = 10_000;
+
+/// Head settings.
+#[derive(Clone, Debug)]
+pub struct HeadConfig {
+    /// Address to listen on, e.g. `127.0.0.1:6379`.
+    pub listen: SocketAddr,
+    /// The cluster token; `None` only when auth is disabled.
+    pub token: Option<String>,
+    /// Whether calls must carry the token (AUTH-1).
+    pub auth_required: bool,
+    /// How often node agents send heartbeats.
+    pub heartbeat_interval: Duration,
+    /// A node that sent no heartbeat for this long is declared dead (HEAD-4).
+    pub node_death_timeout: Duration,
+}
+
+struct NodeSoft {
+    last_heartbeat: Instant,
+    last_heartbeat_ms: u64,
+    available: ResourceSet,
+    pending: Vec<pb::ResourceDemand>,
+    num_workers: u32,
+}
+
+struct Inner {
+    sm: StateMachine,
+    soft: HashMap<NodeId, NodeSoft>,
+    changes: VecDeque<pb::StateChange>,
+    seq: u64,
+    /// Why each unplaced actor waits (soft): (reason, infeasible).
+    actor_pending: HashMap<ActorId, (String, bool)>,
+    /// Actors whose worker start is in flight.
+    placing: HashSet<ActorId>,
+}
+
+/// The head's shared state; cheap to clone through `Arc`.
+pub struct Head {
+    inner: Mutex<Inner>,
+    events: broadcast::Sender<pb::StateChange>,
+    /// Wakes the actor placement loop.
+    placement_wake: Notify,
+    /// Wakes waiters for actor state (GetActor with wait).
+    actor_changed: Notify,
+    config: HeadConfig,
+    cluster_id: String,
+    start_time_ms: u64,
+}
+
+impl Head {
+    pub fn new(config: HeadConfig) -> Arc<Self> {
+        let (events, _) = broadcast::channel(4096);
+        Arc::new(Self {
+            inner: Mutex::new(Inner {
+                sm: StateMachine::new(),
+                soft: HashMap::new(),
+                changes: VecDeque::new(),
+                seq: 0,
+                actor_pending: HashMap::new(),
+                placing: HashSet::new(),
+            }),
+            events,
+            placement_wake: Notify::new(),
+            actor_changed: Notify::new(),
+            config,
+            cluster_id: uuid_like(),
+            start_time_ms: now_ms(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Applies a durable command and publishes what changed (HEAD-1).
+    pub fn commit(&self, cmd: Command) -> Outcome {
+        let mut inner = self.lock();
+        let (outcome, changed) = inner.sm.apply(cmd);
+        let mut actors_changed = false;
+        for c in changed {
+            let change = match &c {
+                Changed::Node(id) => inner
+                    .sm
+                    .nodes
+                    .get(id)
+                    .map(|n| pb::state_change::Change::Node(self.node_info(&inner, n))),
+                Changed::Job(id) => {
+                    inner.sm.jobs.get(id).map(|j| pb::state_change::Change::Job(job_to_proto(j)))
+                }
+                Changed::Actor(id) => {
+                    actors_changed = true;
+                    inner.sm.actors.get(id).map(|a| {
+                        let pending = inner.actor_pending.get(id).map(|p| p.0.as_str());
+                        pb::state_change::Change::Actor(actor_to_proto(a, pending))
+                    })
+                }
+            };
+            if let Some(change) = change {
+                inner.seq += 1;
+                let sc = pb::StateChange { seq: inner.seq, change: Some(change) };
+                inner.changes.push_back(sc.clone());
+                while inner.changes.len() > CHANGE_LOG_CAPACITY {
+                    inner.changes.pop_front();
+                }
+                let _ = self.events.send(sc);
+            }
+        }
+        drop(inner);
+        if actors_changed {
+            self.actor_changed.notify_waiters();
+            self.placement_wake.notify_one();
+        }
+        outcome
+    }
+
+    fn node_info(&self, inner: &Inner, n: &NodeRecord) -> pb::NodeInfo {
+        let mut info = node_to_proto(n);
+        if let Some(s) = inner.soft.get(&n.node_id)
+            && n.status == NodeStatus::Alive
+        {
+            info.available = resources_to_proto(&s.available);
+            info.pending = s.pending.clone();
+            info.num_workers = s.num_workers;
+            info.last_heartbeat_ms = s.last_heartbeat_ms;
+        }
+        info
+    }
+
+    fn alive_views(inner: &Inner) -> Vec<NodeView<String>> {
+        inner
+            .sm
+            .nodes
+            .values()
+            .filter(|n| n.status == NodeStatus::Alive)
+            .map(|n| NodeView {
+                id: n.node_id.to_string(),
+                total: n.total.clone(),
+                available: inner
+                    .soft
+                    .get(&n.node_id)
+                    .map(|s| s.available.clone())
+                    .unwrap_or_else(|| n.total.clone()),
+                labels: n.labels.clone(),
+                alive: true,
+            })
+            .collect()
+    }
+
+    /// HEAD-4: declares dead every node whose last heartbeat is older than
+    /// the death timeout. Runs on its own task; takes the lock briefly.
+    fn check_node_deaths(&self) {
+        let timeout = self.config.node_death_timeout;
+        let expired: Vec<(NodeId, Duration)> = {
+            let inner = self.lock();
+            inner
+                .sm
+                .nodes
+                .values()
+                .filter(|n| n.status == NodeStatus::Alive)
+                .filter_map(|n| {
+                    let s = inner.soft.get(&n.node_id)?;
+                    let age = s.last_heartbeat.elapsed();
+                    (age > timeout).then(|| (n.node_id.clone(), age))
+                })
+                .collect()
+        };
+        for (node_id, age) in expired {
+            tracing::warn!(%node_id, ?age, "node missed heartbeats; marking it dead");
+            self.commit(Command {
+                request_id: String::new(),
+                kind: CommandKind::MarkNodeDead {
+                    node_id: node_id.clone(),
+                    reason: format!(
+                        "no heartbeat for {:.1}s (timeout {:.1}s)",
+                        age.as_secs_f64(),
+                        timeout.as_secs_f64()
+                    ),
+                },
+            });
+            self.lock().soft.remove(&node_id);
+        }
+    }
+
+    /// One pass of actor placement: every actor waiting for a node gets a
+    /// decision; placed ones get a worker started on their node.
+    fn place_actors(self: &Arc<Self>) {
+        let mut starts = Vec::new();
+        {
+            let mut inner = self.lock();
+            let mut views = Self::alive_views(&inner);
+            let waiting: Vec<ActorRecord> = inner
+                .sm
+                .actors
+                .values()
+                .filter(|a| {
+                    matches!(
+                        a.status,
+                        ActorStatus::PendingCreation | ActorStatus::Restarting { .. }
+                    ) && !inner.placing.contains(&a.actor_id)
+                })
+                .cloned()
+                .collect();
+            for a in waiting {
+                let strategy = match (&a.affinity, a.spread) {
+                    (Some((n, soft)), _) => tpuray_scheduler::Strategy::NodeAffinity {
+                        node: n.to_string(),
+                        soft: *soft,
+                    },
+                    (None, true) => tpuray_scheduler::Strategy::Spread,
+                    (None, false) => tpuray_scheduler::Strategy::Default,
+                };
+                let req = tpuray_scheduler::Request {
+                    demand: a.placement_resources.clone(),
+                    strategy,
+                    label_selector: a.label_selector.clone(),
+                };
+                let seed = now_ms() ^ a.num_restarts as u64;
+                match tpuray_scheduler::schedule(&req, &views, None, seed) {
+                    Decision::Place(node) => {
+                        // Book the placement in this pass's view so two actors do
+                        // not both take the last slot before the next heartbeat.
+                        if let Some(v) = views.iter_mut().find(|v| v.id == node) {
+                            v.available.saturating_sub(&a.placement_resources);
+                        }
+                        let node_id = NodeId::from_wire(node);
+                        let Some(address) = inner.sm.nodes.get(&node_id).map(|n| n.address.clone())
+                        else {
+                            continue;
+                        };
+                        inner.placing.insert(a.actor_id.clone());
+                        inner.actor_pending.remove(&a.actor_id);
+                        starts.push((a, node_id, address));
+                    }
+                    Decision::Queue { reason } => {
+                        inner.actor_pending.insert(a.actor_id.clone(), (reason, false));
+                    }
+                    Decision::Infeasible { reason } => {
+                        if inner.actor_pending.get(&a.actor_id).map(|p| p.1) != Some(true) {
+                            tracing::warn!(actor_id = %a.actor_id, %reason, "actor is infeasible; it stays pending until a node that fits joins");
+                        }
+                        inner.actor_pending.insert(a.actor_id.clone(), (reason, true));
+                    }
+                }
+            }
+        }
+        for (actor, node_id, address) in starts {
+            let head = Arc::clone(self);
+            tokio::spawn(async move { head.start_actor_worker(actor, node_id, address).await });
+        }
+    }
+
+    async fn start_actor_worker(
+        self: Arc<Self>,
+        actor: ActorRecord,
+        node_id: NodeId,
+        address: String,
+    ) {
+        let result = async {
+            let mut client = tpuray_proto::client::agent(&address, self.config.token.as_deref())
+                .map_err(|e| Status::internal(e.to_string()))?;
+            let req = pb::StartActorWorkerRequest {
+                request_id: tpuray_proto::new_request_id(),
+                actor_id: actor.actor_id.to_string(),
+                job_id: actor.job_id.to_string(),
+                resources: resources_to_proto(&actor.resources),
+                class_name: actor.class_name.clone(),
+                attempt: actor.num_restarts,
+            };
+            let mut req = Request::new(req);
+            req.set_timeout(Duration::from_secs(60));
+            client.start_actor_worker(req).await.map(|r| r.into_inner())
+        }
+        .await;
+        self.lock().placing.remove(&actor.actor_id);
+        match result {
+            Ok(reply) => {
+                let outcome = self.commit(Command {
+                    request_id: String::new(),
+                    kind: CommandKind::ActorAlive {
+                        actor_id: actor.actor_id.clone(),
+                        node_id: node_id.clone(),
+                        worker_id: WorkerId::from_wire(reply.worker_id.clone()),
+                        address: reply.worker_address,
+                        pid: reply.pid,
+                    },
+                });
+                if let Outcome::Rejected(r) = outcome {
+                    // Killed while starting: stop the worker we just made.
+                    tracing::info!(actor_id = %actor.actor_id, %r, "actor started after it was killed; stopping its worker");
+                    let _ = self.kill_actor_worker(&address, &actor.actor_id).await;
+                }
+            }
+            Err(status) => {
+                tracing::warn!(actor_id = %actor.actor_id, %node_id, %status, "starting actor worker failed; will retry placement");
+                self.lock().actor_pending.insert(
+                    actor.actor_id.clone(),
+                    (
+                        format!("starting a worker on node {node_id} failed: {}", status.message()),
+                        false,
+                    ),
+                );
+                // Try again after a pause, on whatever node fits then.
+                let head = Arc::clone(&self);
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    head.placement_wake.notify_one();
+                });
+            }
+        }
+    }
+
+    async fn kill_actor_worker(
+        &self,
+        agent_address: &str,
+        actor_id: &ActorId,
+    ) -> Result<(), Status> {
+        let mut client = tpuray_proto::client::agent(agent_address, self.config.token.as_deref())
+            .map_err(|e| Status::internal(e.to_string()))?;
+        let mut req = Request::new(pb::KillActorWorkerRequest {
+            request_id: tpuray_proto::new_request_id(),
+            actor_id: actor_id.to_string(),
+            force: true,
+        });
+        req.set_timeout(Duration::from_secs(10));
+        client.kill_actor_worker(req).await?;
+        Ok(())
+    }
+
+    fn actor_info(&self, id: &ActorId) -> Option<pb::ActorInfo> {
+        let inner = self.lock();
+        inner
+            .sm
+            .actors
+            .get(id)
+            .map(|a| actor_to_proto(a, inner.actor_pending.get(id).map(|p| p.0.as_str())))
+    }
+}
+
+fn uuid_like() -> String {
+    tpuray_proto::ids::JobId::random().to_string()
+}
+
+fn rejection_status(r: Rejection) -> Status {
+    match r {
+        Rejection::AlreadyExists(m) => Status::already_exists(m),
+        Rejection::NotFound(m) => Status::not_found(m),
+        Rejection::Invalid(m) => Status::invalid_argument(m),
+    }
+}
+
+fn require_id(what: &str, v: &str) -> Result<(), Status> {
+    if v.is_empty() { Err(Status::invalid_argument(format!("missing {what}"))) } else { Ok(()) }
+}
+
+/// The gRPC service; wraps the shared [`Head`].
+#[derive(Clone)]
+pub struct HeadSvc(pub Arc<Head>);
+
+type ChangeStream = Pin<Box<dyn Stream<Item = Result<pb::StateChange, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl HeadService for HeadSvc {
+    async fn get_head_info(
+        &self,
+        _req: Request<pb::GetHeadInfoRequest>,
+    ) -> Result<Response<pb::GetHeadInfoReply>, Status> {
+        let h = &self.0;
+        Ok(Response::new(pb::GetHeadInfoReply {
+            protocol_version: PROTOCOL_VERSION,
+            auth_required: h.config.auth_required,
+            cluster_id: h.cluster_id.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            heartbeat_interval_ms: h.config.heartbeat_interval.as_millis() as u64,
+            node_death_timeout_ms: h.config.node_death_timeout.as_millis() as u64,
+        }))
+    }
+
+    async fn register_node(
+        &self,
+        req: Request<pb::RegisterNodeRequest>,
+    ) -> Result<Response<pb::RegisterNodeReply>, Status> {
+        let req = req.into_inner();
+        check_protocol_version("node agent", req.protocol_version)?; // PROTO-1
+        let node = req.node.ok_or_else(|| Status::invalid_argument("missing node info"))?;
+        require_id("node_id", &node.node_id)?;
+        require_id("node address", &node.address)?;
+        let total = resources_from_proto(&node.total)
+            .map_err(|e| Status::invalid_argument(format!("node resources: {e}")))?;
+        let available = resources_from_proto(&node.available)
+            .map_err(|e| Status::invalid_argument(format!("node available resources: {e}")))?;
+        let node_id = NodeId::from_wire(node.node_id.clone());
+        let rec = NodeRecord {
+            node_id: node_id.clone(),
+            address: node.address,
+            hostname: node.hostname,
+            total: total.clone(),
+            labels: Labels(node.labels.into_iter().collect()),
+            is_head_node: node.is_head_node,
+            start_time_ms: node.start_time_ms,
+            session_dir: node.session_dir,
+            pid: node.pid,
+            status: NodeStatus::Alive,
+        };
+        if let Outcome::Rejected(r) = self
+            .0
+            .commit(Command { request_id: req.request_id, kind: CommandKind::RegisterNode(rec) })
+        {
+            return Err(rejection_status(r));
+        }
+        self.0.lock().soft.insert(
+            node_id.clone(),
+            NodeSoft {
+                last_heartbeat: Instant::now(),
+                last_heartbeat_ms: now_ms(),
+                available: if available.is_empty() { total } else { available },
+                pending: vec![],
+                num_workers: 0,
+            },
+        );
+        tracing::info!(%node_id, "node registered");
+        self.0.placement_wake.notify_one();
+        Ok(Response::new(pb::RegisterNodeReply {
+            cluster_id: self.0.cluster_id.clone(),
+            heartbeat_interval_ms: self.0.config.heartbeat_interval.as_millis() as u64,
+            auth_required: self.0.config.auth_required,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        req: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatReply>, Status> {
+        let req = req.into_inner();
+        let node_id = NodeId::from_wire(req.node_id);
+        let available = resources_from_proto(&req.available)
+            .map_err(|e| Status::invalid_argument(format!("heartbeat available resources: {e}")))?;
+        let mut inner = self.0.lock();
+        let status = inner.sm.nodes.get(&node_id).map(|n| n.status.clone());
+        match status {
+            None => {
+                return Ok(Response::new(pb::HeartbeatReply {
+                    accepted: false,
+                    reason: format!("unknown node {node_id}: register first"),
+                    cluster: vec![],
+                }));
+            }
+            Some(NodeStatus::Dead { reason }) => {
+                return Ok(Response::new(pb::HeartbeatReply {
+                    accepted: false,
+                    reason: format!("node {node_id} was declared dead: {reason}"),
+                    cluster: vec![],
+                }));
+            }
+            Some(NodeStatus::Alive) => {}
+        }
+        let had_pending = !inner.actor_pending.is_empty();
+        inner.soft.insert(
+            node_id,
+            NodeSoft {
+                last_heartbeat: Instant::now(),
+                last_heartbeat_ms: now_ms(),
+                available,
+                pending: req.pending,
+                num_workers: req.num_workers,
+            },
+        );
+        let cluster = inner
+            .sm
+            .nodes
+            .values()
+            .filter(|n| n.status == NodeStatus::Alive)
+            .map(|n| self.0.node_info(&inner, n))
+            .collect();
+        drop(inner);
+        if had_pending {
+            self.0.placement_wake.notify_one();
+        }
+        Ok(Response::new(pb::HeartbeatReply { accepted: true, reason: String::new(), cluster }))
+    }
+
+    async fn unregister_node(
+        &self,
+        req: Request<pb::UnregisterNodeRequest>,
+    ) -> Result<Response<pb::UnregisterNodeReply>, Status> {
+        let req = req.into_inner();
+        require_id("node_id", &req.node_id)?;
+        let node_id = NodeId::from_wire(req.node_id);
+        let reason =
+            if req.reason.is_empty() { "node agent stopped".to_string() } else { req.reason };
+        if let Outcome::Rejected(r) = self.0.commit(Command {
+            request_id: req.request_id,
+            kind: CommandKind::MarkNodeDead { node_id: node_id.clone(), reason },
+        }) {
+            return Err(rejection_status(r));
+        }
+        self.0.lock().soft.remove(&node_id);
+        Ok(Response::new(pb::UnregisterNodeReply {}))
+    }
+
+    async fn get_cluster_status(
+        &self,
+        _req: Request<pb::GetClusterStatusRequest>,
+    ) -> Result<Response<pb::GetClusterStatusReply>, Status> {
+        let inner = self.0.lock();
+        let mut total = ResourceSet::new();
+        let mut available = ResourceSet::new();
+        let mut pending = Vec::new();
+        let mut infeasible = Vec::new();
+        let nodes: Vec<pb::NodeInfo> =
+            inner.sm.nodes.values().map(|n| self.0.node_info(&inner, n)).collect();
+        for n in inner.sm.nodes.values().filter(|n| n.status == NodeStatus::Alive) {
+            total.add(&n.total);
+            match inner.soft.get(&n.node_id) {
+                Some(s) => {
+                    available.add(&s.available);
+                    for d in &s.pending {
+                        if d.infeasible {
+                            infeasible.push(d.clone());
+                        } else {
+                            pending.push(d.clone());
+                        }
+                    }
+                }
+                None => available.add(&n.total),
+            }
+        }
+        for (id, (reason, is_infeasible)) in &inner.actor_pending {
+            if let Some(a) = inner.sm.actors.get(id) {
+                let d = pb::ResourceDemand {
+                    shape: resources_to_proto(&a.placement_resources),
+                    count: 1,
+                    infeasible: *is_infeasible,
+                    reason: format!("actor {}: {reason}", a.class_name),
+                };
+                if *is_infeasible {
+                    infeasible.push(d);
+                } else {
+                    pending.push(d);
+                }
+            }
+        }
+        Ok(Response::new(pb::GetClusterStatusReply {
+            nodes,
+            total: resources_to_proto(&total),
+            available: resources_to_proto(&available),
+            pending,
+            infeasible,
+            cluster_id: self.0.cluster_id.clone(),
+            head_start_time_ms: self.0.start_time_ms,
+        }))
+    }
+
+    async fn register_job(
+        &self,
+        req: Request<pb::RegisterJobRequest>,
+    ) -> Result<Response<pb::RegisterJobReply>, Status> {
+        let req = req.into_inner();
+        check_protocol_version("driver", req.protocol_version)?; // PROTO-1
+        let job = JobRecord {
+            job_id: JobId::random(),
+            status: JobStatus::Running,
+            driver_address: req.driver_address,
+            driver_pid: req.driver_pid,
+            entrypoint: req.entrypoint,
+            namespace: if req.namespace.is_empty() {
+                DEFAULT_NAMESPACE.to_string()
+            } else {
+                req.namespace
+            },
+            start_time_ms: now_ms(),
+            end_time_ms: 0,
+        };
+        let id = match self
+            .0
+            .commit(Command { request_id: req.request_id, kind: CommandKind::RegisterJob(job) })
+        {
+            Outcome::Job(id) => id,
+            Outcome::Rejected(r) => return Err(rejection_status(r)),
+            o => return Err(Status::internal(format!("unexpected outcome {o:?}"))),
+        };
+        let job = self.0.lock().sm.jobs.get(&id).map(job_to_proto);
+        Ok(Response::new(pb::RegisterJobReply { job }))
+    }
+
+    async fn finish_job(
+        &self,
+        req: Request<pb::FinishJobRequest>,
+    ) -> Result<Response<pb::FinishJobReply>, Status> {
+        let req = req.into_inner();
+        require_id("job_id", &req.job_id)?;
+        let job_id = JobId::from_wire(req.job_id);
+        // Remember which actors die with the job, to stop their workers.
+        let before: Vec<(ActorId, String)> =
+            self.alive_actor_agents(|a| a.job_id == job_id && !a.detached);
+        if let Outcome::Rejected(r) = self.0.commit(Command {
+            request_id: req.request_id,
+            kind: CommandKind::FinishJob { job_id, end_time_ms: now_ms() },
+        }) {
+            return Err(rejection_status(r));
+        }
+        for (actor_id, addr) in before {
+            let head = Arc::clone(&self.0);
+            tokio::spawn(async move {
+                let _ = head.kill_actor_worker(&addr, &actor_id).await;
+            });
+        }
+        Ok(Response::new(pb::FinishJobReply {}))
+    }
+
+    async fn list_jobs(
+        &self,
+        _req: Request<pb::ListJobsRequest>,
+    ) -> Result<Response<pb::ListJobsReply>, Status> {
+        let inner = self.0.lock();
+        Ok(Response::new(pb::ListJobsReply {
+            jobs: inner.sm.jobs.values().map(job_to_proto).collect(),
+        }))
+    }
+
+    async fn create_actor(
+        &self,
+        req: Request<pb::CreateActorRequest>,
+    ) -> Result<Response<pb::CreateActorReply>, Status> {
+        let req = req.into_inner();
+        require_id("job_id", &req.job_id)?;
+        let resources = resources_from_proto(&req.resources)
+            .map_err(|e| Status::invalid_argument(format!("actor resources: {e}")))?;
+        let label_selector =
+            labels_from_proto(&req.label_selector).map_err(Status::invalid_argument)?;
+        if req.max_restarts < -1 {
+            return Err(Status::invalid_argument(format!(
+                "max_restarts is {} (expected -1 for infinite, or a number >= 0)",
+                req.max_restarts
+            )));
+        }
+        let job_id = JobId::from_wire(req.job_id);
+        if !self.0.lock().sm.jobs.contains_key(&job_id) {
+            return Err(Status::not_found(format!("no job {job_id}: register the job first")));
+        }
+        // Ray: an actor needs 1 CPU to be placed and 0 while it runs, unless
+        // `num_cpus` is given (DESIGN.md §3).
+        let placement_resources = if resources.is_empty() {
+            ResourceSet::from_json(r#"{"CPU": 1}"#).expect("static resource set")
+        } else {
+            resources.clone()
+        };
+        let strategy = tpuray_proto::convert::strategy_from_proto(req.strategy.as_ref());
+        let (affinity, spread) = match strategy {
+            tpuray_scheduler::Strategy::NodeAffinity { node, soft } => {
+                (Some((NodeId::from_wire(node), soft)), false)
+            }
+            tpuray_scheduler::Strategy::Spread => (None, true),
+            tpuray_scheduler::Strategy::Default => (None, false),
+        };
+        let actor = ActorRecord {
+            actor_id: ActorId::random(),
+            job_id,
+            name: req.name,
+            namespace: if req.namespace.is_empty() {
+                DEFAULT_NAMESPACE.to_string()
+            } else {
+                req.namespace
+            },
+            class_name: req.class_name,
+            resources,
+            placement_resources,
+            label_selector,
+            affinity,
+            spread,
+            max_restarts: req.max_restarts,
+            num_restarts: 0,
+            detached: req.detached,
+            status: ActorStatus::PendingCreation,
+        };
+        let id = match self.0.commit(Command {
+            request_id: req.request_id,
+            kind: CommandKind::CreateActor { actor, get_if_exists: req.get_if_exists },
+        }) {
+            Outcome::Actor(id) => id,
+            Outcome::Rejected(r) => return Err(rejection_status(r)),
+            o => return Err(Status::internal(format!("unexpected outcome {o:?}"))),
+        };
+        self.0.place_actors();
+        Ok(Response::new(pb::CreateActorReply { actor: self.0.actor_info(&id) }))
+    }
+
+    async fn get_actor(
+        &self,
+        req: Request<pb::GetActorRequest>,
+    ) -> Result<Response<pb::GetActorReply>, Status> {
+        let req = req.into_inner();
+        let deadline = Instant::now() + Duration::from_millis(req.wait_alive_ms);
+        loop {
+            let notified = self.0.actor_changed.notified();
+            let info = if !req.actor_id.is_empty() {
+                let id = ActorId::from_wire(req.actor_id.clone());
+                self.0
+                    .actor_info(&id)
+                    .ok_or_else(|| Status::not_found(format!("no actor with id {id}")))?
+            } else if !req.name.is_empty() {
+                let ns = if req.namespace.is_empty() { DEFAULT_NAMESPACE } else { &req.namespace };
+                let id = self
+                    .0
+                    .lock()
+                    .sm
+                    .named_actor(ns, &req.name)
+                    .map(|a| a.actor_id.clone())
+                    .ok_or_else(|| {
+                        Status::not_found(format!(
+                            "no actor named {:?} in namespace {:?}",
+                            req.name, ns
+                        ))
+                    })?;
+                self.0
+                    .actor_info(&id)
+                    .ok_or_else(|| Status::not_found(format!("no actor with id {id}")))?
+            } else {
+                return Err(Status::invalid_argument(
+                    "give an actor_id or a name to look up an actor",
+                ));
+            };
+            let settled = info.state == pb::ActorState::Alive as i32
+                || info.state == pb::ActorState::Dead as i32;
+            if settled || Instant::now() >= deadline {
+                return Ok(Response::new(pb::GetActorReply { actor: Some(info) }));
+            }
+            let _ = tokio::time::timeout_at(deadline.into(), notified).await;
+        }
+    }
+
+    async fn list_actors(
+        &self,
+        _req: Request<pb::ListActorsRequest>,
+    ) -> Result<Response<pb::ListActorsReply>, Status> {
+        let inner = self.0.lock();
+        Ok(Response::new(pb::ListActorsReply {
+            actors: inner
+                .sm
+                .actors
+                .values()
+                .map(|a| {
+                    actor_to_proto(a, inner.actor_pending.get(&a.actor_id).map(|p| p.0.as_str()))
+                })
+                .collect(),
+        }))
+    }
+
+    async fn kill_actor(
+        &self,
+        req: Request<pb::KillActorRequest>,
+    ) -> Result<Response<pb::KillActorReply>, Status> {
+        let req = req.into_inner();
+        require_id("actor_id", &req.actor_id)?;
+        let actor_id = ActorId::from_wire(req.actor_id);
+        let target = {
+            let inner = self.0.lock();
+            let a = inner
+                .sm
+                .actors
+                .get(&actor_id)
+                .ok_or_else(|| Status::not_found(format!("no actor with id {actor_id}")))?;
+            match &a.status {
+                ActorStatus::Alive { node_id, worker_id, .. } => {
+                    inner.sm.nodes.get(node_id).map(|n| (n.address.clone(), worker_id.clone()))
+                }
+                _ => None,
+            }
+        };
+        let cause = if req.no_restart {
+            "killed by kill()".to_string()
+        } else {
+            "killed by kill(no_restart=False)".to_string()
+        };
+        if let Outcome::Rejected(r) = self.0.commit(Command {
+            request_id: req.request_id,
+            kind: CommandKind::ActorWorkerExited {
+                actor_id: actor_id.clone(),
+                worker_id: target.as_ref().map(|t| t.1.clone()),
+                intended: req.no_restart,
+                cause,
+            },
+        }) {
+            return Err(rejection_status(r));
+        }
+        if let Some((addr, _)) = target {
+            self.0.kill_actor_worker(&addr, &actor_id).await.map_err(|s| {
+                Status::unavailable(format!(
+                    "actor {actor_id} is marked dead but its node did not confirm the kill: {}",
+                    s.message()
+                ))
+            })?;
+        }
+        Ok(Response::new(pb::KillActorReply {}))
+    }
+
+    async fn report_actor_worker_exit(
+        &self,
+        req: Request<pb::ReportActorWorkerExitRequest>,
+    ) -> Result<Response<pb::ReportActorWorkerExitReply>, Status> {
+        let req = req.into_inner();
+        require_id("actor_id", &req.actor_id)?;
+        let outcome = self.0.commit(Command {
+            request_id: req.request_id,
+            kind: CommandKind::ActorWorkerExited {
+                actor_id: ActorId::from_wire(req.actor_id),
+                worker_id: (!req.worker_id.is_empty()).then(|| WorkerId::from_wire(req.worker_id)),
+                intended: req.intended,
+                cause: req.detail,
+            },
+        });
+        if let Outcome::Rejected(r) = outcome {
+            return Err(rejection_status(r));
+        }
+        Ok(Response::new(pb::ReportActorWorkerExitReply {}))
+    }
+
+    async fn kv_put(
+        &self,
+        req: Request<pb::KvPutRequest>,
+    ) -> Result<Response<pb::KvPutReply>, Status> {
+        let req = req.into_inner();
+        if req.key.is_empty() {
+            return Err(Status::invalid_argument("kv key is empty"));
+        }
+        match self.0.commit(Command {
+            request_id: req.request_id,
+            kind: CommandKind::KvPut {
+                namespace: req.namespace,
+                key: req.key,
+                value: req.value,
+                overwrite: req.overwrite,
+            },
+        }) {
+            Outcome::KvAdded(added) => Ok(Response::new(pb::KvPutReply { added })),
+            Outcome::Rejected(r) => Err(rejection_status(r)),
+            o => Err(Status::internal(format!("unexpected outcome {o:?}"))),
+        }
+    }
+
+    async fn kv_get(
+        &self,
+        req: Request<pb::KvGetRequest>,
+    ) -> Result<Response<pb::KvGetReply>, Status> {
+        let req = req.into_inner();
+        let inner = self.0.lock();
+        let v = inner.sm.kv.get(&(req.namespace, req.key));
+        Ok(Response::new(pb::KvGetReply {
+            found: v.is_some(),
+            value: v.cloned().unwrap_or_default(),
+        }))
+    }
+
+    async fn kv_delete(
+        &self,
+        req: Request<pb::KvDeleteRequest>,
+    ) -> Result<Response<pb::KvDeleteReply>, Status> {
+        let req = req.into_inner();
+        match self.0.commit(Command {
+            request_id: req.request_id,
+            kind: CommandKind::KvDelete { namespace: req.namespace, key: req.key },
+        }) {
+            Outcome::KvDeleted(deleted) => Ok(Response::new(pb::KvDeleteReply { deleted })),
+            Outcome::Rejected(r) => Err(rejection_status(r)),
+            o => Err(Status::internal(format!("unexpected outcome {o:?}"))),
+        }
+    }
+
+    async fn kv_keys(
+        &self,
+        req: Request<pb::KvKeysRequest>,
+    ) -> Result<Response<pb::KvKeysReply>, Status> {
+        let req = req.into_inner();
+        let inner = self.0.lock();
+        let keys = inner
+            .sm
+            .kv
+            .range((req.namespace.clone(), req.prefix.clone())..)
+            .take_while(|((ns, k), _)| *ns == req.namespace && k.starts_with(&req.prefix))
+            .map(|((_, k), _)| k.clone())
+            .collect();
+        Ok(Response::new(pb::KvKeysReply { keys }))
+    }
+
+    type SubscribeStream = ChangeStream;
+
+    async fn subscribe(
+        &self,
+        req: Request<pb::SubscribeRequest>,
+    ) -> Result<Response<Self::SubscribeStream>, Status> {
+        let after = req.into_inner().after_seq;
+        // Subscribe before reading the log so no change falls in between.
+        let mut live = self.0.events.subscribe();
+        let (backlog, resync) = {
+            let inner = self.0.lock();
+            let oldest = inner.changes.front().map(|c| c.seq).unwrap_or(inner.seq + 1);
+            if after + 1 < oldest && after != 0 {
+                // The client missed changes we no longer keep: send the current
+                // state of everything instead, stamped with the latest seq.
+                let seq = inner.seq;
+                let mut snap: Vec<pb::StateChange> = Vec::new();
+                for n in inner.sm.nodes.values() {
+                    snap.push(pb::StateChange {
+                        seq,
+                        change: Some(pb::state_change::Change::Node(self.0.node_info(&inner, n))),
+                    });
+                }
+                for j in inner.sm.jobs.values() {
+                    snap.push(pb::StateChange {
+                        seq,
+                        change: Some(pb::state_change::Change::Job(job_to_proto(j))),
+                    });
+                }
+                for a in inner.sm.actors.values() {
+                    snap.push(pb::StateChange {
+                        seq,
+                        change: Some(pb::state_change::Change::Actor(actor_to_proto(a, None))),
+                    });
+                }
+                (snap, true)
+            } else {
+                (inner.changes.iter().filter(|c| c.seq > after).cloned().collect::<Vec<_>>(), false)
+            }
+        };
+        let mut last = backlog.last().map(|c| c.seq).unwrap_or(after);
+        if resync {
+            last = backlog.first().map(|c| c.seq).unwrap_or(after);
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(256);
+        tokio::spawn(async move {
+            for c in backlog {
+                if tx.send(Ok(c)).await.is_err() {
+                    return;
+                }
+            }
+            loop {
+                match live.recv().await {
+                    Ok(c) if c.seq <= last => continue,
+                    Ok(c) => {
+                        last = c.seq;
+                        if tx.send(Ok(c)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        let _ = tx
+                            .send(Err(Status::data_loss(format!(
+                                "subscriber fell behind by {n} changes; resubscribe after seq {last}"
+                            ))))
+                            .await;
+                        return;
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+}
+
+impl HeadSvc {
+    fn alive_actor_agents(&self, pred: impl Fn(&ActorRecord) -> bool) -> Vec<(ActorId, String)> {
+        let inner = self.0.lock();
+        inner
+            .sm
+            .actors
+            .values()
+            .filter(|a| pred(a))
+            .filter_map(|a| match &a.status {
+                ActorStatus::Alive { node_id, .. } => {
+                    inner.sm.nodes.get(node_id).map(|n| (a.actor_id.clone(), n.address.clone()))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// Serves the head on `config.listen` until `shutdown` resolves. `ready` is
+/// called with the bound address once the server accepts connections.
+///
+/// # Errors
+/// When the address cannot be bound (in use, not local) or the server fails.
+pub async fn serve(
+    config: HeadConfig,
+    ready: impl FnOnce(SocketAddr),
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+    let addr = listener.local_addr()?;
+    let auth = ServerAuth::new(config.token.as_deref().unwrap_or(""), config.auth_required);
+    let head = Head::new(config.clone());
+
+    // HEAD-4: the death monitor runs on its own task, independent of RPC load.
+    let monitor = Arc::clone(&head);
+    let tick = (config.heartbeat_interval / 2).max(Duration::from_millis(50));
+    tokio::spawn(async move {
+        let mut iv = tokio::time::interval(tick);
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            iv.tick().await;
+            monitor.check_node_deaths();
+        }
+    });
+    let placer = Arc::clone(&head);
+    tokio::spawn(async move {
+        loop {
+            let _ = tokio::time::timeout(Duration::from_secs(1), placer.placement_wake.notified())
+                .await;
+            placer.place_actors();
+        }
+    });
+
+    let svc = HeadServiceServer::new(HeadSvc(head))
+        .max_decoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES);
+    let svc = InterceptedService::new(svc, auth);
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    ready(addr);
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(svc)
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,52 @@
+//! tpuray's wire protocol: the generated gRPC services (one per role), the
+//! protocol version, typed ids and the cluster-token auth interceptors.
+//!
+//! Domain code converts generated messages at the edge; nothing here blocks or
+//! needs a runtime except the generated clients and servers themselves.
+
+pub mod auth;
+pub mod client;
+pub mod convert;
+pub mod ids;
+
+/// Generated messages and services of package `tpuray.v1`.
+#[allow(clippy::all, missing_docs)]
+pub mod pb {
+    tonic::include_proto!("tpuray.v1");
+}
+
+/// Protocol version spoken by this build. A node, worker or driver whose
+/// version differs is refused at registration with a message naming both
+/// versions (PROTO-1).
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest message any tpuray server accepts, in bytes (64 MiB). Larger ones
+/// are refused with `RESOURCE_EXHAUSTED` naming the size (PROTO-2).
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
+/// Checks a peer's protocol version against [`PROTOCOL_VERSION`].
+///
+/// # Errors
+/// `FAILED_PRECONDITION` naming both versions when they differ.
+pub fn check_protocol_version(what: &str, theirs: u32) -> Result<(), tonic::Status> {
+    if theirs == PROTOCOL_VERSION {
+        Ok(())
+    } else {
+        Err(tonic::Status::failed_precondition(format!(
+            "protocol version mismatch: {what} speaks version {theirs}, this server speaks version {PROTOCOL_VERSION}; run the same tpuray build everywhere"
+        )))
+    }
+}
+
+/// Milliseconds since the Unix epoch, for timestamps on the wire.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// A fresh request id for a mutating call (a UUID v4 string).
+pub fn new_request_id() -> String {
+    uuid::Uuid::new_v4().to_string()
+}

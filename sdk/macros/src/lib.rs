@@ -1,0 +1,1 @@
+//! tpuray attribute macros; `#[tpuray::remote]` and `#[tpuray::actor]` arrive with the core-worker issue.

@@ -1,0 +1,938 @@
+//! The node agent: the node's resources, its pool of worker processes,
+//! worker leases with spillback, and actor workers started for the head.
+//!
+//! Threads: the gRPC service and the worker pool run on the caller's tokio
+//! runtime; heartbeats run on a dedicated OS thread with its own runtime
+//! (AGENT-1), so no amount of RPC or worker load delays them. No user code
+//! runs in the agent process.
+//!
+//! Invariants:
+//! - AGENT-2: resources are taken when a lease or actor worker is granted and
+//!   given back exactly once, when the lease is returned or its worker exits,
+//!   however it exits.
+//! - AGENT-3: a worker is reused only for a lease with the same pool key
+//!   (job, language, runtime env, chips: DESIGN.md §11).
+//! - AGENT-4: a lease request is granted, spilled, answered infeasible (and
+//!   listed as infeasible demand) or waits listed as pending demand; never
+//!   silently.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{Notify, oneshot};
+use tonic::{Request, Response, Status};
+use tpuray_proto::convert::{labels_from_proto, resources_from_proto, resources_to_proto};
+use tpuray_proto::ids::{ActorId, JobId, LeaseId, NodeId, WorkerId};
+use tpuray_proto::pb::node_agent_service_server::NodeAgentService;
+use tpuray_proto::{check_protocol_version, now_ms, pb};
+use tpuray_scheduler::{Decision, Labels, NodeView, ResourceSet};
+
+use crate::registry;
+
+/// Node agent settings.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    pub node_id: NodeId,
+    /// Head address(es), `host:port[,host:port...]`.
+    pub head_address: String,
+    /// Address other processes use to reach this agent (`host:port`).
+    pub advertise_address: String,
+    pub total: ResourceSet,
+    pub labels: Labels,
+    pub is_head_node: bool,
+    pub session_dir: PathBuf,
+    pub token: Option<String>,
+    /// Program and leading arguments that start a worker process.
+    pub worker_command: Vec<String>,
+    /// Idle workers above this many are stopped after `idle_worker_timeout`.
+    pub max_idle_workers: usize,
+    pub idle_worker_timeout: Duration,
+    /// How long a worker may take to start and register.
+    pub worker_register_timeout: Duration,
+}
+
+/// A worker pool key (AGENT-3).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PoolKey {
+    pub job_id: String,
+    pub language: String,
+    pub runtime_env_hash: String,
+    pub tpu_chips: Vec<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum WorkerState {
+    Starting,
+    Idle { since: Instant },
+    Leased(LeaseId),
+    Actor(ActorId),
+}
+
+struct WorkerEntry {
+    pid: u32,
+    key: PoolKey,
+    address: String,
+    state: WorkerState,
+    /// Set when the agent itself stops the process (kill, idle reaping).
+    exit_intended: bool,
+}
+
+struct Lease {
+    worker_id: WorkerId,
+    resources: ResourceSet,
+}
+
+/// A demand shape waiting here, for heartbeats and `tpuray status`.
+struct Demand {
+    shape: ResourceSet,
+    infeasible: bool,
+    reason: String,
+    /// Requests waiting now (pending) or last seen (infeasible).
+    waiting: u32,
+    last_seen: Instant,
+}
+
+struct AgentState {
+    available: ResourceSet,
+    workers: HashMap<WorkerId, WorkerEntry>,
+    leases: HashMap<LeaseId, Lease>,
+    actor_resources: HashMap<ActorId, (WorkerId, ResourceSet)>,
+    starting: HashMap<WorkerId, oneshot::Sender<(String, u32)>>,
+    demands: HashMap<String, Demand>,
+    /// Other nodes as of the last heartbeat reply: view and agent address.
+    cluster: Vec<(NodeView<String>, String)>,
+}
+
+/// The node agent's shared state.
+pub struct Agent {
+    pub config: AgentConfig,
+    st: Mutex<AgentState>,
+    /// Signalled whenever resources are given back.
+    freed: Notify,
+    /// Set once the agent is shutting down: no new workers.
+    stopping: std::sync::atomic::AtomicBool,
+}
+
+/// How long an infeasible shape stays listed after its last request.
+const INFEASIBLE_TTL: Duration = Duration::from_secs(10);
+
+impl Agent {
+    pub fn new(config: AgentConfig) -> Arc<Self> {
+        let available = config.total.clone();
+        Arc::new(Self {
+            config,
+            st: Mutex::new(AgentState {
+                available,
+                workers: HashMap::new(),
+                leases: HashMap::new(),
+                actor_resources: HashMap::new(),
+                starting: HashMap::new(),
+                demands: HashMap::new(),
+                cluster: Vec::new(),
+            }),
+            freed: Notify::new(),
+            stopping: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, AgentState> {
+        self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// This node's info as sent at registration.
+    pub fn node_info(&self) -> pb::NodeInfo {
+        let st = self.lock();
+        pb::NodeInfo {
+            node_id: self.config.node_id.to_string(),
+            address: self.config.advertise_address.clone(),
+            hostname: hostname(),
+            total: resources_to_proto(&self.config.total),
+            available: resources_to_proto(&st.available),
+            labels: self.config.labels.0.clone().into_iter().collect(),
+            state: pb::NodeState::Alive as i32,
+            is_head_node: self.config.is_head_node,
+            death_reason: String::new(),
+            start_time_ms: now_ms(),
+            last_heartbeat_ms: 0,
+            pending: vec![],
+            num_workers: st.workers.len() as u32,
+            session_dir: self.config.session_dir.display().to_string(),
+            pid: std::process::id(),
+        }
+    }
+
+    /// What a heartbeat carries: available resources, demand, worker count.
+    pub fn heartbeat_snapshot(&self) -> (ResourceSet, Vec<pb::ResourceDemand>, u32) {
+        let mut st = self.lock();
+        st.demands.retain(|_, d| {
+            d.waiting > 0 || (d.infeasible && d.last_seen.elapsed() < INFEASIBLE_TTL)
+        });
+        let demands = st
+            .demands
+            .values()
+            .map(|d| pb::ResourceDemand {
+                shape: resources_to_proto(&d.shape),
+                count: d.waiting.max(1),
+                infeasible: d.infeasible,
+                reason: d.reason.clone(),
+            })
+            .collect();
+        (st.available.clone(), demands, st.workers.len() as u32)
+    }
+
+    /// Records the head's view of the other nodes (from a heartbeat reply).
+    pub fn set_cluster_view(&self, nodes: Vec<pb::NodeInfo>) {
+        let views = nodes
+            .into_iter()
+            .filter(|n| n.node_id != self.config.node_id.as_str())
+            .filter_map(|n| {
+                let total = resources_from_proto(&n.total).ok()?;
+                let available = resources_from_proto(&n.available).ok()?;
+                Some((
+                    NodeView {
+                        id: n.node_id,
+                        total,
+                        available,
+                        labels: Labels(n.labels.into_iter().collect()),
+                        alive: true,
+                    },
+                    n.address,
+                ))
+            })
+            .collect();
+        self.lock().cluster = views;
+    }
+
+    fn local_view(&self, st: &AgentState) -> NodeView<String> {
+        NodeView {
+            id: self.config.node_id.to_string(),
+            total: self.config.total.clone(),
+            available: st.available.clone(),
+            labels: self.config.labels.clone(),
+            alive: true,
+        }
+    }
+
+    fn release(&self, st: &mut AgentState, r: &ResourceSet) {
+        st.available.add(r);
+        // Never above total, whatever happens (AGENT-2).
+        let mut capped = ResourceSet::new();
+        for (name, amt) in st.available.iter() {
+            let total = self.config.total.get(name);
+            capped.set(name, amt.min(total));
+        }
+        st.available = capped;
+    }
+
+    /// Starts a worker process for `key` and waits until it registers.
+    async fn start_worker(
+        self: &Arc<Self>,
+        key: PoolKey,
+        state: WorkerState,
+        actor_id: Option<&ActorId>,
+    ) -> Result<(WorkerId, String, u32), Status> {
+        if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Status::unavailable("node agent is stopping"));
+        }
+        let worker_id = WorkerId::random();
+        let logs = self.config.session_dir.join("logs");
+        let _ = std::fs::create_dir_all(&logs);
+        let out_path = logs.join(format!("worker-{}.out", worker_id.short()));
+        let err_path = logs.join(format!("worker-{}.err", worker_id.short()));
+        let open = |p: &PathBuf| {
+            std::fs::File::create(p).map_err(|e| {
+                Status::internal(format!("cannot create worker log {}: {e}", p.display()))
+            })
+        };
+        let (out, err) = (open(&out_path)?, open(&err_path)?);
+        let (prog, args) = self
+            .config
+            .worker_command
+            .split_first()
+            .ok_or_else(|| Status::internal("no worker command configured"))?;
+        let mut cmd = tokio::process::Command::new(prog);
+        cmd.args(args)
+            .env("TPURAY_AGENT_ADDRESS", &self.config.advertise_address)
+            .env("TPURAY_HEAD_ADDRESS", &self.config.head_address)
+            .env("TPURAY_NODE_ID", self.config.node_id.as_str())
+            .env("TPURAY_WORKER_ID", worker_id.as_str())
+            .env("TPURAY_JOB_ID", &key.job_id)
+            .env("TPURAY_SESSION_DIR", &self.config.session_dir)
+            .env("TPURAY_AGENT_PID", std::process::id().to_string())
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .kill_on_drop(false);
+        if let Some(t) = &self.config.token {
+            cmd.env(tpuray_proto::auth::TOKEN_ENV, t);
+        }
+        if let Some(a) = actor_id {
+            cmd.env("TPURAY_ACTOR_ID", a.as_str());
+        }
+        let (tx, rx) = oneshot::channel();
+        self.lock().starting.insert(worker_id.clone(), tx);
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                self.lock().starting.remove(&worker_id);
+                return Err(Status::internal(format!("cannot start worker process {prog:?}: {e}")));
+            }
+        };
+        let pid = child.id().unwrap_or(0);
+        if let Some(e) = registry::ProcEntry::for_pid(
+            pid,
+            "worker",
+            &self.config.session_dir.display().to_string(),
+            "",
+        ) {
+            let _ = registry::record(&e);
+        }
+        self.lock().workers.insert(
+            worker_id.clone(),
+            WorkerEntry {
+                pid,
+                key,
+                address: String::new(),
+                state: WorkerState::Starting,
+                exit_intended: false,
+            },
+        );
+        // Wait for registration, or for the process to die first.
+        let registered = tokio::select! {
+            r = rx => r.ok(),
+            status = child.wait() => {
+                let status = status.ok();
+                self.on_worker_exit(&worker_id, pid, status);
+                let tail = tail_of(&err_path, 2000);
+                return Err(Status::internal(format!(
+                    "worker process exited before registering ({}); stderr tail:\n{tail}",
+                    describe_exit(status)
+                )));
+            }
+            _ = tokio::time::sleep(self.config.worker_register_timeout) => None,
+        };
+        let Some((address, _)) = registered else {
+            let _ = child.start_kill();
+            self.lock().starting.remove(&worker_id);
+            let agent = Arc::clone(self);
+            let wid = worker_id.clone();
+            tokio::spawn(async move {
+                let status = child.wait().await.ok();
+                agent.on_worker_exit(&wid, pid, status);
+            });
+            return Err(Status::deadline_exceeded(format!(
+                "worker process {pid} did not register within {:?}; see {}",
+                self.config.worker_register_timeout,
+                err_path.display()
+            )));
+        };
+        {
+            let mut st = self.lock();
+            if let Some(w) = st.workers.get_mut(&worker_id) {
+                w.address = address.clone();
+                w.state = state;
+            }
+        }
+        // Reap the process whenever it exits (AGENT-2).
+        let agent = Arc::clone(self);
+        let wid = worker_id.clone();
+        tokio::spawn(async move {
+            let status = child.wait().await.ok();
+            agent.on_worker_exit(&wid, pid, status);
+        });
+        Ok((worker_id, address, pid))
+    }
+
+    /// Called once per worker process exit: frees what it held, reports an
+    /// actor worker's exit to the head.
+    fn on_worker_exit(
+        self: &Arc<Self>,
+        worker_id: &WorkerId,
+        pid: u32,
+        status: Option<std::process::ExitStatus>,
+    ) {
+        registry::remove(pid);
+        let mut report = None;
+        {
+            let mut st = self.lock();
+            st.starting.remove(worker_id);
+            let Some(entry) = st.workers.remove(worker_id) else {
+                return;
+            };
+            match &entry.state {
+                WorkerState::Leased(lease_id) => {
+                    if let Some(lease) = st.leases.remove(lease_id) {
+                        self.release(&mut st, &lease.resources);
+                    }
+                }
+                WorkerState::Actor(actor_id) => {
+                    if let Some((_, r)) = st.actor_resources.remove(actor_id) {
+                        self.release(&mut st, &r);
+                    }
+                    report = Some((actor_id.clone(), entry.exit_intended));
+                }
+                WorkerState::Starting | WorkerState::Idle { .. } => {}
+            }
+        }
+        self.freed.notify_waiters();
+        let detail = describe_exit(status);
+        tracing::info!(%worker_id, pid, %detail, "worker exited");
+        if let Some((actor_id, intended)) = report {
+            let agent = Arc::clone(self);
+            let worker_id = worker_id.clone();
+            tokio::spawn(async move {
+                agent.report_actor_exit(actor_id, worker_id, intended, detail).await;
+            });
+        }
+    }
+
+    async fn report_actor_exit(
+        &self,
+        actor_id: ActorId,
+        worker_id: WorkerId,
+        intended: bool,
+        detail: String,
+    ) {
+        let req = pb::ReportActorWorkerExitRequest {
+            request_id: tpuray_proto::new_request_id(),
+            node_id: self.config.node_id.to_string(),
+            actor_id: actor_id.to_string(),
+            worker_id: worker_id.to_string(),
+            intended,
+            detail: format!("the actor's worker process {detail}"),
+        };
+        // Retry with the same request id until the head takes it (HEAD-2).
+        for attempt in 0..30 {
+            let Ok(mut head) =
+                tpuray_proto::client::head(&self.head_leader(), self.config.token.as_deref())
+            else {
+                return;
+            };
+            match head.report_actor_worker_exit(req.clone()).await {
+                Ok(_) => return,
+                Err(s) if s.code() == tonic::Code::NotFound => return,
+                Err(s) => {
+                    tracing::warn!(%actor_id, attempt, %s, "reporting actor exit failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        }
+    }
+
+    fn head_leader(&self) -> String {
+        // One head for now; the Raft issue makes this follow the leader.
+        self.config.head_address.split(',').next().unwrap_or_default().to_string()
+    }
+
+    /// Stops idle workers beyond the pool's soft limit once they have been
+    /// idle for the idle timeout.
+    pub fn reap_idle_workers(&self) {
+        let mut victims = Vec::new();
+        {
+            let mut st = self.lock();
+            let mut idle: Vec<(Instant, WorkerId)> = st
+                .workers
+                .iter()
+                .filter_map(|(id, w)| match w.state {
+                    WorkerState::Idle { since } => Some((since, id.clone())),
+                    _ => None,
+                })
+                .collect();
+            if idle.len() <= self.config.max_idle_workers {
+                return;
+            }
+            idle.sort();
+            let excess = idle.len() - self.config.max_idle_workers;
+            for (since, id) in idle.into_iter().take(excess) {
+                if since.elapsed() >= self.config.idle_worker_timeout
+                    && let Some(w) = st.workers.get_mut(&id)
+                {
+                    w.exit_intended = true;
+                    // Not idle any more: nobody may lease it while it exits.
+                    w.state = WorkerState::Starting;
+                    victims.push(w.pid);
+                }
+            }
+        }
+        for pid in victims {
+            signal(pid, libc::SIGTERM);
+        }
+    }
+
+    /// Stops every worker (agent shutdown) and waits up to `grace` for them.
+    pub async fn stop_all_workers(&self, grace: Duration) {
+        self.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+        let pids: Vec<u32> = {
+            let mut st = self.lock();
+            st.workers
+                .values_mut()
+                .map(|w| {
+                    w.exit_intended = true;
+                    w.pid
+                })
+                .collect()
+        };
+        for &pid in &pids {
+            signal(pid, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline
+            && pids.iter().any(|&p| registry::proc_start_time(p).is_some())
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for &pid in &pids {
+            if registry::proc_start_time(pid).is_some() {
+                signal(pid, libc::SIGKILL);
+            }
+            registry::remove(pid);
+        }
+    }
+
+    fn note_demand(
+        &self,
+        st: &mut AgentState,
+        shape: &ResourceSet,
+        infeasible: bool,
+        reason: &str,
+        delta: i32,
+    ) {
+        let key = format!("{shape}|{infeasible}");
+        let d = st.demands.entry(key).or_insert_with(|| Demand {
+            shape: shape.clone(),
+            infeasible,
+            reason: reason.to_string(),
+            waiting: 0,
+            last_seen: Instant::now(),
+        });
+        d.last_seen = Instant::now();
+        d.reason = reason.to_string();
+        d.waiting = (d.waiting as i32 + delta).max(0) as u32;
+    }
+
+    /// Takes an idle worker with `key`, if any, and marks it leased.
+    fn take_idle(
+        &self,
+        st: &mut AgentState,
+        key: &PoolKey,
+        lease: &LeaseId,
+    ) -> Option<(WorkerId, String, u32)> {
+        let id = st
+            .workers
+            .iter()
+            .filter(|(_, w)| w.key == *key && matches!(w.state, WorkerState::Idle { .. }))
+            .map(|(id, _)| id.clone())
+            .next()?;
+        let w = st.workers.get_mut(&id)?;
+        w.state = WorkerState::Leased(lease.clone());
+        Some((id, w.address.clone(), w.pid))
+    }
+
+    async fn grant_lease(
+        self: &Arc<Self>,
+        key: PoolKey,
+        demand: ResourceSet,
+    ) -> Result<pb::request_worker_lease_reply::Granted, Status> {
+        let lease_id = LeaseId::random();
+        let reused = {
+            let mut st = self.lock();
+            st.available.saturating_sub(&demand);
+            st.leases.insert(
+                lease_id.clone(),
+                Lease { worker_id: WorkerId::from_wire(""), resources: demand.clone() },
+            );
+            let reused = self.take_idle(&mut st, &key, &lease_id);
+            if let (Some((wid, _, _)), Some(l)) = (&reused, st.leases.get_mut(&lease_id)) {
+                l.worker_id = wid.clone();
+            }
+            reused
+        };
+        let (worker_id, address, pid) = match reused {
+            Some(w) => w,
+            None => match self.start_worker(key, WorkerState::Leased(lease_id.clone()), None).await
+            {
+                Ok(w) => {
+                    if let Some(l) = self.lock().leases.get_mut(&lease_id) {
+                        l.worker_id = w.0.clone();
+                    }
+                    w
+                }
+                Err(e) => {
+                    let mut st = self.lock();
+                    if let Some(l) = st.leases.remove(&lease_id) {
+                        self.release(&mut st, &l.resources);
+                    }
+                    drop(st);
+                    self.freed.notify_waiters();
+                    return Err(e);
+                }
+            },
+        };
+        Ok(pb::request_worker_lease_reply::Granted {
+            lease_id: lease_id.to_string(),
+            worker_id: worker_id.to_string(),
+            worker_address: address,
+            worker_pid: pid,
+            node_id: self.config.node_id.to_string(),
+        })
+    }
+}
+
+/// Sends a signal to a process, ignoring "no such process".
+pub fn signal(pid: u32, sig: i32) {
+    if pid > 0 {
+        // SAFETY: kill(2) with a positive pid has no memory effects.
+        unsafe {
+            libc::kill(pid as i32, sig);
+        }
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "localhost".to_string())
+}
+
+fn describe_exit(status: Option<std::process::ExitStatus>) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match status {
+        Some(s) => match (s.code(), s.signal()) {
+            (Some(c), _) => format!("exited with code {c}"),
+            (None, Some(sig)) => format!("was killed by signal {sig}"),
+            _ => "exited".to_string(),
+        },
+        None => "exited (status unknown)".to_string(),
+    }
+}
+
+fn tail_of(path: &PathBuf, max: usize) -> String {
+    let s = std::fs::read_to_string(path).unwrap_or_default();
+    let start = s.len().saturating_sub(max);
+    let start = (start..s.len()).find(|&i| s.is_char_boundary(i)).unwrap_or(s.len());
+    s[start..].to_string()
+}
+
+/// The gRPC service over a shared [`Agent`].
+#[derive(Clone)]
+pub struct AgentSvc(pub Arc<Agent>);
+
+#[tonic::async_trait]
+impl NodeAgentService for AgentSvc {
+    async fn get_node_info(
+        &self,
+        _req: Request<pb::GetNodeInfoRequest>,
+    ) -> Result<Response<pb::GetNodeInfoReply>, Status> {
+        Ok(Response::new(pb::GetNodeInfoReply { node: Some(self.0.node_info()) }))
+    }
+
+    async fn request_worker_lease(
+        &self,
+        req: Request<pb::RequestWorkerLeaseRequest>,
+    ) -> Result<Response<pb::RequestWorkerLeaseReply>, Status> {
+        use pb::request_worker_lease_reply::{Busy, Infeasible, Outcome, Spillback};
+        let req = req.into_inner();
+        let agent = &self.0;
+        let demand = resources_from_proto(&req.resources)
+            .map_err(|e| Status::invalid_argument(format!("lease resources: {e}")))?;
+        let label_selector =
+            labels_from_proto(&req.label_selector).map_err(Status::invalid_argument)?;
+        let strategy = tpuray_proto::convert::strategy_from_proto(req.strategy.as_ref());
+        let key = PoolKey {
+            job_id: req.job_id.clone(),
+            language: if req.language.is_empty() { "rust".into() } else { req.language.clone() },
+            runtime_env_hash: req.runtime_env_hash.clone(),
+            tpu_chips: vec![],
+        };
+        let request =
+            tpuray_scheduler::Request { demand: demand.clone(), strategy, label_selector };
+        let deadline = (req.queue_timeout_ms > 0)
+            .then(|| Instant::now() + Duration::from_millis(req.queue_timeout_ms));
+        let local_id = agent.config.node_id.to_string();
+        let mut waiting = false;
+        let outcome = loop {
+            let freed = agent.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            let decision = {
+                let mut st = agent.lock();
+                let mut views: Vec<NodeView<String>> = vec![agent.local_view(&st)];
+                if !req.grant_or_reject {
+                    views.extend(st.cluster.iter().map(|(v, _)| v.clone()));
+                }
+                let d = tpuray_scheduler::schedule(&request, &views, Some(&local_id), now_ms());
+                match &d {
+                    Decision::Place(n) if *n == local_id => {
+                        if waiting {
+                            agent.note_demand(&mut st, &demand, false, "", -1);
+                        }
+                        waiting = false;
+                    }
+                    Decision::Infeasible { reason } => {
+                        if waiting {
+                            agent.note_demand(&mut st, &demand, false, "", -1);
+                            waiting = false;
+                        }
+                        agent.note_demand(&mut st, &demand, true, reason, 0);
+                    }
+                    Decision::Queue { reason } => {
+                        if !waiting {
+                            agent.note_demand(&mut st, &demand, false, reason, 1);
+                            waiting = true;
+                        }
+                    }
+                    Decision::Place(_) => {
+                        if waiting {
+                            agent.note_demand(&mut st, &demand, false, "", -1);
+                        }
+                        waiting = false;
+                    }
+                }
+                // Feasible here but busy: queue locally. Feasible only elsewhere: spill there.
+                if let Decision::Queue { .. } = &d {
+                    let local_fits = agent.config.total.is_superset_of(&demand)
+                        && request.label_selector.iter().all(|c| c.matches(&agent.config.labels));
+                    if !local_fits && !req.grant_or_reject {
+                        let best = st
+                            .cluster
+                            .iter()
+                            .filter(|(v, _)| {
+                                v.total.is_superset_of(&demand)
+                                    && request.label_selector.iter().all(|c| c.matches(&v.labels))
+                            })
+                            .min_by_key(|(v, _)| v.id.clone())
+                            .map(|(v, a)| (v.id.clone(), a.clone()));
+                        if let Some((node_id, address)) = best {
+                            if waiting {
+                                agent.note_demand(&mut st, &demand, false, "", -1);
+                            }
+                            break Outcome::Spillback(Spillback { node_id, address });
+                        }
+                    }
+                }
+                (
+                    d,
+                    st.cluster
+                        .iter()
+                        .map(|(v, a)| (v.id.clone(), a.clone()))
+                        .collect::<HashMap<_, _>>(),
+                )
+            };
+            match decision {
+                (Decision::Place(n), _) if n == local_id => {
+                    break Outcome::Granted(agent.grant_lease(key.clone(), demand.clone()).await?);
+                }
+                (Decision::Place(n), addrs) => {
+                    let address = addrs.get(&n).cloned().unwrap_or_default();
+                    break Outcome::Spillback(Spillback { node_id: n, address });
+                }
+                (Decision::Infeasible { reason }, _) => {
+                    break Outcome::Infeasible(Infeasible { reason });
+                }
+                (Decision::Queue { reason }, _) => {
+                    let timed_out = match deadline {
+                        Some(d) => tokio::time::timeout_at(d.into(), freed).await.is_err(),
+                        None => {
+                            // Re-check now and then: other nodes' views change too.
+                            let _ = tokio::time::timeout(Duration::from_millis(500), freed).await;
+                            false
+                        }
+                    };
+                    if timed_out {
+                        let mut st = agent.lock();
+                        agent.note_demand(&mut st, &demand, false, "", -1);
+                        break Outcome::Busy(Busy { reason });
+                    }
+                }
+            }
+        };
+        Ok(Response::new(pb::RequestWorkerLeaseReply { outcome: Some(outcome) }))
+    }
+
+    async fn return_worker_lease(
+        &self,
+        req: Request<pb::ReturnWorkerLeaseRequest>,
+    ) -> Result<Response<pb::ReturnWorkerLeaseReply>, Status> {
+        let req = req.into_inner();
+        let lease_id = LeaseId::from_wire(req.lease_id);
+        let kill = {
+            let mut st = self.0.lock();
+            // Returning twice is harmless: the second finds nothing (AGENT-2).
+            let Some(lease) = st.leases.remove(&lease_id) else {
+                return Ok(Response::new(pb::ReturnWorkerLeaseReply {}));
+            };
+            self.0.release(&mut st, &lease.resources);
+            match st.workers.get_mut(&lease.worker_id) {
+                Some(w) if req.disconnect_worker => {
+                    w.exit_intended = true;
+                    w.state = WorkerState::Starting;
+                    Some(w.pid)
+                }
+                Some(w) => {
+                    w.state = WorkerState::Idle { since: Instant::now() };
+                    None
+                }
+                None => None,
+            }
+        };
+        if let Some(pid) = kill {
+            signal(pid, libc::SIGKILL);
+        }
+        self.0.freed.notify_waiters();
+        Ok(Response::new(pb::ReturnWorkerLeaseReply {}))
+    }
+
+    async fn register_worker(
+        &self,
+        req: Request<pb::RegisterWorkerRequest>,
+    ) -> Result<Response<pb::RegisterWorkerReply>, Status> {
+        let req = req.into_inner();
+        check_protocol_version("worker", req.protocol_version)?; // PROTO-1
+        let worker_id = WorkerId::from_wire(req.worker_id);
+        let tx = self.0.lock().starting.remove(&worker_id).ok_or_else(|| {
+            Status::not_found(format!(
+                "unknown worker id {worker_id}: this node agent did not start it"
+            ))
+        })?;
+        let _ = tx.send((req.address, req.pid));
+        Ok(Response::new(pb::RegisterWorkerReply {
+            node_id: self.0.config.node_id.to_string(),
+            head_address: self.0.config.head_address.clone(),
+        }))
+    }
+
+    async fn start_actor_worker(
+        &self,
+        req: Request<pb::StartActorWorkerRequest>,
+    ) -> Result<Response<pb::StartActorWorkerReply>, Status> {
+        let req = req.into_inner();
+        let actor_id = ActorId::from_wire(req.actor_id);
+        let resources = resources_from_proto(&req.resources)
+            .map_err(|e| Status::invalid_argument(format!("actor resources: {e}")))?;
+        {
+            let mut st = self.0.lock();
+            // A retried request for an actor already running here: same answer.
+            if let Some((wid, _)) = st.actor_resources.get(&actor_id)
+                && let Some(w) = st.workers.get(wid)
+                && !w.address.is_empty()
+            {
+                return Ok(Response::new(pb::StartActorWorkerReply {
+                    worker_id: wid.to_string(),
+                    worker_address: w.address.clone(),
+                    pid: w.pid,
+                }));
+            }
+            if !st.available.is_superset_of(&resources) {
+                return Err(Status::resource_exhausted(format!(
+                    "node {} cannot host actor {actor_id}: needs {resources}, available {}",
+                    self.0.config.node_id, st.available
+                )));
+            }
+            st.available.saturating_sub(&resources);
+            st.actor_resources
+                .insert(actor_id.clone(), (WorkerId::from_wire(""), resources.clone()));
+        }
+        let key = PoolKey {
+            job_id: JobId::from_wire(req.job_id).to_string(),
+            language: "rust".into(),
+            runtime_env_hash: String::new(),
+            tpu_chips: vec![],
+        };
+        match self.0.start_worker(key, WorkerState::Actor(actor_id.clone()), Some(&actor_id)).await
+        {
+            Ok((wid, address, pid)) => {
+                if let Some(e) = self.0.lock().actor_resources.get_mut(&actor_id) {
+                    e.0 = wid.clone();
+                }
+                tracing::info!(%actor_id, worker_id = %wid, pid, "actor worker started");
+                Ok(Response::new(pb::StartActorWorkerReply {
+                    worker_id: wid.to_string(),
+                    worker_address: address,
+                    pid,
+                }))
+            }
+            Err(e) => {
+                let mut st = self.0.lock();
+                if let Some((_, r)) = st.actor_resources.remove(&actor_id) {
+                    self.0.release(&mut st, &r);
+                }
+                drop(st);
+                self.0.freed.notify_waiters();
+                Err(e)
+            }
+        }
+    }
+
+    async fn kill_actor_worker(
+        &self,
+        req: Request<pb::KillActorWorkerRequest>,
+    ) -> Result<Response<pb::KillActorWorkerReply>, Status> {
+        let req = req.into_inner();
+        let actor_id = ActorId::from_wire(req.actor_id);
+        let pid = {
+            let mut st = self.0.lock();
+            st.workers.values_mut().find(|w| w.state == WorkerState::Actor(actor_id.clone())).map(
+                |w| {
+                    w.exit_intended = true;
+                    w.pid
+                },
+            )
+        };
+        if let Some(pid) = pid {
+            signal(pid, if req.force { libc::SIGKILL } else { libc::SIGTERM });
+        }
+        Ok(Response::new(pb::KillActorWorkerReply { killed: pid.is_some() }))
+    }
+
+    async fn list_workers(
+        &self,
+        _req: Request<pb::ListWorkersRequest>,
+    ) -> Result<Response<pb::ListWorkersReply>, Status> {
+        let st = self.0.lock();
+        let workers = st
+            .workers
+            .iter()
+            .map(|(id, w)| {
+                let (state, lease_id, actor_id, resources) = match &w.state {
+                    WorkerState::Starting => {
+                        ("STARTING", String::new(), String::new(), ResourceSet::new())
+                    }
+                    WorkerState::Idle { .. } => {
+                        ("IDLE", String::new(), String::new(), ResourceSet::new())
+                    }
+                    WorkerState::Leased(l) => (
+                        "LEASED",
+                        l.to_string(),
+                        String::new(),
+                        st.leases.get(l).map(|l| l.resources.clone()).unwrap_or_default(),
+                    ),
+                    WorkerState::Actor(a) => (
+                        "ACTOR",
+                        String::new(),
+                        a.to_string(),
+                        st.actor_resources.get(a).map(|r| r.1.clone()).unwrap_or_default(),
+                    ),
+                };
+                pb::WorkerInfo {
+                    worker_id: id.to_string(),
+                    pid: w.pid,
+                    address: w.address.clone(),
+                    key: Some(pb::WorkerPoolKey {
+                        job_id: w.key.job_id.clone(),
+                        language: w.key.language.clone(),
+                        runtime_env_hash: w.key.runtime_env_hash.clone(),
+                        tpu_chips: w.key.tpu_chips.clone(),
+                    }),
+                    state: state.to_string(),
+                    lease_id,
+                    actor_id,
+                    resources: resources_to_proto(&resources),
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::ListWorkersReply { workers }))
+    }
+}

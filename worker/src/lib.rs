@@ -1,0 +1,15 @@
+//! The tpuray node agent (`tpuray start --address ...`, and one on the head
+//! node): advertises the node's resources and labels, keeps a pool of worker
+//! processes, grants worker leases with spillback, starts actor workers for
+//! the head, and heartbeats to the head from a thread of its own.
+//!
+//! See `agent.rs` for the invariants (AGENT-1..4) and `registry.rs` for the
+//! machine-wide process registry (REG-1).
+
+pub mod agent;
+pub mod detect;
+pub mod registry;
+pub mod run;
+
+pub use agent::{Agent, AgentConfig};
+pub use run::{AgentOptions, StartError, build_resources, serve_agent};

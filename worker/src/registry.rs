@@ -1,0 +1,145 @@
+//! The machine-wide process registry (like Ray's `/tmp/ray`): every process
+//! that `tpuray start` or a node agent starts is recorded here, whatever
+//! `--temp-dir` says, so `tpuray stop` finds them all (REG-1).
+//!
+//! One JSON file per process under [`registry_dir`]; entries carry the
+//! process start time from `/proc` so a reused pid is never mistaken for ours.
+//! All functions block on the filesystem; call them off async hot paths.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Overrides the registry folder (tests give each cluster its own).
+pub const REGISTRY_ENV: &str = "TPURAY_REGISTRY_DIR";
+
+/// `$TPURAY_REGISTRY_DIR`, or `/tmp/tpuray/registry`.
+pub fn registry_dir() -> PathBuf {
+    std::env::var_os(REGISTRY_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/tmp/tpuray/registry"))
+}
+
+/// One registered process.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcEntry {
+    pub pid: u32,
+    /// Clock ticks since boot at which the process started (`/proc/PID/stat` field 22).
+    pub start_time: u64,
+    /// `head`, `agent` or `worker`.
+    pub kind: String,
+    pub session_dir: String,
+    pub address: String,
+}
+
+/// The cluster `tpuray start --head` last started on this machine.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CurrentCluster {
+    pub address: String,
+    pub session_dir: String,
+}
+
+/// The start time of a live, non-zombie process, or `None`.
+pub fn proc_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces; fields after it follow ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state); field 22 is index 19.
+    if fields.first() == Some(&"Z") || fields.first() == Some(&"X") {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+impl ProcEntry {
+    /// An entry for the running process `pid`.
+    pub fn for_pid(pid: u32, kind: &str, session_dir: &str, address: &str) -> Option<Self> {
+        Some(Self {
+            pid,
+            start_time: proc_start_time(pid)?,
+            kind: kind.to_string(),
+            session_dir: session_dir.to_string(),
+            address: address.to_string(),
+        })
+    }
+
+    /// True while the very process this entry names is running.
+    pub fn is_alive(&self) -> bool {
+        proc_start_time(self.pid) == Some(self.start_time)
+    }
+}
+
+fn entry_path(pid: u32) -> PathBuf {
+    registry_dir().join(format!("proc-{pid}.json"))
+}
+
+/// Records a process.
+///
+/// # Errors
+/// When the registry folder cannot be created or written.
+pub fn record(entry: &ProcEntry) -> std::io::Result<()> {
+    let dir = registry_dir();
+    std::fs::create_dir_all(&dir)?;
+    let tmp = dir.join(format!(".proc-{}.tmp", entry.pid));
+    std::fs::write(&tmp, serde_json::to_vec(entry).expect("entry serializes"))?;
+    std::fs::rename(tmp, entry_path(entry.pid))
+}
+
+/// Forgets a process (after it exited).
+pub fn remove(pid: u32) {
+    let _ = std::fs::remove_file(entry_path(pid));
+}
+
+/// Every recorded process, live or not.
+pub fn list() -> Vec<ProcEntry> {
+    let Ok(rd) = std::fs::read_dir(registry_dir()) else {
+        return vec![];
+    };
+    rd.filter_map(|e| e.ok())
+        .filter(|e| {
+            let n = e.file_name();
+            let n = n.to_string_lossy();
+            n.starts_with("proc-") && n.ends_with(".json")
+        })
+        .filter_map(|e| std::fs::read(e.path()).ok())
+        .filter_map(|b| serde_json::from_slice(&b).ok())
+        .collect()
+}
+
+/// Records the cluster that `tpuray start --head` started.
+///
+/// # Errors
+/// When the registry folder cannot be written.
+pub fn set_current_cluster(c: &CurrentCluster) -> std::io::Result<()> {
+    let dir = registry_dir();
+    std::fs::create_dir_all(&dir)?;
+    let tmp = dir.join(".current_cluster.tmp");
+    std::fs::write(&tmp, serde_json::to_vec(c).expect("serializes"))?;
+    std::fs::rename(tmp, dir.join("current_cluster.json"))
+}
+
+/// The cluster `tpuray start --head` left on this machine, if any.
+pub fn current_cluster() -> Option<CurrentCluster> {
+    let b = std::fs::read(registry_dir().join("current_cluster.json")).ok()?;
+    serde_json::from_slice(&b).ok()
+}
+
+/// Forgets the current cluster.
+pub fn clear_current_cluster() {
+    let _ = std::fs::remove_file(registry_dir().join("current_cluster.json"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_process_has_a_start_time_and_is_alive() {
+        let me = std::process::id();
+        let e = ProcEntry::for_pid(me, "test", "/tmp", "").unwrap();
+        assert!(e.is_alive());
+        let other = ProcEntry { start_time: e.start_time + 1, ..e };
+        assert!(!other.is_alive(), "a reused pid must not look like ours");
+    }
+}

@@ -1,0 +1,376 @@
+//! Starting a node agent: resources from flags and detection, joining the
+//! head (with retries), the heartbeat thread, serving, and shutdown.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tonic::Request;
+use tonic::service::interceptor::InterceptedService;
+use tpuray_proto::auth::ServerAuth;
+use tpuray_proto::convert::resources_to_proto;
+use tpuray_proto::ids::NodeId;
+use tpuray_proto::pb;
+use tpuray_proto::pb::node_agent_service_server::NodeAgentServiceServer;
+use tpuray_scheduler::{Amount, Labels, ResourceSet};
+
+use crate::agent::{Agent, AgentConfig, AgentSvc};
+use crate::detect;
+
+/// Errors starting a node agent; each names what is wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("{0}")]
+    BadFlag(String),
+    #[error("cannot reach the head at {address} after {waited:?}: {detail}")]
+    HeadUnreachable { address: String, waited: Duration, detail: String },
+    #[error("the head at {address} refused this node: {detail}")]
+    Refused { address: String, detail: String },
+    #[error("cannot listen on {addr}: {detail}")]
+    Listen { addr: String, detail: String },
+    #[error("node agent server failed: {0}")]
+    Serve(String),
+}
+
+/// Resource flags as given on the command line.
+#[derive(Clone, Debug, Default)]
+pub struct AgentOptions {
+    pub num_cpus: Option<f64>,
+    pub num_gpus: Option<f64>,
+    /// `--resources` JSON, e.g. `{"special": 1}`.
+    pub resources_json: Option<String>,
+    /// `--labels k=v,...`.
+    pub labels: Option<String>,
+    /// `--object-store-memory` in bytes.
+    pub object_store_memory: Option<u64>,
+    /// `--memory` in bytes.
+    pub memory: Option<u64>,
+}
+
+/// The node's total resources and labels from flags and detection.
+///
+/// CPU defaults to the detected logical CPUs, GPU to 0, `memory` and
+/// `object_store_memory` to Ray's shares of available memory (bytes).
+///
+/// # Errors
+/// [`StartError::BadFlag`] naming the flag: unparsable `--resources` JSON,
+/// negative or non-numeric amounts, `CPU`/`GPU` inside `--resources` (as Ray,
+/// use `--num-cpus`/`--num-gpus`), malformed `--labels`.
+pub fn build_resources(o: &AgentOptions) -> Result<(ResourceSet, Labels), StartError> {
+    let bad = StartError::BadFlag;
+    let mut total = match &o.resources_json {
+        Some(j) => ResourceSet::from_json(j).map_err(|e| bad(format!("--resources: {e}")))?,
+        None => ResourceSet::new(),
+    };
+    for reserved in ["CPU", "GPU", "memory", "object_store_memory"] {
+        if total.get(reserved) != Amount::ZERO {
+            let flag = match reserved {
+                "CPU" => "--num-cpus",
+                "GPU" => "--num-gpus",
+                "memory" => "--memory",
+                _ => "--object-store-memory",
+            };
+            return Err(bad(format!(
+                "--resources: use {flag} to set {reserved:?}, not --resources"
+            )));
+        }
+    }
+    let amount = |flag: &str, name: &str, v: f64| {
+        Amount::from_f64(name, v).map_err(|e| bad(format!("{flag}: {e}")))
+    };
+    let cpus = o.num_cpus.unwrap_or(detect::num_cpus() as f64);
+    total.set("CPU", amount("--num-cpus", "CPU", cpus)?);
+    if let Some(g) = o.num_gpus {
+        total.set("GPU", amount("--num-gpus", "GPU", g)?);
+    }
+    let (_, avail_mem) = detect::memory_bytes();
+    let store =
+        o.object_store_memory.unwrap_or_else(|| detect::default_object_store_bytes(avail_mem));
+    let mem = o.memory.unwrap_or_else(|| detect::memory_resource_bytes(avail_mem, store));
+    total.set("memory", amount("--memory", "memory", mem as f64)?);
+    total.set(
+        "object_store_memory",
+        amount("--object-store-memory", "object_store_memory", store as f64)?,
+    );
+    let labels = match &o.labels {
+        Some(l) => Labels::parse(l).map_err(|e| bad(format!("--labels: {e}")))?,
+        None => Labels::default(),
+    };
+    Ok((total, labels))
+}
+
+/// Connects to the head, retrying connection failures for up to `retry_for`
+/// (DESIGN.md §6: about 30 s); auth and version errors fail at once.
+async fn join_head(
+    agent: &Agent,
+    retry_for: Duration,
+) -> Result<pb::RegisterNodeReply, StartError> {
+    let address = agent.config.head_address.split(',').next().unwrap_or_default().to_string();
+    let started = Instant::now();
+    let mut client = tpuray_proto::client::head(&address, agent.config.token.as_deref())
+        .map_err(|e| StartError::BadFlag(format!("--address: {e}")))?;
+    let request_id = tpuray_proto::new_request_id();
+    loop {
+        let req = pb::RegisterNodeRequest {
+            request_id: request_id.clone(),
+            protocol_version: tpuray_proto::PROTOCOL_VERSION,
+            node: Some(agent.node_info()),
+        };
+        let mut req = Request::new(req);
+        req.set_timeout(Duration::from_secs(5));
+        match client.register_node(req).await {
+            Ok(r) => return Ok(r.into_inner()),
+            Err(s)
+                if matches!(
+                    s.code(),
+                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Unknown
+                ) =>
+            {
+                if started.elapsed() >= retry_for {
+                    return Err(StartError::HeadUnreachable {
+                        address,
+                        waited: started.elapsed(),
+                        detail: s.message().to_string(),
+                    });
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(s) => {
+                return Err(StartError::Refused { address, detail: s.message().to_string() });
+            }
+        }
+    }
+}
+
+/// AGENT-1: heartbeats on a dedicated OS thread with its own runtime, so
+/// nothing the agent's main runtime does can delay them. Stops the process
+/// when the head declares this node dead, or after `head_lost_after` without
+/// a successful heartbeat.
+fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after: Duration) {
+    std::thread::Builder::new()
+        .name("tpuray-heartbeat".into())
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("heartbeat runtime");
+            rt.block_on(async move {
+                let address = agent.config.head_address.split(',').next().unwrap_or_default().to_string();
+                let Ok(mut client) = tpuray_proto::client::head(&address, agent.config.token.as_deref()) else {
+                    return;
+                };
+                let mut last_ok = Instant::now();
+                let mut seq = 0u64;
+                let mut iv = tokio::time::interval(interval);
+                iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    iv.tick().await;
+                    seq += 1;
+                    let (available, pending, num_workers) = agent.heartbeat_snapshot();
+                    let mut req = Request::new(pb::HeartbeatRequest {
+                        node_id: agent.config.node_id.to_string(),
+                        available: resources_to_proto(&available),
+                        pending,
+                        num_workers,
+                        seq,
+                    });
+                    req.set_timeout(interval.max(Duration::from_secs(2)));
+                    match client.heartbeat(req).await {
+                        Ok(r) => {
+                            let r = r.into_inner();
+                            if !r.accepted {
+                                tracing::error!(reason = %r.reason, "head refused heartbeat; node agent exits");
+                                eprintln!("tpuray node agent: the head refused this node: {}", r.reason);
+                                terminate_self();
+                                return;
+                            }
+                            last_ok = Instant::now();
+                            agent.set_cluster_view(r.cluster);
+                        }
+                        Err(s) => {
+                            tracing::warn!(%s, "heartbeat failed");
+                            if last_ok.elapsed() > head_lost_after {
+                                eprintln!(
+                                    "tpuray node agent: no answer from the head at {address} for {:?}; exiting",
+                                    last_ok.elapsed()
+                                );
+                                terminate_self();
+                                return;
+                            }
+                        }
+                    }
+                }
+            });
+        })
+        .expect("spawn heartbeat thread");
+}
+
+/// Asks this process to shut down as on SIGTERM (workers are stopped first).
+fn terminate_self() {
+    crate::agent::signal(std::process::id(), libc::SIGTERM);
+}
+
+/// Runs a node agent: listens on `listen`, joins the head, then serves until
+/// `shutdown` resolves; stops its workers and tells the head on the way out.
+/// `ready` gets the bound address once the node is registered.
+///
+/// # Errors
+/// [`StartError`] naming what failed: the listen address, the head, the token.
+#[allow(clippy::too_many_arguments)]
+pub async fn serve_agent(
+    listen: SocketAddr,
+    advertise_host: &str,
+    head_address: &str,
+    total: ResourceSet,
+    labels: Labels,
+    is_head_node: bool,
+    session_dir: std::path::PathBuf,
+    token: Option<String>,
+    worker_command: Vec<String>,
+    ready: impl FnOnce(SocketAddr, &NodeId),
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), StartError> {
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| StartError::Listen { addr: listen.to_string(), detail: e.to_string() })?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| StartError::Listen { addr: listen.to_string(), detail: e.to_string() })?;
+    let node_id = NodeId::random();
+    let max_idle = total.get("CPU").to_f64().ceil().max(1.0) as usize;
+    let config = AgentConfig {
+        node_id: node_id.clone(),
+        head_address: head_address.to_string(),
+        advertise_address: format!("{advertise_host}:{}", bound.port()),
+        total,
+        labels,
+        is_head_node,
+        session_dir,
+        token: token.clone(),
+        worker_command,
+        max_idle_workers: max_idle,
+        idle_worker_timeout: env_duration_ms("TPURAY_IDLE_WORKER_TIMEOUT_MS", 10_000),
+        worker_register_timeout: env_duration_ms("TPURAY_WORKER_REGISTER_TIMEOUT_MS", 30_000),
+    };
+    let agent = Agent::new(config);
+    // Serve before registering so the head can call back at once.
+    let auth = ServerAuth::new(token.as_deref().unwrap_or(""), token.is_some());
+    let svc = NodeAgentServiceServer::new(AgentSvc(Arc::clone(&agent)))
+        .max_decoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES);
+    let svc = InterceptedService::new(svc, auth.clone());
+    let incoming = tokio_stream_listener(listener);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(svc)
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stop_rx.await;
+            })
+            .await
+    });
+
+    let retry_for = env_duration_ms("TPURAY_HEAD_CONNECT_TIMEOUT_MS", 30_000);
+    let reply = match join_head(&agent, retry_for).await {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = stop_tx.send(());
+            return Err(e);
+        }
+    };
+    // AUTH-1: follow the head's auth mode.
+    auth.set_required(reply.auth_required && token.is_some());
+    let interval = Duration::from_millis(reply.heartbeat_interval_ms.max(10));
+    spawn_heartbeat_thread(
+        Arc::clone(&agent),
+        interval,
+        env_duration_ms("TPURAY_HEAD_LOST_TIMEOUT_MS", 60_000),
+    );
+    let reaper = Arc::clone(&agent);
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            reaper.reap_idle_workers();
+        }
+    });
+    tracing::info!(%node_id, address = %agent.config.advertise_address, "node agent joined the cluster");
+    ready(bound, &node_id);
+
+    shutdown.await;
+    tracing::info!("node agent stopping");
+    agent.stop_all_workers(Duration::from_secs(3)).await;
+    if let Ok(mut head) = tpuray_proto::client::head(
+        head_address.split(',').next().unwrap_or_default(),
+        token.as_deref(),
+    ) {
+        let mut req = Request::new(pb::UnregisterNodeRequest {
+            request_id: tpuray_proto::new_request_id(),
+            node_id: node_id.to_string(),
+            reason: "node agent stopped".into(),
+        });
+        req.set_timeout(Duration::from_secs(2));
+        let _ = head.unregister_node(req).await;
+    }
+    let _ = stop_tx.send(());
+    match tokio::time::timeout(Duration::from_secs(3), server).await {
+        Ok(Ok(Err(e))) => Err(StartError::Serve(e.to_string())),
+        _ => Ok(()),
+    }
+}
+
+fn tokio_stream_listener(
+    listener: tokio::net::TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    tokio_stream::wrappers::TcpListenerStream::new(listener)
+}
+
+/// A duration from an environment variable in milliseconds, or a default.
+pub fn env_duration_ms(var: &str, default_ms: u64) -> Duration {
+    Duration::from_millis(
+        std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default_ms),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_inside_resources_json_is_refused_naming_the_flag() {
+        let o = AgentOptions { resources_json: Some(r#"{"CPU": 2}"#.into()), ..Default::default() };
+        let e = build_resources(&o).unwrap_err().to_string();
+        assert!(e.contains("--num-cpus"), "{e}");
+    }
+
+    #[test]
+    fn flags_become_resources_and_labels() {
+        let o = AgentOptions {
+            num_cpus: Some(2.0),
+            resources_json: Some(r#"{"special": 1}"#.into()),
+            labels: Some("zone=a,tier=gold".into()),
+            object_store_memory: Some(268_435_456),
+            ..Default::default()
+        };
+        let (r, l) = build_resources(&o).unwrap();
+        assert_eq!(r.get("CPU").to_f64(), 2.0);
+        assert_eq!(r.get("special").to_f64(), 1.0);
+        assert_eq!(r.get("object_store_memory").to_f64(), 268_435_456.0);
+        assert_eq!(l.get("zone"), Some("a"));
+    }
+
+    #[test]
+    fn negative_and_unparsable_resources_are_refused() {
+        for (json, want) in [
+            (r#"{"x": -1}"#, "negative"),
+            (r#"{"x": "abc"}"#, "non-numeric"),
+            ("{not json", "invalid --resources JSON"),
+        ] {
+            let o = AgentOptions { resources_json: Some(json.into()), ..Default::default() };
+            let e = build_resources(&o).unwrap_err().to_string();
+            assert!(e.contains(want), "{json}: {e}");
+        }
+        let o = AgentOptions { num_cpus: Some(-2.0), ..Default::default() };
+        assert!(build_resources(&o).unwrap_err().to_string().contains("--num-cpus"));
+    }
+}
