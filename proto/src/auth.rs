@@ -16,6 +16,10 @@ use tonic::{Request, Status};
 /// Environment variable that overrides the token file.
 pub const TOKEN_ENV: &str = "TPURAY_AUTH_TOKEN";
 
+/// Environment variable a node agent sets for its workers: `token` or
+/// `disabled`, the cluster's auth mode.
+pub const AUTH_MODE_ENV: &str = "TPURAY_AUTH_MODE";
+
 /// Errors reading or creating the token.
 #[derive(Debug, thiserror::Error)]
 pub enum AuthError {

@@ -93,7 +93,9 @@ pub fn run_worker() -> Result<(), WorkerError> {
             exit: exit_tx,
         })
         .max_decoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES);
-        let auth = ServerAuth::new(token.as_deref().unwrap_or(""), token.is_some());
+        let required = token.is_some()
+            && std::env::var(tpuray_proto::auth::AUTH_MODE_ENV).as_deref() != Ok("disabled");
+        let auth = ServerAuth::new(token.as_deref().unwrap_or(""), required);
         let svc = InterceptedService::new(svc, auth);
         let incoming = tokio_stream_wrap(listener);
         let server = tokio::spawn(async move {

@@ -114,6 +114,8 @@ pub struct Agent {
     freed: Notify,
     /// Set once the agent is shutting down: no new workers.
     stopping: std::sync::atomic::AtomicBool,
+    /// Whether the cluster checks tokens (AUTH-1), as the head said at registration.
+    pub auth_required: std::sync::atomic::AtomicBool,
 }
 
 /// How long an infeasible shape stays listed after its last request.
@@ -135,6 +137,7 @@ impl Agent {
             }),
             freed: Notify::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
+            auth_required: std::sync::atomic::AtomicBool::new(true),
         })
     }
 
@@ -269,6 +272,8 @@ impl Agent {
         if let Some(t) = &self.config.token {
             cmd.env(tpuray_proto::auth::TOKEN_ENV, t);
         }
+        let required = self.auth_required.load(std::sync::atomic::Ordering::SeqCst);
+        cmd.env(tpuray_proto::auth::AUTH_MODE_ENV, if required { "token" } else { "disabled" });
         if let Some(a) = actor_id {
             cmd.env("TPURAY_ACTOR_ID", a.as_str());
         }

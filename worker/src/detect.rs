@@ -22,10 +22,10 @@ pub fn memory_bytes() -> (u64, u64) {
     (field("MemTotal:"), field("MemAvailable:"))
 }
 
-/// Default object store size when `--object-store-memory` is not given: 30%
-/// of available memory, capped at 200 GB (Ray's default rule).
+/// Default object store size when `--object-store-memory` is not given
+/// (see [`tpuray_objectstore::default_capacity`]).
 pub fn default_object_store_bytes(available: u64) -> u64 {
-    ((available as f64 * 0.3) as u64).min(200_000_000_000)
+    tpuray_objectstore::default_capacity(available)
 }
 
 /// The `memory` resource: 70% of available memory minus the object store
@@ -43,11 +43,5 @@ mod tests {
         assert!(num_cpus() >= 1);
         let (total, avail) = memory_bytes();
         assert!(total > 0 && avail > 0 && avail <= total);
-    }
-
-    #[test]
-    fn object_store_default_is_capped() {
-        assert_eq!(default_object_store_bytes(1000), 300);
-        assert_eq!(default_object_store_bytes(10_000_000_000_000), 200_000_000_000);
     }
 }

@@ -281,6 +281,7 @@ pub async fn serve_agent(
     };
     // AUTH-1: follow the head's auth mode.
     auth.set_required(reply.auth_required && token.is_some());
+    agent.auth_required.store(auth.required(), std::sync::atomic::Ordering::SeqCst);
     let interval = Duration::from_millis(reply.heartbeat_interval_ms.max(10));
     spawn_heartbeat_thread(
         Arc::clone(&agent),
