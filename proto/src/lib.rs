@@ -21,7 +21,8 @@ pub mod pb {
 pub const PROTOCOL_VERSION: u32 = 1;
 
 /// Largest message any tpuray server accepts, in bytes (64 MiB). Larger ones
-/// are refused with `RESOURCE_EXHAUSTED` naming the size (PROTO-2).
+/// are refused with `OUT_OF_RANGE` (tonic's code for it) and a message naming
+/// the size and this limit (PROTO-2).
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
 /// Checks a peer's protocol version against [`PROTOCOL_VERSION`].

@@ -1,1 +1,462 @@
-//! placeholder
+//! Harness for tpuray's integration tests: real head, node agent and worker
+//! processes on loopback, each cluster with its own temp dir, free port,
+//! `HOME` (so its cluster token is private) and process registry (so
+//! `tpuray stop` in one test never touches another test's processes).
+//!
+//! Every wait has a timeout ([`wait_until`], [`eventually`]); a [`Cluster`]
+//! stops and, if need be, SIGKILLs what it started when dropped, and prints
+//! the tail of every process log when the test is failing.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Once;
+use std::time::{Duration, Instant};
+
+use tpuray_proto::client::AuthChannel;
+use tpuray_proto::pb;
+use tpuray_proto::pb::head_service_client::HeadServiceClient;
+use tpuray_proto::pb::node_agent_service_client::NodeAgentServiceClient;
+
+/// Heartbeat interval the tests give the head (ms).
+pub const HEARTBEAT_MS: u64 = 100;
+/// Node death timeout the tests give the head (ms).
+pub const DEATH_TIMEOUT_MS: u64 = 1500;
+/// Generous bound for anything that should happen "soon" on a loaded 2-core machine.
+pub const SOON: Duration = Duration::from_secs(20);
+
+static BUILD: Once = Once::new();
+
+/// Path of the `tpuray` binary, built once per test process when missing.
+/// `TPURAY_BIN` overrides it.
+pub fn tpuray_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("TPURAY_BIN") {
+        return PathBuf::from(p);
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let bin = root.join("target").join("debug").join("tpuray");
+    BUILD.call_once(|| {
+        if !bin.exists() {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let st = Command::new(cargo)
+                .args(["build", "-p", "tpuray-cli"])
+                .current_dir(&root)
+                .status()
+                .expect("run cargo build -p tpuray-cli");
+            assert!(st.success(), "cargo build -p tpuray-cli failed");
+        }
+    });
+    assert!(bin.exists(), "tpuray binary not found at {}", bin.display());
+    bin
+}
+
+/// A free loopback port (bound, read, released).
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    l.local_addr().expect("local addr").port()
+}
+
+/// Polls `cond` every 20 ms until it holds; panics naming `what` after `timeout`.
+pub fn wait_until(timeout: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if cond() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting until {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Async [`wait_until`]: polls `f` until it yields `Some`, returns the value.
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Runs `fut` with a timeout, panicking naming `what` when it expires.
+pub async fn within<T>(timeout: Duration, what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("timed out after {timeout:?}: {what}"),
+    }
+}
+
+/// True while `pid` names a running, non-zombie process.
+pub fn pid_alive(pid: u32) -> bool {
+    proc_start_time(pid).is_some()
+}
+
+/// Start time (`/proc/PID/stat` field 22) of a live, non-zombie process.
+pub fn proc_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    if matches!(fields.first(), Some(&"Z") | Some(&"X")) {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+/// Sends `sig` to `pid`.
+pub fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe {
+        libc::kill(pid as i32, sig);
+    }
+}
+
+/// One process recorded in a cluster's registry folder.
+#[derive(Clone, Debug)]
+pub struct RegEntry {
+    pub pid: u32,
+    pub start_time: u64,
+    pub kind: String,
+}
+
+impl RegEntry {
+    /// True while the very process this entry names is running.
+    pub fn is_alive(&self) -> bool {
+        proc_start_time(self.pid) == Some(self.start_time)
+    }
+}
+
+/// A node started with `tpuray start`.
+#[derive(Clone, Debug)]
+pub struct NodeHandle {
+    /// The node agent's pid.
+    pub pid: u32,
+    pub node_id: String,
+    /// The node agent's gRPC address.
+    pub address: String,
+    pub temp_dir: PathBuf,
+}
+
+/// A tpuray cluster started through the CLI, private to one test.
+pub struct Cluster {
+    dir: tempfile::TempDir,
+    port: u16,
+    envs: Vec<(String, String)>,
+    nodes: usize,
+}
+
+impl Default for Cluster {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Cluster {
+    /// A cluster with nothing started yet, with short heartbeat and death timeouts.
+    pub fn new() -> Self {
+        let _ = tpuray_bin();
+        let dir = tempfile::Builder::new().prefix("tpuray-it-").tempdir().expect("tempdir");
+        std::fs::create_dir_all(dir.path().join("home")).expect("create home");
+        let mut c = Self { dir, port: free_port(), envs: Vec::new(), nodes: 0 };
+        c.set_env("TPURAY_HEARTBEAT_INTERVAL_MS", &HEARTBEAT_MS.to_string());
+        c.set_env("TPURAY_NODE_DEATH_TIMEOUT_MS", &DEATH_TIMEOUT_MS.to_string());
+        c.set_env("TPURAY_HEAD_CONNECT_TIMEOUT_MS", "10000");
+        c
+    }
+
+    /// Sets an environment variable for every later CLI call (and so for
+    /// every process those calls start).
+    pub fn set_env(&mut self, k: &str, v: &str) {
+        self.envs.retain(|(kk, _)| kk != k);
+        self.envs.push((k.to_string(), v.to_string()));
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn home(&self) -> PathBuf {
+        self.dir.path().join("home")
+    }
+
+    pub fn registry_dir(&self) -> PathBuf {
+        self.dir.path().join("registry")
+    }
+
+    pub fn head_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The CLI as a command with this cluster's environment.
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(tpuray_bin());
+        cmd.args(args)
+            .env("HOME", self.home())
+            .env("TPURAY_REGISTRY_DIR", self.registry_dir())
+            .env_remove("TPURAY_ADDRESS")
+            .env_remove("TPURAY_AUTH_TOKEN")
+            .env_remove("TPURAY_SELF_COMMAND")
+            .stdin(std::process::Stdio::null());
+        for (k, v) in &self.envs {
+            cmd.env(k, v);
+        }
+        cmd
+    }
+
+    /// Runs the CLI and returns its output, whatever its exit status.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        self.command(args).output().expect("run tpuray")
+    }
+
+    /// Runs the CLI, panics (with its output) unless it exits 0; returns stdout.
+    pub fn cli_ok(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        assert!(
+            out.status.success(),
+            "tpuray {args:?} failed ({}):\nstdout:\n{}\nstderr:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// `tpuray start --head` on this cluster's port with its own temp dir.
+    pub fn start_head(&mut self, extra: &[&str]) -> NodeHandle {
+        let temp = self.dir.path().join("head");
+        let port = self.port.to_string();
+        let temp_s = temp.display().to_string();
+        let mut args = vec!["start", "--head", "--port", &port, "--temp-dir", &temp_s];
+        args.extend_from_slice(extra);
+        let out = self.cli_ok(&args);
+        let node_id = parse_after(&out, "(node ", ')')
+            .unwrap_or_else(|| panic!("no node id in `tpuray start --head` output:\n{out}"));
+        self.node_handle(node_id, temp)
+    }
+
+    /// `tpuray start --address HEAD` with its own temp dir.
+    pub fn add_node(&mut self, extra: &[&str]) -> NodeHandle {
+        self.nodes += 1;
+        let temp = self.dir.path().join(format!("node{}", self.nodes));
+        let addr = self.head_addr();
+        let temp_s = temp.display().to_string();
+        let mut args = vec!["start", "--address", &addr, "--temp-dir", &temp_s];
+        args.extend_from_slice(extra);
+        let out = self.cli_ok(&args);
+        let node_id = parse_after(&out, "tpuray node ", ' ')
+            .unwrap_or_else(|| panic!("no node id in `tpuray start --address` output:\n{out}"));
+        self.node_handle(node_id, temp)
+    }
+
+    fn node_handle(&self, node_id: String, temp_dir: PathBuf) -> NodeHandle {
+        let nodes = self.list("nodes");
+        let n = nodes
+            .as_array()
+            .expect("list nodes is a JSON list")
+            .iter()
+            .find(|n| n["node_id"] == node_id.as_str())
+            .unwrap_or_else(|| panic!("node {node_id} not in `tpuray list nodes`: {nodes:#}"))
+            .clone();
+        let pid = n["pid"].as_u64().expect("node pid") as u32;
+        assert!(pid > 0 && pid_alive(pid), "agent pid {pid} of node {node_id} is not alive");
+        let address = n["address"].as_str().expect("node address").to_string();
+        NodeHandle { pid, node_id, address, temp_dir }
+    }
+
+    /// `tpuray status --address HEAD`'s output.
+    pub fn status(&self) -> String {
+        self.cli_ok(&["status", "--address", &self.head_addr()])
+    }
+
+    /// `tpuray list KIND --format json --address HEAD`, parsed.
+    pub fn list(&self, kind: &str) -> serde_json::Value {
+        let out = self.cli_ok(&["list", kind, "--format", "json", "--address", &self.head_addr()]);
+        serde_json::from_str(&out)
+            .unwrap_or_else(|e| panic!("`tpuray list {kind}` is not JSON ({e}):\n{out}"))
+    }
+
+    /// The node named `node_id` in `tpuray list nodes --format json`.
+    pub fn list_node(&self, node_id: &str) -> serde_json::Value {
+        let nodes = self.list("nodes");
+        nodes
+            .as_array()
+            .expect("list nodes is a JSON list")
+            .iter()
+            .find(|n| n["node_id"] == node_id)
+            .cloned()
+            .unwrap_or_else(|| panic!("node {node_id} not listed: {nodes:#}"))
+    }
+
+    /// The cluster token `tpuray start --head` wrote under this cluster's HOME.
+    pub fn token(&self) -> String {
+        let p = self.home().join(".tpuray").join("auth_token");
+        std::fs::read_to_string(&p)
+            .unwrap_or_else(|e| panic!("cannot read token {}: {e}", p.display()))
+            .trim()
+            .to_string()
+    }
+
+    /// A head client carrying this cluster's token (if it has one).
+    pub fn head_client(&self) -> HeadServiceClient<AuthChannel> {
+        let token = self.token_if_any();
+        tpuray_proto::client::head(&self.head_addr(), token.as_deref()).expect("head client")
+    }
+
+    /// A node agent client carrying this cluster's token (if it has one).
+    pub fn agent_client(&self, addr: &str) -> NodeAgentServiceClient<AuthChannel> {
+        let token = self.token_if_any();
+        tpuray_proto::client::agent(addr, token.as_deref()).expect("agent client")
+    }
+
+    fn token_if_any(&self) -> Option<String> {
+        let p = self.home().join(".tpuray").join("auth_token");
+        std::fs::read_to_string(p).ok().map(|s| s.trim().to_string())
+    }
+
+    /// Every process in this cluster's registry folder.
+    pub fn registry(&self) -> Vec<RegEntry> {
+        let Ok(rd) = std::fs::read_dir(self.registry_dir()) else {
+            return vec![];
+        };
+        rd.filter_map(|e| e.ok())
+            .filter(|e| {
+                let n = e.file_name().to_string_lossy().into_owned();
+                n.starts_with("proc-") && n.ends_with(".json")
+            })
+            .filter_map(|e| std::fs::read(e.path()).ok())
+            .filter_map(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .filter_map(|v| {
+                Some(RegEntry {
+                    pid: v["pid"].as_u64()? as u32,
+                    start_time: v["start_time"].as_u64()?,
+                    kind: v["kind"].as_str()?.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// Paths of every `*.err` log of every process this cluster started.
+    pub fn logs(&self) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        let Ok(tops) = std::fs::read_dir(self.dir.path()) else {
+            return out;
+        };
+        for top in tops.filter_map(|e| e.ok()) {
+            let Ok(sessions) = std::fs::read_dir(top.path()) else { continue };
+            for s in sessions.filter_map(|e| e.ok()) {
+                let name = s.file_name().to_string_lossy().into_owned();
+                if !name.starts_with("session_") || name == "session_latest" {
+                    continue;
+                }
+                let Ok(logs) = std::fs::read_dir(s.path().join("logs")) else { continue };
+                for l in logs.filter_map(|e| e.ok()) {
+                    if l.path().extension().is_some_and(|x| x == "err") {
+                        out.push(l.path());
+                    }
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    fn print_log_tails(&self) {
+        for p in self.logs() {
+            let s = std::fs::read_to_string(&p).unwrap_or_default();
+            let lines: Vec<&str> = s.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(40)..];
+            eprintln!("----- tail of {} -----", p.display());
+            for l in tail {
+                eprintln!("{l}");
+            }
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let panicking = std::thread::panicking();
+        if panicking {
+            self.print_log_tails();
+        }
+        if self.registry().iter().any(|e| e.is_alive()) {
+            let _ = self.command(&["stop", "--force"]).output();
+        }
+        let left: Vec<RegEntry> = self.registry().into_iter().filter(|e| e.is_alive()).collect();
+        for e in &left {
+            signal(e.pid, libc::SIGCONT);
+            signal(e.pid, libc::SIGKILL);
+        }
+        if !left.is_empty() {
+            eprintln!("tpuray-tests: SIGKILLed processes `tpuray stop --force` left: {left:?}");
+        }
+    }
+}
+
+fn parse_after(s: &str, prefix: &str, end: char) -> Option<String> {
+    let i = s.find(prefix)? + prefix.len();
+    let rest = &s[i..];
+    let j = rest.find(end).unwrap_or(rest.len());
+    let v = rest[..j].trim().to_string();
+    (!v.is_empty()).then_some(v)
+}
+
+/// Busy-loop child processes, killed when dropped.
+pub struct Burners(Vec<std::process::Child>);
+
+impl Burners {
+    /// Starts `n` `sh -c 'while :; do :; done'` processes.
+    pub fn start(n: usize) -> Self {
+        Self(
+            (0..n)
+                .map(|_| {
+                    Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .stdin(std::process::Stdio::null())
+                        .spawn()
+                        .expect("spawn busy loop")
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for Burners {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Number of CPUs this machine has.
+pub fn nproc() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+/// A lease request for `resources` with a fresh request id.
+pub fn lease_request(job_id: &str, resources: &[(&str, f64)]) -> pb::RequestWorkerLeaseRequest {
+    pb::RequestWorkerLeaseRequest {
+        request_id: tpuray_proto::new_request_id(),
+        job_id: job_id.to_string(),
+        resources: resources.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        ..Default::default()
+    }
+}
+
+/// The state string of a node in `tpuray list nodes --format json`.
+pub fn node_state(n: &serde_json::Value) -> &str {
+    n["state"].as_str().unwrap_or("")
+}
+
+/// Every node of the head's `GetClusterStatus` is ALIVE.
+pub async fn all_alive(head: &mut HeadServiceClient<AuthChannel>) -> Result<bool, tonic::Status> {
+    let st = head.get_cluster_status(pb::GetClusterStatusRequest {}).await?.into_inner();
+    Ok(st.nodes.iter().all(|n| n.state == pb::NodeState::Alive as i32))
+}
