@@ -34,7 +34,10 @@ pub fn tpuray_bin() -> PathBuf {
         return PathBuf::from(p);
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let bin = root.join("target").join("debug").join("tpuray");
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(|t| root.join(t))
+        .unwrap_or_else(|| root.join("target"));
+    let bin = target.join("debug").join("tpuray");
     BUILD.call_once(|| {
         if !bin.exists() {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
