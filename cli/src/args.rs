@@ -24,7 +24,7 @@ pub enum Command {
     Start(StartArgs),
     /// Show nodes, resource usage and pending or infeasible demand.
     Status(AddressArg),
-    /// List cluster state: nodes, actors or jobs.
+    /// List cluster state: nodes, actors, jobs or tasks.
     List(ListArgs),
     /// Stop every tpuray process started on this machine.
     Stop(StopArgs),
@@ -142,6 +142,7 @@ pub enum ListKind {
     Nodes,
     Actors,
     Jobs,
+    Tasks,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -189,6 +189,29 @@ pub fn list(address: &str, kind: ListKind, format: Format) -> Result<i32> {
                     })
                 })
                 .collect(),
+            ListKind::Tasks => head
+                .list_tasks(pb::ListTasksRequest { limit: 0 })
+                .await
+                .map_err(|s| call_err(address, s))?
+                .into_inner()
+                .tasks
+                .iter()
+                .map(|t| {
+                    json!({
+                        "task_id": t.task_id,
+                        "name": t.name,
+                        "state": t.state,
+                        "job_id": t.job_id,
+                        "node_id": t.node_id,
+                        "worker_id": t.worker_id,
+                        "actor_id": t.actor_id,
+                        "attempt": t.attempt,
+                        "error": t.error,
+                        "submitted_ms": t.submitted_ms,
+                        "finished_ms": t.finished_ms,
+                    })
+                })
+                .collect(),
         };
         Ok::<_, anyhow::Error>(rows)
     })?;
@@ -206,6 +229,7 @@ fn print_table(rows: &[serde_json::Value], kind: ListKind) {
             &["actor_id", "class_name", "name", "state", "node_id", "pid", "num_restarts"]
         }
         ListKind::Jobs => &["job_id", "state", "driver_pid", "entrypoint"],
+        ListKind::Tasks => &["task_id", "name", "state", "attempt", "node_id", "error"],
     };
     let cell = |r: &serde_json::Value, c: &str| match &r[c] {
         serde_json::Value::String(s) => s.clone(),

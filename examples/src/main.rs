@@ -4,9 +4,9 @@
 
 fn main() -> anyhow::Result<()> {
     let address = std::env::args().nth(1);
-    let cluster = tpuray::init(address.as_deref())?;
-    println!("joined as job {}", cluster.job_id());
-    for n in cluster.nodes()? {
+    tpuray::init(address.as_deref())?;
+    println!("joined as job {}", tpuray::job_id()?);
+    for n in tpuray::nodes()? {
         let cpus = n.resources.get("CPU").copied().unwrap_or(0.0);
         let custom: Vec<String> = n
             .resources
@@ -22,8 +22,8 @@ fn main() -> anyhow::Result<()> {
             custom.join(" ")
         );
     }
-    println!("cluster resources: {:?}", cluster.cluster_resources()?);
-    println!("available resources: {:?}", cluster.available_resources()?);
-    cluster.shutdown();
+    println!("cluster resources: {:?}", tpuray::cluster_resources()?);
+    println!("available resources: {:?}", tpuray::available_resources()?);
+    tpuray::shutdown();
     Ok(())
 }

@@ -26,6 +26,7 @@ pub fn node_to_proto(n: &NodeRecord) -> pb::NodeInfo {
         num_workers: 0,
         session_dir: n.session_dir.clone(),
         pid: n.pid,
+        object_store_dir: n.object_store_dir.clone(),
     }
 }
 
@@ -42,6 +43,7 @@ pub fn job_to_proto(j: &JobRecord) -> pb::JobInfo {
         start_time_ms: j.start_time_ms,
         end_time_ms: j.end_time_ms,
         driver_pid: j.driver_pid,
+        worker_binary_hash: j.worker_binary_hash.clone(),
     }
 }
 

@@ -29,6 +29,8 @@ use crate::state::{
 
 /// How many state changes are kept for subscribers that resume.
 const CHANGE_LOG_CAPACITY: usize = 10_000;
+/// How many tasks `list tasks` remembers (oldest dropped first).
+const MAX_TASKS_KEPT: usize = 100_000;
 
 /// Head settings.
 #[derive(Clone, Debug)]
@@ -62,6 +64,10 @@ struct Inner {
     actor_pending: HashMap<ActorId, (String, bool)>,
     /// Actors whose worker start is in flight.
     placing: HashSet<ActorId>,
+    /// Task summaries from task events (soft, bounded, lossy).
+    tasks: HashMap<String, pb::TaskSummary>,
+    task_order: VecDeque<String>,
+    tasks_dropped: u64,
 }
 
 /// The head's shared state; cheap to clone through `Arc`.
@@ -88,6 +94,9 @@ impl Head {
                 seq: 0,
                 actor_pending: HashMap::new(),
                 placing: HashSet::new(),
+                tasks: HashMap::new(),
+                task_order: VecDeque::new(),
+                tasks_dropped: 0,
             }),
             events,
             placement_wake: Notify::new(),
@@ -295,6 +304,7 @@ impl Head {
                 resources: resources_to_proto(&actor.resources),
                 class_name: actor.class_name.clone(),
                 attempt: actor.num_restarts,
+                creation_task: actor.creation_task.clone(),
             };
             let mut req = Request::new(req);
             req.set_timeout(Duration::from_secs(60));
@@ -319,6 +329,20 @@ impl Head {
                     tracing::info!(actor_id = %actor.actor_id, %r, "actor started after it was killed; stopping its worker");
                     let _ = self.kill_actor_worker(&address, &actor.actor_id).await;
                 }
+            }
+            Err(status) if status.code() == tonic::Code::FailedPrecondition => {
+                // The constructor failed or the binary is missing: retrying
+                // elsewhere would fail the same way.
+                tracing::warn!(actor_id = %actor.actor_id, %status, "actor creation failed");
+                self.commit(Command {
+                    request_id: String::new(),
+                    kind: CommandKind::ActorWorkerExited {
+                        actor_id: actor.actor_id.clone(),
+                        worker_id: None,
+                        intended: true,
+                        cause: format!("the actor's creation failed: {}", status.message()),
+                    },
+                });
             }
             Err(status) => {
                 tracing::warn!(actor_id = %actor.actor_id, %node_id, %status, "starting actor worker failed; will retry placement");
@@ -430,6 +454,7 @@ impl HeadService for HeadSvc {
             session_dir: node.session_dir,
             pid: node.pid,
             status: NodeStatus::Alive,
+            object_store_dir: node.object_store_dir,
         };
         if let Outcome::Rejected(r) = self
             .0
@@ -599,6 +624,7 @@ impl HeadService for HeadSvc {
             },
             start_time_ms: now_ms(),
             end_time_ms: 0,
+            worker_binary_hash: req.worker_binary_hash,
         };
         let id = match self
             .0
@@ -701,6 +727,7 @@ impl HeadService for HeadSvc {
             num_restarts: 0,
             detached: req.detached,
             status: ActorStatus::PendingCreation,
+            creation_task: req.creation_task,
         };
         let id = match self.0.commit(Command {
             request_id: req.request_id,
@@ -909,6 +936,74 @@ impl HeadService for HeadSvc {
             .map(|((_, k), _)| k.clone())
             .collect();
         Ok(Response::new(pb::KvKeysReply { keys }))
+    }
+
+    async fn report_task_events(
+        &self,
+        req: Request<pb::ReportTaskEventsRequest>,
+    ) -> Result<Response<pb::ReportTaskEventsReply>, Status> {
+        let mut inner = self.0.lock();
+        for e in req.into_inner().events {
+            if !inner.tasks.contains_key(&e.task_id) {
+                inner.task_order.push_back(e.task_id.clone());
+                while inner.task_order.len() > MAX_TASKS_KEPT {
+                    if let Some(old) = inner.task_order.pop_front() {
+                        inner.tasks.remove(&old);
+                        inner.tasks_dropped += 1;
+                    }
+                }
+            }
+            let t = inner.tasks.entry(e.task_id.clone()).or_insert_with(|| pb::TaskSummary {
+                task_id: e.task_id.clone(),
+                job_id: e.job_id.clone(),
+                name: e.name.clone(),
+                actor_id: e.actor_id.clone(),
+                ..Default::default()
+            });
+            // Events from owner and executor may arrive in any order: a final
+            // state is never overwritten by an earlier one.
+            let rank = |s: &str| match s {
+                "SUBMITTED" => 0,
+                "RETRYING" => 1,
+                "RUNNING" => 2,
+                _ => 3,
+            };
+            if e.state == "SUBMITTED" {
+                t.submitted_ms = e.time_ms;
+            }
+            if e.state == "RUNNING" {
+                t.node_id = e.node_id.clone();
+                t.worker_id = e.worker_id.clone();
+            }
+            if rank(&e.state) >= rank(&t.state) || e.attempt > t.attempt {
+                t.state = e.state.clone();
+                t.attempt = e.attempt;
+                if rank(&e.state) == 3 {
+                    t.finished_ms = e.time_ms;
+                    t.error = e.error.clone();
+                }
+            }
+        }
+        Ok(Response::new(pb::ReportTaskEventsReply {}))
+    }
+
+    async fn list_tasks(
+        &self,
+        req: Request<pb::ListTasksRequest>,
+    ) -> Result<Response<pb::ListTasksReply>, Status> {
+        let limit = match req.into_inner().limit {
+            0 => usize::MAX,
+            n => n as usize,
+        };
+        let inner = self.0.lock();
+        let tasks = inner
+            .task_order
+            .iter()
+            .rev()
+            .take(limit)
+            .filter_map(|id| inner.tasks.get(id).cloned())
+            .collect();
+        Ok(Response::new(pb::ListTasksReply { tasks, dropped: inner.tasks_dropped }))
     }
 
     type SubscribeStream = ChangeStream;

@@ -39,6 +39,8 @@ pub struct NodeRecord {
     pub session_dir: String,
     pub pid: u32,
     pub status: NodeStatus,
+    /// The node's object store folder.
+    pub object_store_dir: String,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -57,6 +59,8 @@ pub struct JobRecord {
     pub namespace: String,
     pub start_time_ms: u64,
     pub end_time_ms: u64,
+    /// sha256 of the job's worker binary in the KV ("" when none).
+    pub worker_binary_hash: String,
 }
 
 /// Where an actor is in its life. `Restarting` and `PendingCreation` both
@@ -88,6 +92,8 @@ pub struct ActorRecord {
     pub num_restarts: u32,
     pub detached: bool,
     pub status: ActorStatus,
+    /// The serialized creation task the actor's worker runs on every start.
+    pub creation_task: Vec<u8>,
 }
 
 impl ActorRecord {
@@ -419,6 +425,7 @@ mod tests {
             session_dir: String::new(),
             pid: 1,
             status: NodeStatus::Alive,
+            object_store_dir: String::new(),
         }
     }
 
@@ -438,6 +445,7 @@ mod tests {
             num_restarts: 0,
             detached: false,
             status: ActorStatus::PendingCreation,
+            creation_task: vec![],
         }
     }
 

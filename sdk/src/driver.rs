@@ -1,32 +1,28 @@
-//! The driver side of the SDK: `tpuray::init` joins a cluster as a job (the
-//! head records it), and the handle reads the cluster's nodes and resources
-//! the way Ray's `ray.nodes()` / `ray.cluster_resources()` do.
+//! The driver side: `tpuray::init` joins a cluster as a job. It uploads the
+//! program's own binary to the cluster (content-addressed, so node agents can
+//! start it as the job's worker without a shared filesystem), registers the
+//! job, attaches to the node agent of this machine, and serves the owner side
+//! of `WorkerService`.
 //!
-//! Blocking: every method blocks the calling thread on the SDK's own runtime;
-//! never call them from inside another tokio runtime's async context.
+//! Blocking: these functions block the calling thread on the SDK's runtime.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use sha2::Digest;
 use tonic::Request;
+use tpuray_objectstore::LocalStore;
 use tpuray_proto::pb;
 
-/// Errors joining or reading a cluster.
-#[derive(Debug, thiserror::Error)]
-pub enum InitError {
-    #[error(
-        "no cluster address: pass one to init(), set TPURAY_ADDRESS, or start a cluster with `tpuray start --head`"
-    )]
-    NoAddress,
-    #[error("invalid cluster address {0:?}: {1}")]
-    BadAddress(String, String),
-    #[error("cannot read the cluster token: {0}")]
-    Token(String),
-    #[error("the head at {address} answered: {detail}")]
-    Head { address: String, detail: String },
-    #[error("cannot start the SDK runtime: {0}")]
-    Runtime(String),
-}
+use crate::core::Core;
+use crate::error::Error;
+use crate::service::Svc;
+
+/// KV namespace holding uploaded worker binaries: `<sha256>/meta` (JSON with
+/// `chunks` and `size`, written last) and `<sha256>/<i>` chunks.
+pub const BINARIES_NAMESPACE: &str = "binaries";
+const CHUNK_BYTES: usize = 8 * 1024 * 1024;
 
 /// One node as `nodes()` reports it (Ray's keys: `NodeID`, `Alive`, ...).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -43,53 +39,6 @@ pub struct NodeSummary {
     pub labels: BTreeMap<String, String>,
 }
 
-/// A connection to a cluster, registered as one job.
-pub struct Cluster {
-    rt: tokio::runtime::Runtime,
-    address: String,
-    token: Option<String>,
-    job_id: String,
-}
-
-/// Joins the cluster at `address` (`host:port[,...]`), or at
-/// `TPURAY_ADDRESS`, or the one `tpuray start --head` left on this machine.
-///
-/// # Errors
-/// [`InitError`] naming the missing address, bad token or head refusal.
-pub fn init(address: Option<&str>) -> Result<Cluster, InitError> {
-    let address = match address.map(str::to_string).or_else(|| std::env::var("TPURAY_ADDRESS").ok())
-    {
-        Some(a) if !a.is_empty() => a,
-        _ => current_cluster_address().ok_or(InitError::NoAddress)?,
-    };
-    let token = tpuray_proto::auth::load_token().map_err(|e| InitError::Token(e.to_string()))?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| InitError::Runtime(e.to_string()))?;
-    let first = address.split(',').next().unwrap_or_default().to_string();
-    let job_id = rt.block_on(async {
-        let mut head = tpuray_proto::client::head(&first, token.as_deref())
-            .map_err(|e| InitError::BadAddress(first.clone(), e.to_string()))?;
-        let mut req = Request::new(pb::RegisterJobRequest {
-            request_id: tpuray_proto::new_request_id(),
-            protocol_version: tpuray_proto::PROTOCOL_VERSION,
-            driver_address: String::new(),
-            entrypoint: std::env::args().collect::<Vec<_>>().join(" "),
-            namespace: String::new(),
-            driver_pid: std::process::id(),
-        });
-        req.set_timeout(Duration::from_secs(10));
-        let reply = head.register_job(req).await.map_err(|s| InitError::Head {
-            address: first.clone(),
-            detail: s.message().to_string(),
-        })?;
-        Ok::<_, InitError>(reply.into_inner().job.map(|j| j.job_id).unwrap_or_default())
-    })?;
-    Ok(Cluster { rt, address: first, token, job_id })
-}
-
 fn current_cluster_address() -> Option<String> {
     let dir = std::env::var_os("TPURAY_REGISTRY_DIR")
         .map(std::path::PathBuf::from)
@@ -99,77 +48,231 @@ fn current_cluster_address() -> Option<String> {
     v.get("address")?.as_str().map(str::to_string)
 }
 
-impl Cluster {
-    /// This driver's job id.
-    pub fn job_id(&self) -> &str {
-        &self.job_id
-    }
+fn cluster_err(what: &str, s: tonic::Status) -> Error {
+    Error::Cluster(format!("{what}: {}", s.message()))
+}
 
-    fn status(&self) -> Result<pb::GetClusterStatusReply, InitError> {
-        self.rt.block_on(async {
-            let mut head = tpuray_proto::client::head(&self.address, self.token.as_deref())
-                .map_err(|e| InitError::BadAddress(self.address.clone(), e.to_string()))?;
-            head.get_cluster_status(pb::GetClusterStatusRequest {})
-                .await
-                .map(|r| r.into_inner())
-                .map_err(|s| InitError::Head {
-                    address: self.address.clone(),
-                    detail: s.message().to_string(),
-                })
+/// Uploads `path` to the head's KV unless a copy with the same hash is
+/// there; returns the sha256 hex.
+async fn upload_binary(
+    head: &mut pb::head_service_client::HeadServiceClient<tpuray_proto::client::AuthChannel>,
+    path: &std::path::Path,
+) -> Result<String, Error> {
+    let bytes = std::fs::read(path).map_err(|e| {
+        Error::Cluster(format!("cannot read this program's binary {}: {e}", path.display()))
+    })?;
+    let hash = format!("{:x}", sha2::Sha256::digest(&bytes));
+    let meta_key = format!("{hash}/meta").into_bytes();
+    let have = head
+        .kv_get(pb::KvGetRequest { namespace: BINARIES_NAMESPACE.into(), key: meta_key.clone() })
+        .await
+        .map_err(|s| cluster_err("checking the job binary", s))?
+        .into_inner()
+        .found;
+    if have {
+        return Ok(hash);
+    }
+    let chunks: Vec<&[u8]> = bytes.chunks(CHUNK_BYTES).collect();
+    for (i, c) in chunks.iter().enumerate() {
+        head.kv_put(pb::KvPutRequest {
+            request_id: tpuray_proto::new_request_id(),
+            namespace: BINARIES_NAMESPACE.into(),
+            key: format!("{hash}/{i}").into_bytes(),
+            value: c.to_vec(),
+            overwrite: true,
         })
+        .await
+        .map_err(|s| cluster_err("uploading the job binary", s))?;
     }
+    let meta = serde_json::json!({ "chunks": chunks.len(), "size": bytes.len() }).to_string();
+    head.kv_put(pb::KvPutRequest {
+        request_id: tpuray_proto::new_request_id(),
+        namespace: BINARIES_NAMESPACE.into(),
+        key: meta_key,
+        value: meta.into_bytes(),
+        overwrite: true,
+    })
+    .await
+    .map_err(|s| cluster_err("uploading the job binary", s))?;
+    Ok(hash)
+}
 
-    /// Every node the head knows, alive or dead.
-    ///
-    /// # Errors
-    /// [`InitError::Head`] when the head cannot be reached.
-    pub fn nodes(&self) -> Result<Vec<NodeSummary>, InitError> {
-        Ok(self
-            .status()?
-            .nodes
-            .into_iter()
-            .map(|n| NodeSummary {
-                alive: n.state == pb::NodeState::Alive as i32,
-                node_id: n.node_id,
-                address: n
-                    .address
-                    .rsplit_once(':')
-                    .map(|(h, _)| h.to_string())
-                    .unwrap_or(n.address),
-                resources: n.total.into_iter().collect(),
-                labels: n.labels.into_iter().collect(),
-            })
-            .collect())
-    }
-
-    /// Total resources of the live nodes (`ray.cluster_resources()`).
-    ///
-    /// # Errors
-    /// [`InitError::Head`] when the head cannot be reached.
-    pub fn cluster_resources(&self) -> Result<BTreeMap<String, f64>, InitError> {
-        Ok(self.status()?.total.into_iter().collect())
-    }
-
-    /// Resources free right now (`ray.available_resources()`).
-    ///
-    /// # Errors
-    /// [`InitError::Head`] when the head cannot be reached.
-    pub fn available_resources(&self) -> Result<BTreeMap<String, f64>, InitError> {
-        Ok(self.status()?.available.into_iter().collect())
-    }
-
-    /// Marks this job finished (non-detached actors end with it).
-    pub fn shutdown(self) {
-        let Cluster { rt, address, token, job_id } = self;
-        rt.block_on(async {
-            if let Ok(mut head) = tpuray_proto::client::head(&address, token.as_deref()) {
-                let mut req = Request::new(pb::FinishJobRequest {
-                    request_id: tpuray_proto::new_request_id(),
-                    job_id,
-                });
-                req.set_timeout(Duration::from_secs(5));
-                let _ = head.finish_job(req).await;
+/// Joins the cluster at `address` (`host:port[,...]`), or at
+/// `TPURAY_ADDRESS`, or the one `tpuray start --head` left on this machine.
+/// In a worker process (started by a node agent) this runs the worker loop
+/// and exits the process instead of returning.
+///
+/// # Errors
+/// [`Error::Cluster`] naming the missing address, token or head refusal.
+pub fn init(address: Option<&str>) -> Result<(), Error> {
+    if crate::worker::is_worker_process() {
+        let code = match crate::worker::run_worker() {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("tpuray worker: {e}");
+                1
             }
-        });
+        };
+        std::process::exit(code);
     }
+    let address = match address.map(str::to_string).or_else(|| std::env::var("TPURAY_ADDRESS").ok()) {
+        Some(a) if !a.is_empty() => a,
+        _ => current_cluster_address().ok_or_else(|| {
+            Error::Cluster("no cluster address: pass one to init(), set TPURAY_ADDRESS, or start a cluster with `tpuray start --head`".into())
+        })?,
+    };
+    let head_address = address.split(',').next().unwrap_or_default().to_string();
+    let token = tpuray_proto::auth::load_token().map_err(|e| Error::Cluster(e.to_string()))?;
+    let fail_on_infeasible =
+        matches!(std::env::var("TPURAY_FAIL_ON_INFEASIBLE").as_deref(), Ok("1") | Ok("true"));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Cluster(e.to_string()))?;
+    let (job_id, node, listener) = rt.block_on(async {
+        let mut head = tpuray_proto::client::head(&head_address, token.as_deref())
+            .map_err(|e| Error::Cluster(e.to_string()))?;
+        let status = head
+            .get_cluster_status(pb::GetClusterStatusRequest {})
+            .await
+            .map_err(|s| cluster_err(&format!("the head at {head_address}"), s))?
+            .into_inner();
+        // Attach to this machine's node agent; with several (a simulated
+        // cluster), to the head node's (DESIGN.md §4).
+        let alive: Vec<&pb::NodeInfo> =
+            status.nodes.iter().filter(|n| n.state == pb::NodeState::Alive as i32).collect();
+        let local_host = head_address.rsplit_once(':').map(|(h, _)| h).unwrap_or("127.0.0.1");
+        let node = alive
+            .iter()
+            .find(|n| n.is_head_node && n.address.starts_with(&format!("{local_host}:")))
+            .or_else(|| alive.iter().find(|n| n.address.starts_with(&format!("{local_host}:"))))
+            .or_else(|| alive.first())
+            .map(|n| (*n).clone())
+            .ok_or_else(|| {
+                Error::Cluster(format!("the cluster at {head_address} has no live node"))
+            })?;
+        let exe = std::env::current_exe()
+            .map_err(|e| Error::Cluster(format!("cannot find this program's binary: {e}")))?;
+        let hash = upload_binary(&mut head, &exe).await?;
+        let mut req = Request::new(pb::RegisterJobRequest {
+            request_id: tpuray_proto::new_request_id(),
+            protocol_version: tpuray_proto::PROTOCOL_VERSION,
+            driver_address: String::new(),
+            entrypoint: std::env::args().collect::<Vec<_>>().join(" "),
+            namespace: String::new(),
+            driver_pid: std::process::id(),
+            worker_binary_hash: hash,
+        });
+        req.set_timeout(Duration::from_secs(10));
+        let job = head
+            .register_job(req)
+            .await
+            .map_err(|s| cluster_err("registering the job", s))?
+            .into_inner()
+            .job
+            .unwrap_or_default();
+        let host =
+            node.address.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or("127.0.0.1".into());
+        let listener = tokio::net::TcpListener::bind((host.as_str(), 0))
+            .await
+            .map_err(|e| Error::Cluster(format!("cannot listen on {host}: {e}")))?;
+        Ok::<_, Error>((job.job_id, node, listener))
+    })?;
+    let own = listener.local_addr().map_err(|e| Error::Cluster(e.to_string()))?.to_string();
+    let store =
+        LocalStore::open(&node.object_store_dir).map_err(|e| Error::Cluster(e.to_string()))?;
+    let core = Core::new(
+        rt,
+        job_id,
+        tpuray_proto::ids::WorkerId::random().to_string(),
+        node.node_id.clone(),
+        own,
+        node.address.clone(),
+        head_address,
+        token.clone(),
+        store,
+        fail_on_infeasible,
+    );
+    let core = crate::core::install(Arc::new(core))?;
+    let (exit_tx, _exit_rx) = tokio::sync::mpsc::channel(1);
+    let svc = Arc::new(Svc {
+        core: Arc::clone(core),
+        executor: OnceLock::new(),
+        actor_id: String::new(),
+        exit: exit_tx,
+    });
+    core.rt.spawn(crate::service::serve(listener, svc, token, true, std::future::pending()));
+    let flusher = Arc::clone(core);
+    core.rt.spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            flusher.flush_events().await;
+        }
+    });
+    Ok(())
+}
+
+/// Finishes this job (non-detached actors end with it) after sending the
+/// last task events.
+pub fn shutdown() {
+    let Some(core) = crate::core::try_core() else { return };
+    core.rt.block_on(async {
+        core.flush_events().await;
+        if let Ok(mut head) = tpuray_proto::client::head(&core.head_address, core.token.as_deref())
+        {
+            let mut req = Request::new(pb::FinishJobRequest {
+                request_id: tpuray_proto::new_request_id(),
+                job_id: core.job_id.clone(),
+            });
+            req.set_timeout(Duration::from_secs(5));
+            let _ = head.finish_job(req).await;
+        }
+    });
+}
+
+fn status() -> Result<pb::GetClusterStatusReply, Error> {
+    let core = crate::core::core()?;
+    core.rt.block_on(async {
+        let mut head = tpuray_proto::client::head(&core.head_address, core.token.as_deref())
+            .map_err(|e| Error::Cluster(e.to_string()))?;
+        head.get_cluster_status(pb::GetClusterStatusRequest {})
+            .await
+            .map(|r| r.into_inner())
+            .map_err(|s| cluster_err("the head", s))
+    })
+}
+
+/// Every node the head knows, alive or dead (`ray.nodes()`).
+///
+/// # Errors
+/// [`Error::Cluster`] when not initialised or the head cannot be reached.
+pub fn nodes() -> Result<Vec<NodeSummary>, Error> {
+    Ok(status()?
+        .nodes
+        .into_iter()
+        .map(|n| NodeSummary {
+            alive: n.state == pb::NodeState::Alive as i32,
+            node_id: n.node_id,
+            address: n.address.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or(n.address),
+            resources: n.total.into_iter().collect(),
+            labels: n.labels.into_iter().collect(),
+        })
+        .collect())
+}
+
+/// Total resources of the live nodes (`ray.cluster_resources()`).
+///
+/// # Errors
+/// As [`nodes`].
+pub fn cluster_resources() -> Result<BTreeMap<String, f64>, Error> {
+    Ok(status()?.total.into_iter().collect())
+}
+
+/// Resources free right now (`ray.available_resources()`).
+///
+/// # Errors
+/// As [`nodes`].
+pub fn available_resources() -> Result<BTreeMap<String, f64>, Error> {
+    Ok(status()?.available.into_iter().collect())
 }

@@ -1,15 +1,268 @@
-//! tpuray's Rust SDK and core worker: the code that drivers and worker
-//! processes of both languages share (DESIGN.md §1, §8).
+//! tpuray's Rust SDK and core worker, shared by drivers and worker processes
+//! of both languages (DESIGN.md §1, §2, §8).
 //!
-//! - [`worker`]: the worker-process side: registers with its node agent and
-//!   serves `WorkerService`; exits when its node agent dies (CORE-1).
-//! - [`driver`]: the driver side: joins a cluster as a job and reads the
-//!   cluster's nodes and resources.
+//! ```ignore
+//! #[tpuray::remote]
+//! fn add(a: i64, b: i64) -> i64 { a + b }
 //!
-//! Tasks, objects and actors arrive with the core-worker issue; this crate
-//! is where they live.
+//! fn main() -> Result<(), tpuray::Error> {
+//!     tpuray::init(None)?;              // in a worker process: never returns
+//!     let x = add::remote(1, 2);        // ObjectRef<i64>
+//!     let y = add::remote(&x, 10);      // refs pass straight into tasks
+//!     assert_eq!(tpuray::get(&y)?, 13);
+//!     tpuray::shutdown();
+//!     Ok(())
+//! }
+//! ```
+//!
+//! Modules: [`core`] (ownership, submission through leases, actor calls,
+//! object fetches; invariants CORE-2..5), `executor` (running pushed tasks,
+//! hosting an actor), [`worker`] (the worker process, CORE-1), [`driver`]
+//! (`init`, binary upload, cluster queries), [`codec`] (postcard encoding of
+//! serde values), [`registry`] (the binary's function table).
+//!
+//! Blocking: `init`, `get`, `wait`, `put`, submission and actor creation
+//! block the calling thread; call them from plain threads, never from inside
+//! another async runtime. User functions run on executor threads.
 
+pub mod actor;
+pub mod codec;
+pub mod core;
 pub mod driver;
+pub mod error;
+mod executor;
+pub mod object_ref;
+pub mod options;
+pub mod registry;
+mod service;
 pub mod worker;
 
-pub use driver::{Cluster, InitError, NodeSummary, init};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+pub use actor::ActorHandle;
+pub use codec::{Blob, IntoArg};
+pub use driver::{NodeSummary, available_resources, cluster_resources, init, nodes, shutdown};
+pub use error::{Error, TaskFailure};
+pub use object_ref::{Generator, ObjectRef, ObjectRefGenerator, RawRef};
+pub use options::{ActorOptions, Scheduling, TaskOptions};
+pub use tpuray_macros::{actor, remote};
+
+#[doc(hidden)]
+pub use inventory;
+#[doc(hidden)]
+pub use serde;
+
+/// Waits for the value of `r`.
+///
+/// # Errors
+/// The task's error (naming the function and carrying its message), a lost
+/// object, or a decode mismatch.
+pub fn get<T: DeserializeOwned>(r: &ObjectRef<T>) -> Result<T, Error> {
+    get_inner(r, None)
+}
+
+/// Waits at most `timeout` for the value of `r`.
+///
+/// # Errors
+/// [`Error::Timeout`] when it is not ready in time; else as [`get`].
+pub fn get_timeout<T: DeserializeOwned>(r: &ObjectRef<T>, timeout: Duration) -> Result<T, Error> {
+    get_inner(r, Some(Instant::now() + timeout))
+}
+
+fn get_inner<T: DeserializeOwned>(r: &ObjectRef<T>, deadline: Option<Instant>) -> Result<T, Error> {
+    let core = core::core()?;
+    let data = core.rt.block_on(core.get_data(r.raw(), deadline)).map_err(|e| match e {
+        Error::Timeout(..) => Error::Timeout(
+            deadline.map(|d| d.saturating_duration_since(Instant::now())).unwrap_or_default(),
+            1,
+        ),
+        e => e,
+    })?;
+    codec::decode(&data).map_err(Error::Decode)
+}
+
+/// Waits for every value, in order.
+///
+/// # Errors
+/// The first failure, as [`get`].
+pub fn get_all<T: DeserializeOwned>(refs: &[ObjectRef<T>]) -> Result<Vec<T>, Error> {
+    refs.iter().map(get).collect()
+}
+
+/// The raw bytes of an object without decoding: mapped from the node's
+/// shared-memory store for large objects (no copy), inline otherwise.
+///
+/// # Errors
+/// As [`get`].
+pub fn get_bytes<T>(r: &ObjectRef<T>) -> Result<core::Data, Error> {
+    let core = core::core()?;
+    core.rt.block_on(core.get_data(r.raw(), None))
+}
+
+/// Stores `value` as an object owned by this process.
+///
+/// # Errors
+/// The node's object store cannot take it.
+pub fn put<T: Serialize>(value: &T) -> Result<ObjectRef<T>, Error> {
+    let core = core::core()?;
+    core.put_bytes(codec::encode(value)).map(ObjectRef::from_raw)
+}
+
+/// Ready and not-ready refs, as [`wait`] returns them.
+pub type WaitResult<T> = (Vec<ObjectRef<T>>, Vec<ObjectRef<T>>);
+
+/// Splits `refs` into (ready, not ready) once `num_returns` are ready or
+/// `timeout` passes (Ray's `wait`; order within each list is kept).
+///
+/// # Errors
+/// [`Error::Cluster`] when not initialised.
+pub fn wait<T>(
+    refs: &[ObjectRef<T>],
+    num_returns: usize,
+    timeout: Option<Duration>,
+) -> Result<WaitResult<T>, Error> {
+    let core = core::core()?;
+    let deadline = timeout.map(|t| Instant::now() + t);
+    let want = num_returns.min(refs.len());
+    core.rt.block_on(async {
+        loop {
+            let mut ready = vec![false; refs.len()];
+            let mut n = 0;
+            for (i, r) in refs.iter().enumerate() {
+                if n >= want {
+                    break;
+                }
+                if core.is_ready(r.raw()).await {
+                    ready[i] = true;
+                    n += 1;
+                }
+            }
+            if n >= want || deadline.is_some_and(|d| Instant::now() >= d) {
+                let (a, b): (Vec<_>, Vec<_>) =
+                    refs.iter().cloned().zip(ready).partition(|(_, r)| *r);
+                return Ok((
+                    a.into_iter().map(|x| x.0).collect(),
+                    b.into_iter().map(|x| x.0).collect(),
+                ));
+            }
+            core.changed(Duration::from_millis(20)).await;
+        }
+    })
+}
+
+/// Cancels the task that makes `r`: a queued task never runs; a running one
+/// is stopped when `force` (its worker exits). `get` then fails with
+/// [`Error::Cancelled`].
+///
+/// # Errors
+/// The worker running it cannot be reached.
+pub fn cancel<T>(r: &ObjectRef<T>, force: bool) -> Result<(), Error> {
+    let core = core::core()?;
+    core.rt.block_on(core.cancel(r.id(), force))
+}
+
+/// Kills an actor by id (Ray's `kill`).
+///
+/// # Errors
+/// The head cannot be reached or does not know the actor.
+pub fn kill_actor(actor_id: &str, no_restart: bool) -> Result<(), Error> {
+    let core = core::core()?;
+    core.rt.block_on(async {
+        let mut head = tpuray_proto::client::head(&core.head_address, core.token.as_deref())
+            .map_err(|e| Error::Cluster(e.to_string()))?;
+        head.kill_actor(tpuray_proto::pb::KillActorRequest {
+            request_id: tpuray_proto::new_request_id(),
+            actor_id: actor_id.to_string(),
+            no_restart,
+        })
+        .await
+        .map_err(|s| Error::Cluster(s.message().to_string()))?;
+        Ok(())
+    })
+}
+
+/// The live actor named `name` in `namespace` (default: "default").
+///
+/// # Errors
+/// [`Error::Cluster`] naming the actor when there is none.
+pub fn get_actor(name: &str, namespace: Option<&str>) -> Result<ActorHandle, Error> {
+    let core = core::core()?;
+    core.rt.block_on(async {
+        let mut head = tpuray_proto::client::head(&core.head_address, core.token.as_deref())
+            .map_err(|e| Error::Cluster(e.to_string()))?;
+        let a = head
+            .get_actor(tpuray_proto::pb::GetActorRequest {
+                name: name.to_string(),
+                namespace: namespace.unwrap_or_default().to_string(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| Error::Cluster(s.message().to_string()))?
+            .into_inner()
+            .actor
+            .unwrap_or_default();
+        Ok(ActorHandle { actor_id: a.actor_id, class: a.class_name, name: a.name })
+    })
+}
+
+#[doc(hidden)]
+pub fn submit_task<T>(function: &str, args: Vec<codec::Arg>, opts: &TaskOptions) -> ObjectRef<T> {
+    let core = core::core().expect("tpuray::init must run before submitting tasks");
+    match core.submit(function, args, opts, false) {
+        Ok(spec) => {
+            ObjectRef::from_raw(RawRef::new(spec.return_ids[0].clone(), core.address.clone()))
+        }
+        Err(e) => failed_ref(core, function, e),
+    }
+}
+
+fn failed_ref<T>(core: &std::sync::Arc<core::Core>, function: &str, e: Error) -> ObjectRef<T> {
+    // Bad options: a ref whose get() names the problem.
+    let r = core.put_failed(function, &e.to_string());
+    ObjectRef::from_raw(r)
+}
+
+#[doc(hidden)]
+pub fn submit_streaming<T>(
+    function: &str,
+    args: Vec<codec::Arg>,
+    opts: &TaskOptions,
+) -> ObjectRefGenerator<T> {
+    let core = core::core().expect("tpuray::init must run before submitting tasks");
+    let spec = core.submit(function, args, opts, true).expect("valid task options");
+    ObjectRefGenerator {
+        task_id: spec.task_id,
+        function: spec.name,
+        next: 0,
+        _t: std::marker::PhantomData,
+    }
+}
+
+#[doc(hidden)]
+pub fn create_actor(
+    class: &str,
+    args: Vec<codec::Arg>,
+    opts: &ActorOptions,
+) -> Result<ActorHandle, Error> {
+    let core = core::core()?;
+    core.rt.block_on(core.create_actor(class, args, opts))
+}
+
+/// This driver's or worker's job id.
+///
+/// # Errors
+/// [`Error::Cluster`] when not initialised.
+pub fn job_id() -> Result<String, Error> {
+    Ok(core::core()?.job_id.clone())
+}
+
+/// The id of the node this process runs on.
+///
+/// # Errors
+/// [`Error::Cluster`] when not initialised.
+pub fn node_id() -> Result<String, Error> {
+    Ok(core::core()?.node_id.clone())
+}

@@ -1,18 +1,25 @@
 //! The worker process: started by a node agent with its identity in the
-//! environment (`TPURAY_AGENT_ADDRESS`, `TPURAY_WORKER_ID`, ...), it serves
-//! `WorkerService` on a free loopback port, registers with the agent, and
-//! exits when the agent dies or asks it to (CORE-1: a worker never outlives
-//! its node agent).
+//! environment (`TPURAY_AGENT_ADDRESS`, `TPURAY_WORKER_ID`, ...). It builds
+//! its core worker, runs its actor's constructor when it hosts one, serves
+//! `WorkerService` on a free port, registers with the agent, and exits when
+//! the agent dies or asks it to (CORE-1: a worker never outlives its agent).
 //!
-//! Blocking: [`run_worker`] blocks the calling thread until the worker exits.
+//! A Rust job's own binary is its worker: `tpuray::init` calls
+//! [`run_worker`] when `TPURAY_WORKER_ID` is set and never returns.
+//! Exit code 3 means the actor's constructor failed (the agent reports it).
 
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use tonic::service::interceptor::InterceptedService;
-use tonic::{Request, Response, Status};
-use tpuray_proto::auth::ServerAuth;
+use tpuray_objectstore::LocalStore;
 use tpuray_proto::pb;
-use tpuray_proto::pb::worker_service_server::{WorkerService, WorkerServiceServer};
+
+use crate::core::Core;
+use crate::executor::Executor;
+use crate::service::Svc;
+
+/// Exit code of a worker whose actor constructor failed.
+pub const EXIT_ACTOR_CONSTRUCTOR_FAILED: i32 = 3;
 
 /// Errors of a worker process, each naming what is missing or failed.
 #[derive(Debug, thiserror::Error)]
@@ -23,7 +30,7 @@ pub enum WorkerError {
     Listen(std::io::Error),
     #[error("node agent refused registration: {0}")]
     Register(String),
-    #[error("worker server failed: {0}")]
+    #[error("worker failed: {0}")]
     Serve(String),
 }
 
@@ -31,34 +38,9 @@ fn env(name: &'static str) -> Result<String, WorkerError> {
     std::env::var(name).map_err(|_| WorkerError::MissingEnv(name))
 }
 
-struct Svc {
-    worker_id: String,
-    node_id: String,
-    actor_id: String,
-    exit: tokio::sync::mpsc::Sender<()>,
-}
-
-#[tonic::async_trait]
-impl WorkerService for Svc {
-    async fn get_worker_info(
-        &self,
-        _req: Request<pb::GetWorkerInfoRequest>,
-    ) -> Result<Response<pb::GetWorkerInfoReply>, Status> {
-        Ok(Response::new(pb::GetWorkerInfoReply {
-            worker_id: self.worker_id.clone(),
-            pid: std::process::id(),
-            node_id: self.node_id.clone(),
-            actor_id: self.actor_id.clone(),
-        }))
-    }
-
-    async fn exit(&self, req: Request<pb::ExitRequest>) -> Result<Response<pb::ExitReply>, Status> {
-        if req.into_inner().force {
-            std::process::exit(0);
-        }
-        let _ = self.exit.try_send(());
-        Ok(Response::new(pb::ExitReply {}))
-    }
+/// True when this process was started by a node agent as a worker.
+pub fn is_worker_process() -> bool {
+    std::env::var_os("TPURAY_WORKER_ID").is_some()
 }
 
 /// Runs this process as a worker until its node agent dies, it receives
@@ -71,66 +53,114 @@ pub fn run_worker() -> Result<(), WorkerError> {
     let agent_address = env("TPURAY_AGENT_ADDRESS")?;
     let worker_id = env("TPURAY_WORKER_ID")?;
     let node_id = env("TPURAY_NODE_ID").unwrap_or_default();
+    let job_id = env("TPURAY_JOB_ID").unwrap_or_default();
+    let head_address = env("TPURAY_HEAD_ADDRESS").unwrap_or_default();
+    let store_dir = env("TPURAY_OBJECT_STORE_DIR")?;
     let actor_id = std::env::var("TPURAY_ACTOR_ID").unwrap_or_default();
     let agent_pid: Option<i32> =
         std::env::var("TPURAY_AGENT_PID").ok().and_then(|p| p.parse().ok());
     let token = tpuray_proto::auth::load_token().ok().flatten();
+    let auth_required =
+        std::env::var(tpuray_proto::auth::AUTH_MODE_ENV).as_deref() != Ok("disabled");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|e| WorkerError::Serve(e.to_string()))?;
-    rt.block_on(async move {
-        let host = agent_address.rsplit_once(':').map(|(h, _)| h).unwrap_or("127.0.0.1");
-        let listener =
-            tokio::net::TcpListener::bind((host, 0)).await.map_err(WorkerError::Listen)?;
-        let addr = listener.local_addr().map_err(WorkerError::Listen)?;
-        let (exit_tx, mut exit_rx) = tokio::sync::mpsc::channel(1);
-        let svc = WorkerServiceServer::new(Svc {
-            worker_id: worker_id.clone(),
-            node_id,
-            actor_id,
-            exit: exit_tx,
-        })
-        .max_decoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES);
-        let required = token.is_some()
-            && std::env::var(tpuray_proto::auth::AUTH_MODE_ENV).as_deref() != Ok("disabled");
-        let auth = ServerAuth::new(token.as_deref().unwrap_or(""), required);
-        let svc = InterceptedService::new(svc, auth);
-        let incoming = tokio_stream_wrap(listener);
-        let server = tokio::spawn(async move {
-            tonic::transport::Server::builder()
-                .tcp_nodelay(true)
-                .add_service(svc)
-                .serve_with_incoming_shutdown(incoming, async move {
-                    let mut term =
-                        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                            .expect("SIGTERM handler");
-                    tokio::select! {
-                        _ = term.recv() => {}
-                        _ = exit_rx.recv() => {}
-                        _ = agent_gone(agent_pid) => {}
-                    }
-                })
-                .await
-        });
+    let host =
+        agent_address.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or("127.0.0.1".into());
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind((host.as_str(), 0)))
+        .map_err(WorkerError::Listen)?;
+    let address = listener.local_addr().map_err(WorkerError::Listen)?.to_string();
+    let store = LocalStore::open(&store_dir).map_err(|e| WorkerError::Serve(e.to_string()))?;
+    let core = Core::new(
+        rt,
+        job_id,
+        worker_id.clone(),
+        node_id,
+        address.clone(),
+        agent_address.clone(),
+        head_address,
+        token.clone(),
+        store,
+        false,
+    );
+    let core =
+        crate::core::install(Arc::new(core)).map_err(|e| WorkerError::Serve(e.to_string()))?;
+    let (exit_tx, mut exit_rx) = tokio::sync::mpsc::channel(1);
+    let svc = Arc::new(Svc {
+        core: Arc::clone(core),
+        executor: OnceLock::new(),
+        actor_id: actor_id.clone(),
+        exit: exit_tx,
+    });
+    let server = core.rt.spawn(crate::service::serve(
+        listener,
+        Arc::clone(&svc),
+        token.clone(),
+        auth_required,
+        async move {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("SIGTERM handler");
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = exit_rx.recv() => {}
+                _ = agent_gone(agent_pid) => {}
+            }
+        },
+    ));
+
+    let creation = match std::env::var("TPURAY_ACTOR_CREATION_FILE") {
+        Ok(path) => {
+            let bytes = std::fs::read(&path)
+                .map_err(|e| WorkerError::Serve(format!("cannot read {path}: {e}")))?;
+            Some(
+                <pb::TaskSpec as prost::Message>::decode(bytes.as_slice())
+                    .map_err(|e| WorkerError::Serve(format!("bad creation task: {e}")))?,
+            )
+        }
+        Err(_) => None,
+    };
+    match Executor::start(Arc::clone(core), creation) {
+        Ok(ex) => {
+            let _ = svc.executor.set(ex);
+        }
+        Err(msg) => {
+            eprintln!("tpuray worker: {msg}");
+            std::process::exit(EXIT_ACTOR_CONSTRUCTOR_FAILED);
+        }
+    }
+
+    core.rt.block_on(async {
         let mut client = tpuray_proto::client::agent(&agent_address, token.as_deref())
             .map_err(|e| WorkerError::Register(e.to_string()))?;
         client
             .register_worker(pb::RegisterWorkerRequest {
                 protocol_version: tpuray_proto::PROTOCOL_VERSION,
                 worker_id,
-                address: addr.to_string(),
+                address,
                 pid: std::process::id(),
             })
             .await
             .map_err(|s| WorkerError::Register(s.message().to_string()))?;
-        match server.await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(WorkerError::Serve(e.to_string())),
-            Err(e) => Err(WorkerError::Serve(e.to_string())),
+        Ok::<_, WorkerError>(())
+    })?;
+    let flusher = Arc::clone(core);
+    core.rt.spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            flusher.flush_events().await;
         }
-    })
+    });
+    let result = core.rt.block_on(server);
+    core.rt.block_on(core.flush_events());
+    match result {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(WorkerError::Serve(e.to_string())),
+        Err(e) => Err(WorkerError::Serve(e.to_string())),
+    }
 }
 
 /// Resolves when the node agent that started us is gone (CORE-1): our
@@ -147,10 +177,4 @@ async fn agent_gone(agent_pid: Option<i32>) {
             return;
         }
     }
-}
-
-fn tokio_stream_wrap(
-    listener: tokio::net::TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    tokio_stream::wrappers::TcpListenerStream::new(listener)
 }

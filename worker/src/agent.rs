@@ -52,6 +52,8 @@ pub struct AgentConfig {
     pub idle_worker_timeout: Duration,
     /// How long a worker may take to start and register.
     pub worker_register_timeout: Duration,
+    /// This node's object store.
+    pub store: tpuray_objectstore::LocalStore,
 }
 
 /// A worker pool key (AGENT-3).
@@ -102,6 +104,8 @@ struct AgentState {
     actor_resources: HashMap<ActorId, (WorkerId, ResourceSet)>,
     starting: HashMap<WorkerId, oneshot::Sender<(String, u32)>>,
     demands: HashMap<String, Demand>,
+    /// Worker binary hash per job ("" for jobs without one), from the head.
+    job_binaries: HashMap<String, String>,
     /// Other nodes as of the last heartbeat reply: view and agent address.
     cluster: Vec<(NodeView<String>, String)>,
 }
@@ -133,6 +137,7 @@ impl Agent {
                 actor_resources: HashMap::new(),
                 starting: HashMap::new(),
                 demands: HashMap::new(),
+                job_binaries: HashMap::new(),
                 cluster: Vec::new(),
             }),
             freed: Notify::new(),
@@ -164,6 +169,7 @@ impl Agent {
             num_workers: st.workers.len() as u32,
             session_dir: self.config.session_dir.display().to_string(),
             pid: std::process::id(),
+            object_store_dir: self.config.store.dir().display().to_string(),
         }
     }
 
@@ -235,7 +241,7 @@ impl Agent {
         self: &Arc<Self>,
         key: PoolKey,
         state: WorkerState,
-        actor_id: Option<&ActorId>,
+        actor: Option<(&ActorId, &[u8])>,
     ) -> Result<(WorkerId, String, u32), Status> {
         if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(Status::unavailable("node agent is stopping"));
@@ -251,9 +257,8 @@ impl Agent {
             })
         };
         let (out, err) = (open(&out_path)?, open(&err_path)?);
-        let (prog, args) = self
-            .config
-            .worker_command
+        let command = self.worker_command_for(&key.job_id).await?;
+        let (prog, args) = command
             .split_first()
             .ok_or_else(|| Status::internal("no worker command configured"))?;
         let mut cmd = tokio::process::Command::new(prog);
@@ -265,6 +270,7 @@ impl Agent {
             .env("TPURAY_JOB_ID", &key.job_id)
             .env("TPURAY_SESSION_DIR", &self.config.session_dir)
             .env("TPURAY_AGENT_PID", std::process::id().to_string())
+            .env("TPURAY_OBJECT_STORE_DIR", self.config.store.dir())
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -274,8 +280,22 @@ impl Agent {
         }
         let required = self.auth_required.load(std::sync::atomic::Ordering::SeqCst);
         cmd.env(tpuray_proto::auth::AUTH_MODE_ENV, if required { "token" } else { "disabled" });
-        if let Some(a) = actor_id {
+        if let Some((a, creation)) = actor {
             cmd.env("TPURAY_ACTOR_ID", a.as_str());
+            if !creation.is_empty() {
+                let path = self.config.session_dir.join(format!(
+                    "actor-{}-{}.task",
+                    a.short(),
+                    worker_id.short()
+                ));
+                std::fs::write(&path, creation).map_err(|e| {
+                    Status::internal(format!(
+                        "cannot write actor creation task {}: {e}",
+                        path.display()
+                    ))
+                })?;
+                cmd.env("TPURAY_ACTOR_CREATION_FILE", &path);
+            }
         }
         let (tx, rx) = oneshot::channel();
         self.lock().starting.insert(worker_id.clone(), tx);
@@ -312,10 +332,16 @@ impl Agent {
                 let status = status.ok();
                 self.on_worker_exit(&worker_id, pid, status);
                 let tail = tail_of(&err_path, 2000);
-                return Err(Status::internal(format!(
+                let msg = format!(
                     "worker process exited before registering ({}); stderr tail:\n{tail}",
                     describe_exit(status)
-                )));
+                );
+                // Exit code 3: the actor's constructor failed; not worth retrying.
+                return Err(if status.and_then(|s| s.code()) == Some(3) {
+                    Status::failed_precondition(msg)
+                } else {
+                    Status::internal(msg)
+                });
             }
             _ = tokio::time::sleep(self.config.worker_register_timeout) => None,
         };
@@ -349,6 +375,44 @@ impl Agent {
             agent.on_worker_exit(&wid, pid, status);
         });
         Ok((worker_id, address, pid))
+    }
+
+    /// The command that starts a worker of `job_id`: the job's own binary
+    /// (fetched through the cluster, BIN-1) or the default worker.
+    async fn worker_command_for(&self, job_id: &str) -> Result<Vec<String>, Status> {
+        let known = self.lock().job_binaries.get(job_id).cloned();
+        let hash = match known {
+            Some(h) => h,
+            None => {
+                let mut head =
+                    tpuray_proto::client::head(&self.head_leader(), self.config.token.as_deref())
+                        .map_err(|e| Status::internal(e.to_string()))?;
+                let jobs = head.list_jobs(pb::ListJobsRequest {}).await?.into_inner().jobs;
+                let h = jobs
+                    .iter()
+                    .find(|j| j.job_id == job_id)
+                    .map(|j| j.worker_binary_hash.clone())
+                    .unwrap_or_default();
+                self.lock().job_binaries.insert(job_id.to_string(), h.clone());
+                h
+            }
+        };
+        if hash.is_empty() {
+            return Ok(self.config.worker_command.clone());
+        }
+        let mut head =
+            tpuray_proto::client::head(&self.head_leader(), self.config.token.as_deref())
+                .map_err(|e| Status::internal(e.to_string()))?;
+        let path = crate::binaries::ensure_binary(
+            &mut head,
+            &self.config.session_dir.join("binaries"),
+            &hash,
+        )
+        .await
+        .map_err(|e| {
+            Status::failed_precondition(format!("cannot fetch the job's worker binary: {e}"))
+        })?;
+        Ok(vec![path.display().to_string()])
     }
 
     /// Called once per worker process exit: frees what it held, reports an
@@ -846,7 +910,14 @@ impl NodeAgentService for AgentSvc {
             runtime_env_hash: String::new(),
             tpu_chips: vec![],
         };
-        match self.0.start_worker(key, WorkerState::Actor(actor_id.clone()), Some(&actor_id)).await
+        match self
+            .0
+            .start_worker(
+                key,
+                WorkerState::Actor(actor_id.clone()),
+                Some((&actor_id, &req.creation_task)),
+            )
+            .await
         {
             Ok((wid, address, pid)) => {
                 if let Some(e) = self.0.lock().actor_resources.get_mut(&actor_id) {

@@ -7,7 +7,9 @@
 //! machine-wide process registry (REG-1).
 
 pub mod agent;
+pub mod binaries;
 pub mod detect;
+pub mod objects;
 pub mod registry;
 pub mod run;
 

@@ -238,6 +238,11 @@ pub async fn serve_agent(
         .map_err(|e| StartError::Listen { addr: listen.to_string(), detail: e.to_string() })?;
     let node_id = NodeId::random();
     let max_idle = total.get("CPU").to_f64().ceil().max(1.0) as usize;
+    let store = tpuray_objectstore::LocalStore::open(tpuray_objectstore::LocalStore::default_dir(
+        node_id.as_str(),
+        &session_dir,
+    ))
+    .map_err(|e| StartError::BadFlag(format!("object store: {e}")))?;
     let config = AgentConfig {
         node_id: node_id.clone(),
         head_address: head_address.to_string(),
@@ -251,6 +256,7 @@ pub async fn serve_agent(
         max_idle_workers: max_idle,
         idle_worker_timeout: env_duration_ms("TPURAY_IDLE_WORKER_TIMEOUT_MS", 10_000),
         worker_register_timeout: env_duration_ms("TPURAY_WORKER_REGISTER_TIMEOUT_MS", 30_000),
+        store: store.clone(),
     };
     let agent = Agent::new(config);
     // Serve before registering so the head can call back at once.
@@ -259,12 +265,21 @@ pub async fn serve_agent(
         .max_decoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES);
     let svc = InterceptedService::new(svc, auth.clone());
+    let objects = tonic::service::interceptor::InterceptedService::new(
+        tpuray_proto::pb::object_transfer_service_server::ObjectTransferServiceServer::new(
+            crate::objects::ObjectsSvc { store: store.clone() },
+        )
+        .max_decoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES),
+        auth.clone(),
+    );
     let incoming = tokio_stream_listener(listener);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
         tonic::transport::Server::builder()
             .tcp_nodelay(true)
             .add_service(svc)
+            .add_service(objects)
             .serve_with_incoming_shutdown(incoming, async {
                 let _ = stop_rx.await;
             })
@@ -314,6 +329,7 @@ pub async fn serve_agent(
         let _ = head.unregister_node(req).await;
     }
     let _ = stop_tx.send(());
+    store.destroy();
     match tokio::time::timeout(Duration::from_secs(3), server).await {
         Ok(Ok(Err(e))) => Err(StartError::Serve(e.to_string())),
         _ => Ok(()),

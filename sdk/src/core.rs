@@ -1,0 +1,1312 @@
+//! The core worker: one per process (driver or worker). It owns the objects
+//! this process creates, submits tasks through worker leases, calls actors
+//! directly, and fetches objects from the node's store or other nodes.
+//!
+//! Invariants:
+//! - CORE-2: an owned object lives while a reference to it exists in this
+//!   process or an in-flight task uses it as an argument; then it is freed,
+//!   including the copies in node stores.
+//! - CORE-3: the head is never asked per task: a task goes to a worker leased
+//!   from the local node agent (or the node it spills to); leases are reused
+//!   for every queued task of the same scheduling class and returned when the
+//!   queue drains.
+//! - CORE-4: calls from one caller to one actor execute in submission order
+//!   (sent by one ordered sender; the actor releases them by sequence number).
+//! - CORE-5: a task whose worker dies is retried up to `max_retries`;
+//!   application errors only with `retry_exceptions`.
+//!
+//! Threads: all networking runs on this module's tokio runtime; user code
+//! calls the blocking API (`get`, `wait`, submission) from its own threads.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+use tonic::Request;
+use tpuray_objectstore::{LocalStore, ObjectView};
+use tpuray_proto::pb;
+use tpuray_proto::pb::task_error::Kind;
+
+use crate::codec::Arg;
+use crate::error::Error;
+use crate::object_ref::RawRef;
+use crate::options::{Scheduling, TaskOptions};
+
+/// Results up to this size travel inline in replies; larger ones go to the
+/// executing node's object store (DESIGN.md §2).
+pub const INLINE_MAX_BYTES: usize = 100 * 1024;
+/// Tasks pushed to one leased worker before the first one finishes.
+const PIPELINE_DEPTH: usize = 8;
+/// Leases one scheduling class may hold or ask for at once.
+const MAX_LEASES_PER_CLASS: usize = 32;
+
+static CORE: OnceLock<Arc<Core>> = OnceLock::new();
+
+/// The process's core worker; `None` before `init`.
+pub(crate) fn try_core() -> Option<&'static Arc<Core>> {
+    CORE.get()
+}
+
+pub(crate) fn core() -> Result<&'static Arc<Core>, Error> {
+    CORE.get()
+        .ok_or_else(|| Error::Cluster("tpuray is not initialised: call tpuray::init first".into()))
+}
+
+pub(crate) fn install(core: Arc<Core>) -> Result<&'static Arc<Core>, Error> {
+    CORE.set(core)
+        .map_err(|_| Error::Cluster("tpuray::init was already called in this process".into()))?;
+    Ok(CORE.get().expect("just set"))
+}
+
+/// Bytes of an object: inline in memory or mapped from a node store.
+#[derive(Clone)]
+pub enum Data {
+    Inline(Arc<Vec<u8>>),
+    Mapped(Arc<ObjectView>),
+}
+
+impl std::ops::Deref for Data {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Data::Inline(v) => v,
+            Data::Mapped(m) => m,
+        }
+    }
+}
+
+#[derive(Clone)]
+enum ObjState {
+    Pending,
+    Inline(Arc<Vec<u8>>),
+    Stored { locations: Vec<pb::ObjectLocation>, size: u64 },
+    Failed(pb::TaskError),
+}
+
+struct Owned {
+    state: ObjState,
+    /// References alive in this process (CORE-2).
+    refs: usize,
+    /// The task that makes it, for cancellation.
+    task_id: Option<String>,
+}
+
+struct GenState {
+    items: Vec<String>,
+    finished: bool,
+    error: Option<pb::TaskError>,
+}
+
+struct Queued {
+    spec: pb::TaskSpec,
+    retries_left: i32,
+    retry_exceptions: bool,
+    /// Argument refs kept alive until the task ends (CORE-2).
+    _pins: Vec<RawRef>,
+}
+
+struct Class {
+    resources: HashMap<String, f64>,
+    strategy: pb::SchedulingStrategy,
+    labels: Vec<pb::LabelConstraint>,
+    queue: Mutex<VecDeque<Queued>>,
+    leases: AtomicUsize,
+    warned: AtomicBool,
+}
+
+/// Per-actor caller state: the ordered sender (CORE-4).
+struct ActorConn {
+    tx: tokio::sync::mpsc::UnboundedSender<(pb::TaskSpec, ResolvedArgs)>,
+}
+
+/// Where a running task is, for cancellation.
+struct Running {
+    worker_address: String,
+    cancelled: bool,
+}
+
+pub(crate) struct Core {
+    pub rt: tokio::runtime::Runtime,
+    pub job_id: String,
+    pub worker_id: String,
+    pub node_id: String,
+    /// This process's WorkerService address (the owner address of its objects).
+    pub address: String,
+    pub agent_address: String,
+    pub head_address: String,
+    pub token: Option<String>,
+    pub store: LocalStore,
+    pub fail_on_infeasible: bool,
+    objects: Mutex<HashMap<String, Owned>>,
+    objects_changed: Notify,
+    classes: Mutex<HashMap<String, Arc<Class>>>,
+    generators: Mutex<HashMap<String, GenState>>,
+    actors: Mutex<HashMap<String, Arc<ActorConn>>>,
+    running: Mutex<HashMap<String, Running>>,
+    events: Mutex<Vec<pb::TaskEvent>>,
+}
+
+fn now_ms() -> u64 {
+    tpuray_proto::now_ms()
+}
+
+fn return_id(task_id: &str, index: u64) -> String {
+    format!("{}{:08x}", &task_id[..24], index + 1)
+}
+
+fn err(kind: Kind, message: impl Into<String>, function: &str) -> pb::TaskError {
+    pb::TaskError {
+        kind: kind as i32,
+        message: message.into(),
+        function_name: function.to_string(),
+        ..Default::default()
+    }
+}
+
+/// Called when a [`RawRef`] is made in this process.
+pub(crate) fn add_ref(id: &str, owner: &str) {
+    if let Some(c) = try_core()
+        && c.address == owner
+        && let Some(o) = c.objects.lock().unwrap().get_mut(id)
+    {
+        o.refs += 1;
+    }
+}
+
+/// Called when the last clone of a [`RawRef`] drops in this process.
+pub(crate) fn release_ref(id: &str, owner: &str) {
+    let Some(c) = try_core() else { return };
+    if c.address != owner {
+        return;
+    }
+    let freed = {
+        let mut objs = c.objects.lock().unwrap();
+        match objs.get_mut(id) {
+            Some(o) => {
+                o.refs = o.refs.saturating_sub(1);
+                if o.refs == 0 && !matches!(o.state, ObjState::Pending) {
+                    objs.remove(id)
+                } else {
+                    None
+                }
+            }
+            None => None,
+        }
+    };
+    if let Some(Owned { state: ObjState::Stored { locations, .. }, .. }) = freed {
+        c.free_copies(id.to_string(), locations);
+    }
+}
+
+impl Core {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        rt: tokio::runtime::Runtime,
+        job_id: String,
+        worker_id: String,
+        node_id: String,
+        address: String,
+        agent_address: String,
+        head_address: String,
+        token: Option<String>,
+        store: LocalStore,
+        fail_on_infeasible: bool,
+    ) -> Self {
+        Self {
+            rt,
+            job_id,
+            worker_id,
+            node_id,
+            address,
+            agent_address,
+            head_address,
+            token,
+            store,
+            fail_on_infeasible,
+            objects: Mutex::new(HashMap::new()),
+            objects_changed: Notify::new(),
+            classes: Mutex::new(HashMap::new()),
+            generators: Mutex::new(HashMap::new()),
+            actors: Mutex::new(HashMap::new()),
+            running: Mutex::new(HashMap::new()),
+            events: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn location(&self) -> pb::ObjectLocation {
+        pb::ObjectLocation {
+            node_id: self.node_id.clone(),
+            agent_address: self.agent_address.clone(),
+            store_dir: self.store.dir().display().to_string(),
+        }
+    }
+
+    pub(crate) fn event(&self, spec: &pb::TaskSpec, state: &str, error: &str) {
+        let mut ev = self.events.lock().unwrap();
+        if ev.len() < 100_000 {
+            ev.push(pb::TaskEvent {
+                task_id: spec.task_id.clone(),
+                job_id: spec.job_id.clone(),
+                name: spec.name.clone(),
+                state: state.to_string(),
+                node_id: self.node_id.clone(),
+                worker_id: self.worker_id.clone(),
+                attempt: spec.attempt,
+                error: error.to_string(),
+                time_ms: now_ms(),
+                actor_id: spec.actor_id.clone(),
+            });
+        }
+    }
+
+    /// Sends buffered task events to the head (lossy, batched).
+    pub(crate) async fn flush_events(&self) {
+        let batch = std::mem::take(&mut *self.events.lock().unwrap());
+        if batch.is_empty() {
+            return;
+        }
+        if let Ok(mut head) = tpuray_proto::client::head(&self.head_address, self.token.as_deref())
+        {
+            let mut req = Request::new(pb::ReportTaskEventsRequest { events: batch });
+            req.set_timeout(Duration::from_secs(5));
+            let _ = head.report_task_events(req).await;
+        }
+    }
+
+    fn register_owned(&self, id: &str, state: ObjState, task_id: Option<String>) {
+        self.objects.lock().unwrap().insert(id.to_string(), Owned { state, refs: 0, task_id });
+    }
+
+    fn set_state(&self, id: &str, state: ObjState) {
+        let freed = {
+            let mut objs = self.objects.lock().unwrap();
+            match objs.get_mut(id) {
+                Some(o) => {
+                    o.state = state;
+                    // Nobody holds a ref any more: free at once (CORE-2).
+                    if o.refs == 0 { objs.remove(id) } else { None }
+                }
+                None => None,
+            }
+        };
+        if let Some(Owned { state: ObjState::Stored { locations, .. }, .. }) = freed {
+            self.free_copies(id.to_string(), locations);
+        }
+        self.objects_changed.notify_waiters();
+    }
+
+    fn free_copies(&self, id: String, locations: Vec<pb::ObjectLocation>) {
+        let token = self.token.clone();
+        self.rt.spawn(async move {
+            for loc in locations {
+                if let Ok(mut c) =
+                    tpuray_proto::client::objects(&loc.agent_address, token.as_deref())
+                {
+                    let _ = c
+                        .free_objects(pb::FreeObjectsRequest { object_ids: vec![id.clone()] })
+                        .await;
+                }
+            }
+        });
+    }
+
+    /// Stores `bytes` as a new owned object (`put`).
+    pub(crate) fn put_bytes(&self, bytes: Vec<u8>) -> Result<RawRef, Error> {
+        let id = tpuray_proto::ids::ObjectId::random().to_string();
+        let state = self.make_state(&id, bytes)?;
+        self.register_owned(&id, state, None);
+        Ok(RawRef::new(id, self.address.clone()))
+    }
+
+    /// An owned object that failed before any task ran (bad options).
+    pub(crate) fn put_failed(&self, function: &str, message: &str) -> RawRef {
+        let id = tpuray_proto::ids::ObjectId::random().to_string();
+        self.register_owned(
+            &id,
+            ObjState::Failed(err(Kind::BadArguments, message, function)),
+            None,
+        );
+        RawRef::new(id, self.address.clone())
+    }
+
+    /// Inline when small, else written to this node's store.
+    fn make_state(&self, id: &str, bytes: Vec<u8>) -> Result<ObjState, Error> {
+        if bytes.len() <= INLINE_MAX_BYTES {
+            Ok(ObjState::Inline(Arc::new(bytes)))
+        } else {
+            let size = bytes.len() as u64;
+            self.store.put(id, &bytes).map_err(|e| Error::Cluster(e.to_string()))?;
+            Ok(ObjState::Stored { locations: vec![self.location()], size })
+        }
+    }
+
+    /// Waits until `r` is ready; its bytes.
+    pub(crate) async fn get_data(
+        &self,
+        r: &RawRef,
+        deadline: Option<Instant>,
+    ) -> Result<Data, Error> {
+        let id = r.id();
+        let (inline, locations) = if r.owner() == self.address {
+            loop {
+                let notified = self.objects_changed.notified();
+                let state = self.objects.lock().unwrap().get(id).map(|o| o.state.clone());
+                match state {
+                    None => {
+                        return Err(Error::ObjectLost {
+                            id: id.into(),
+                            message: "freed by its owner".into(),
+                        });
+                    }
+                    Some(ObjState::Pending) => {}
+                    Some(ObjState::Inline(b)) => return Ok(Data::Inline(b)),
+                    Some(ObjState::Stored { locations, .. }) => break (None, locations),
+                    Some(ObjState::Failed(e)) => return Err(Error::from_wire(&e, "")),
+                }
+                match deadline {
+                    Some(d) => {
+                        if tokio::time::timeout_at(d.into(), notified).await.is_err() {
+                            return Err(Error::Timeout(
+                                d.saturating_duration_since(Instant::now()),
+                                1,
+                            ));
+                        }
+                    }
+                    None => notified.await,
+                }
+            }
+        } else {
+            self.ask_owner(r, deadline).await?
+        };
+        if let Some(b) = inline {
+            return Ok(Data::Inline(b));
+        }
+        self.fetch(id, &locations).await
+    }
+
+    /// A borrower asks the owner for the object (long poll).
+    async fn ask_owner(
+        &self,
+        r: &RawRef,
+        deadline: Option<Instant>,
+    ) -> Result<(Option<Arc<Vec<u8>>>, Vec<pb::ObjectLocation>), Error> {
+        let mut client = tpuray_proto::client::worker(r.owner(), self.token.as_deref())
+            .map_err(|e| Error::Cluster(e.to_string()))?;
+        loop {
+            let wait = match deadline {
+                Some(d) => d.saturating_duration_since(Instant::now()).min(Duration::from_secs(10)),
+                None => Duration::from_secs(10),
+            };
+            let mut req = Request::new(pb::GetObjectRequest {
+                object_id: r.id().to_string(),
+                timeout_ms: wait.as_millis() as u64,
+            });
+            req.set_timeout(wait + Duration::from_secs(10));
+            let reply = client.get_object(req).await.map_err(|s| Error::ObjectLost {
+                id: r.id().to_string(),
+                message: format!(
+                    "its owner at {} is unreachable (owner died?): {}",
+                    r.owner(),
+                    s.message()
+                ),
+            })?;
+            let reply = reply.into_inner();
+            match pb::get_object_reply::Status::try_from(reply.status) {
+                Ok(pb::get_object_reply::Status::Ready) => {
+                    return Ok(if reply.locations.is_empty() {
+                        (Some(Arc::new(reply.inline_value)), vec![])
+                    } else {
+                        (None, reply.locations)
+                    });
+                }
+                Ok(pb::get_object_reply::Status::Failed) => {
+                    return Err(Error::from_wire(&reply.error.unwrap_or_default(), ""));
+                }
+                Ok(pb::get_object_reply::Status::Unknown) => {
+                    return Err(Error::ObjectLost {
+                        id: r.id().to_string(),
+                        message: "its owner no longer has it".into(),
+                    });
+                }
+                _ => {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Err(Error::Timeout(Duration::ZERO, 1));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Maps the local copy, or pulls one from another node into this node's
+    /// store first.
+    async fn fetch(&self, id: &str, locations: &[pb::ObjectLocation]) -> Result<Data, Error> {
+        let local_dir = self.store.dir().display().to_string();
+        if let Ok(Some(v)) = self.store.get(id) {
+            return Ok(Data::Mapped(Arc::new(v)));
+        }
+        let mut last = String::from("no copy is known");
+        for loc in locations.iter().filter(|l| l.store_dir != local_dir) {
+            match self.pull(id, &loc.agent_address).await {
+                Ok(()) => {
+                    if let Ok(Some(v)) = self.store.get(id) {
+                        return Ok(Data::Mapped(Arc::new(v)));
+                    }
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(Error::ObjectLost {
+            id: id.to_string(),
+            message: format!("no node could provide it: {last}"),
+        })
+    }
+
+    async fn pull(&self, id: &str, agent: &str) -> Result<(), String> {
+        let mut c = tpuray_proto::client::objects(agent, self.token.as_deref())
+            .map_err(|e| e.to_string())?;
+        let mut stream = c
+            .pull(pb::PullRequest { object_id: id.to_string(), chunk_size: 0 })
+            .await
+            .map_err(|s| format!("{agent}: {}", s.message()))?
+            .into_inner();
+        let mut w = self.store.create(id).map_err(|e| e.to_string())?;
+        let mut total = None;
+        while let Some(chunk) =
+            stream.message().await.map_err(|s| format!("{agent}: {}", s.message()))?
+        {
+            total = Some(chunk.total_size);
+            w.write(&chunk.data).map_err(|e| e.to_string())?;
+        }
+        w.seal(total).map_err(|e| e.to_string())
+    }
+
+    /// Whether `r` is ready now (for `wait`).
+    pub(crate) async fn is_ready(&self, r: &RawRef) -> bool {
+        if r.owner() == self.address {
+            !matches!(
+                self.objects.lock().unwrap().get(r.id()).map(|o| &o.state),
+                Some(ObjState::Pending)
+            )
+        } else {
+            let Ok(mut c) = tpuray_proto::client::worker(r.owner(), self.token.as_deref()) else {
+                return true;
+            };
+            match c
+                .get_object(pb::GetObjectRequest { object_id: r.id().to_string(), timeout_ms: 0 })
+                .await
+            {
+                Ok(rep) => rep.into_inner().status != pb::get_object_reply::Status::Pending as i32,
+                Err(_) => true,
+            }
+        }
+    }
+
+    pub(crate) async fn changed(&self, within: Duration) {
+        let _ = tokio::time::timeout(within, self.objects_changed.notified()).await;
+    }
+
+    /// Owner side of `GetObject`.
+    pub(crate) async fn serve_get_object(&self, id: &str, timeout: Duration) -> pb::GetObjectReply {
+        use pb::get_object_reply::Status;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let notified = self.objects_changed.notified();
+            let state = self.objects.lock().unwrap().get(id).map(|o| o.state.clone());
+            let reply = match state {
+                None => pb::GetObjectReply { status: Status::Unknown as i32, ..Default::default() },
+                Some(ObjState::Pending) => {
+                    if Instant::now() >= deadline
+                        || tokio::time::timeout_at(deadline.into(), notified).await.is_err()
+                    {
+                        return pb::GetObjectReply {
+                            status: Status::Pending as i32,
+                            ..Default::default()
+                        };
+                    }
+                    continue;
+                }
+                Some(ObjState::Inline(b)) => pb::GetObjectReply {
+                    status: Status::Ready as i32,
+                    size: b.len() as u64,
+                    inline_value: b.to_vec(),
+                    ..Default::default()
+                },
+                Some(ObjState::Stored { locations, size }) => pb::GetObjectReply {
+                    status: Status::Ready as i32,
+                    locations,
+                    size,
+                    ..Default::default()
+                },
+                Some(ObjState::Failed(e)) => pb::GetObjectReply {
+                    status: Status::Failed as i32,
+                    error: Some(e),
+                    ..Default::default()
+                },
+            };
+            return reply;
+        }
+    }
+
+    /// Resolves arguments: owned inline values are copied in; everything
+    /// else travels as a reference the executor resolves.
+    async fn resolve_args(
+        &self,
+        args: Vec<Arg>,
+        function: &str,
+    ) -> Result<(Vec<pb::TaskArg>, Vec<RawRef>), pb::TaskError> {
+        let mut out = Vec::with_capacity(args.len());
+        let mut pins = Vec::new();
+        for a in args {
+            match a {
+                Arg::Value(v) => out
+                    .push(pb::TaskArg { kind: Some(pb::task_arg::Kind::Value(v)), nested: vec![] }),
+                Arg::Ref(r) => {
+                    if r.owner() == self.address {
+                        match self.get_data(&r, None).await {
+                            Ok(Data::Inline(b)) => {
+                                out.push(pb::TaskArg {
+                                    kind: Some(pb::task_arg::Kind::Value(b.to_vec())),
+                                    nested: vec![],
+                                });
+                                continue;
+                            }
+                            Ok(Data::Mapped(_)) => {}
+                            Err(e) => {
+                                return Err(err(
+                                    Kind::Application,
+                                    format!("an argument failed: {e}"),
+                                    function,
+                                ));
+                            }
+                        }
+                    }
+                    out.push(pb::TaskArg {
+                        kind: Some(pb::task_arg::Kind::ObjectRef(pb::ObjectRefMsg {
+                            object_id: r.id().to_string(),
+                            owner_address: r.owner().to_string(),
+                        })),
+                        nested: vec![],
+                    });
+                    pins.push(r);
+                }
+            }
+        }
+        Ok((out, pins))
+    }
+
+    fn base_spec(
+        &self,
+        function: &str,
+        name: Option<&str>,
+        num_returns: u32,
+        streaming: bool,
+    ) -> pb::TaskSpec {
+        let task_id = tpuray_proto::ids::TaskId::random().to_string();
+        let return_ids = (0..num_returns as u64).map(|i| return_id(&task_id, i)).collect();
+        pb::TaskSpec {
+            task_id,
+            job_id: self.job_id.clone(),
+            function: Some(pb::FunctionDescriptor {
+                language: "rust".into(),
+                name: function.into(),
+                class_name: String::new(),
+            }),
+            num_returns,
+            streaming,
+            owner_address: self.address.clone(),
+            caller_id: self.worker_id.clone(),
+            name: name.unwrap_or(function).to_string(),
+            return_ids,
+            ..Default::default()
+        }
+    }
+
+    /// Submits a task (CORE-3); returns the refs of its returns.
+    pub(crate) fn submit(
+        self: &Arc<Self>,
+        function: &str,
+        args: Vec<Arg>,
+        opts: &TaskOptions,
+        streaming: bool,
+    ) -> Result<pb::TaskSpec, Error> {
+        let mut resources: HashMap<String, f64> =
+            opts.resources.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        if opts.num_cpus > 0.0 {
+            resources.insert("CPU".into(), opts.num_cpus);
+        }
+        if opts.num_gpus > 0.0 {
+            resources.insert("GPU".into(), opts.num_gpus);
+        }
+        tpuray_proto::convert::resources_from_proto(&resources)
+            .map_err(|e| Error::Cluster(format!("task options: {e}")))?;
+        let labels = tpuray_scheduler::parse_label_selector(&opts.label_selector)
+            .map_err(|e| Error::Cluster(format!("label_selector: {e}")))?;
+        let mut spec = self.base_spec(
+            function,
+            opts.name.as_deref(),
+            if streaming { 0 } else { 1 },
+            streaming,
+        );
+        spec.resources = resources.clone();
+        for id in &spec.return_ids {
+            self.register_owned(id, ObjState::Pending, Some(spec.task_id.clone()));
+        }
+        if streaming {
+            self.generators.lock().unwrap().insert(
+                spec.task_id.clone(),
+                GenState { items: vec![], finished: false, error: None },
+            );
+        }
+        let strategy = match &opts.scheduling {
+            Scheduling::Default => tpuray_scheduler::Strategy::Default,
+            Scheduling::Spread => tpuray_scheduler::Strategy::Spread,
+            Scheduling::NodeAffinity { node_id, soft } => {
+                tpuray_scheduler::Strategy::NodeAffinity { node: node_id.clone(), soft: *soft }
+            }
+        };
+        let strategy = tpuray_proto::convert::strategy_to_proto(&strategy);
+        let labels = tpuray_proto::convert::labels_to_proto(&labels);
+        let mut key_res: Vec<_> = resources.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        key_res.sort();
+        let key = format!("{}|{:?}|{:?}", key_res.join(","), strategy, labels);
+        let class = {
+            let mut classes = self.classes.lock().unwrap();
+            Arc::clone(classes.entry(key).or_insert_with(|| {
+                Arc::new(Class {
+                    resources,
+                    strategy,
+                    labels,
+                    queue: Mutex::new(VecDeque::new()),
+                    leases: AtomicUsize::new(0),
+                    warned: AtomicBool::new(false),
+                })
+            }))
+        };
+        self.event(&spec, "SUBMITTED", "");
+        let core = Arc::clone(self);
+        let retries = opts.max_retries;
+        let retry_exceptions = opts.retry_exceptions;
+        let out = spec.clone();
+        self.rt.spawn(async move {
+            let function = spec.name.clone();
+            match core.resolve_args(args, &function).await {
+                Ok((args, pins)) => {
+                    spec.args = args;
+                    class.queue.lock().unwrap().push_back(Queued {
+                        spec,
+                        retries_left: retries,
+                        retry_exceptions,
+                        _pins: pins,
+                    });
+                    core.ensure_leases(&class);
+                }
+                Err(e) => core.finish_failed(&spec, e),
+            }
+        });
+        Ok(out)
+    }
+
+    fn ensure_leases(self: &Arc<Self>, class: &Arc<Class>) {
+        let queued = class.queue.lock().unwrap().len();
+        loop {
+            let cur = class.leases.load(Ordering::SeqCst);
+            let want = queued.div_ceil(PIPELINE_DEPTH).clamp(1, MAX_LEASES_PER_CLASS);
+            if queued == 0 || cur >= want {
+                return;
+            }
+            if class
+                .leases
+                .compare_exchange(cur, cur + 1, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                let core = Arc::clone(self);
+                let class = Arc::clone(class);
+                self.rt.spawn(async move {
+                    core.lease_loop(&class).await;
+                    class.leases.fetch_sub(1, Ordering::SeqCst);
+                    // Tasks may have arrived while this loop was ending.
+                    core.ensure_leases(&class);
+                });
+            }
+        }
+    }
+
+    async fn lease_loop(self: &Arc<Self>, class: &Arc<Class>) {
+        use pb::request_worker_lease_reply::Outcome;
+        let mut failures = 0u32;
+        while !class.queue.lock().unwrap().is_empty() {
+            let mut target = self.agent_address.clone();
+            let mut grant_or_reject = false;
+            let outcome = loop {
+                let req = pb::RequestWorkerLeaseRequest {
+                    request_id: tpuray_proto::new_request_id(),
+                    job_id: self.job_id.clone(),
+                    language: "rust".into(),
+                    runtime_env_hash: String::new(),
+                    resources: class.resources.clone(),
+                    label_selector: class.labels.clone(),
+                    strategy: Some(class.strategy.clone()),
+                    grant_or_reject,
+                    queue_timeout_ms: 2000,
+                };
+                let reply = match tpuray_proto::client::agent(&target, self.token.as_deref()) {
+                    Ok(mut c) => c.request_worker_lease(req).await.map(|r| r.into_inner().outcome),
+                    Err(e) => Err(tonic::Status::internal(e.to_string())),
+                };
+                match reply {
+                    Ok(Some(Outcome::Spillback(s))) if !grant_or_reject => {
+                        target = s.address;
+                        grant_or_reject = true;
+                    }
+                    other => break other,
+                }
+            };
+            match outcome {
+                Ok(Some(Outcome::Granted(g))) => {
+                    failures = 0;
+                    let broken = self.run_on_worker(class, &g).await;
+                    if let Ok(mut c) = tpuray_proto::client::agent(&target, self.token.as_deref()) {
+                        let _ = c
+                            .return_worker_lease(pb::ReturnWorkerLeaseRequest {
+                                request_id: tpuray_proto::new_request_id(),
+                                lease_id: g.lease_id,
+                                disconnect_worker: broken,
+                            })
+                            .await;
+                    }
+                }
+                Ok(Some(Outcome::Infeasible(i))) => {
+                    if !class.warned.swap(true, Ordering::SeqCst) {
+                        eprintln!(
+                            "tpuray: warning: a task needing {:?} is infeasible: {}; it stays pending until a node that fits joins{}",
+                            class.resources,
+                            i.reason,
+                            if self.fail_on_infeasible {
+                                ""
+                            } else {
+                                " (set TPURAY_FAIL_ON_INFEASIBLE=1 to fail instead)"
+                            }
+                        );
+                    }
+                    if self.fail_on_infeasible {
+                        let drained: Vec<Queued> = class.queue.lock().unwrap().drain(..).collect();
+                        for q in drained {
+                            self.finish_failed(
+                                &q.spec,
+                                err(Kind::Infeasible, i.reason.clone(), &q.spec.name),
+                            );
+                        }
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Ok(Some(Outcome::Busy(_))) | Ok(Some(Outcome::Spillback(_))) | Ok(None) => {}
+                Err(s) => {
+                    failures += 1;
+                    if failures % 50 == 1 {
+                        eprintln!(
+                            "tpuray: warning: cannot lease a worker from {target}: {}",
+                            s.message()
+                        );
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+
+    /// Pushes queued tasks to one leased worker, pipelined, until the queue
+    /// is empty. Returns true when the worker broke.
+    async fn run_on_worker(
+        self: &Arc<Self>,
+        class: &Arc<Class>,
+        g: &pb::request_worker_lease_reply::Granted,
+    ) -> bool {
+        let Ok(client) = tpuray_proto::client::worker(&g.worker_address, self.token.as_deref())
+        else {
+            return true;
+        };
+        let mut in_flight = tokio::task::JoinSet::new();
+        let mut broken = false;
+        loop {
+            while !broken && in_flight.len() < PIPELINE_DEPTH {
+                let Some(q) = class.queue.lock().unwrap().pop_front() else { break };
+                self.running.lock().unwrap().insert(
+                    q.spec.task_id.clone(),
+                    Running { worker_address: g.worker_address.clone(), cancelled: false },
+                );
+                let mut c = client.clone();
+                in_flight.spawn(async move {
+                    let r = c.push_task(pb::PushTaskRequest { spec: Some(q.spec.clone()) }).await;
+                    (q, r)
+                });
+            }
+            let Some(done) = in_flight.join_next().await else { break };
+            let Ok((q, result)) = done else { continue };
+            match result {
+                Ok(reply) => self.complete(class, q, reply.into_inner()),
+                Err(status) => {
+                    broken = true;
+                    self.worker_died(
+                        class,
+                        q,
+                        &format!(
+                            "worker {} at {}: {}",
+                            g.worker_id,
+                            g.worker_address,
+                            status.message()
+                        ),
+                    );
+                }
+            }
+        }
+        broken
+    }
+
+    fn worker_died(self: &Arc<Self>, class: &Arc<Class>, mut q: Queued, detail: &str) {
+        let cancelled = self
+            .running
+            .lock()
+            .unwrap()
+            .remove(&q.spec.task_id)
+            .map(|r| r.cancelled)
+            .unwrap_or(false);
+        if cancelled {
+            let e = err(Kind::Cancelled, "cancelled", &q.spec.name);
+            self.finish_failed(&q.spec, e);
+            return;
+        }
+        if q.retries_left != 0 {
+            q.retries_left -= 1;
+            q.spec.attempt += 1;
+            self.event(&q.spec, "RETRYING", detail);
+            class.queue.lock().unwrap().push_back(q);
+            self.ensure_leases(class);
+        } else {
+            let e = err(Kind::WorkerDied, format!("{detail} (no retries left)"), &q.spec.name);
+            self.finish_failed(&q.spec, e);
+        }
+    }
+
+    fn complete(self: &Arc<Self>, class: &Arc<Class>, mut q: Queued, reply: pb::PushTaskReply) {
+        let cancelled = self
+            .running
+            .lock()
+            .unwrap()
+            .remove(&q.spec.task_id)
+            .map(|r| r.cancelled)
+            .unwrap_or(false);
+        if cancelled {
+            let e = err(Kind::Cancelled, "cancelled", &q.spec.name);
+            self.finish_failed(&q.spec, e);
+            return;
+        }
+        if let Some(e) = reply.error {
+            let app = e.kind == Kind::Application as i32;
+            if app && q.retry_exceptions && q.retries_left != 0 {
+                q.retries_left -= 1;
+                q.spec.attempt += 1;
+                self.event(&q.spec, "RETRYING", &e.message);
+                class.queue.lock().unwrap().push_back(q);
+                self.ensure_leases(class);
+                return;
+            }
+            self.finish_failed(&q.spec, e);
+            return;
+        }
+        self.finish_ok(&q.spec, reply.returns);
+    }
+
+    fn finish_ok(&self, spec: &pb::TaskSpec, returns: Vec<pb::ReturnObject>) {
+        for r in returns {
+            let state = match r.data {
+                Some(pb::return_object::Data::InlineValue(v)) => ObjState::Inline(Arc::new(v)),
+                Some(pb::return_object::Data::Location(l)) => {
+                    ObjState::Stored { locations: vec![l], size: r.size }
+                }
+                None => ObjState::Inline(Arc::new(vec![])),
+            };
+            self.set_state(&r.object_id, state);
+        }
+        if spec.streaming {
+            self.generators
+                .lock()
+                .unwrap()
+                .entry(spec.task_id.clone())
+                .and_modify(|g| g.finished = true);
+            self.objects_changed.notify_waiters();
+        }
+        self.event(spec, "FINISHED", "");
+    }
+
+    fn finish_failed(&self, spec: &pb::TaskSpec, mut e: pb::TaskError) {
+        if e.function_name.is_empty() {
+            e.function_name = spec.name.clone();
+        }
+        for id in &spec.return_ids {
+            self.set_state(id, ObjState::Failed(e.clone()));
+        }
+        if spec.streaming {
+            if let Some(g) = self.generators.lock().unwrap().get_mut(&spec.task_id) {
+                g.finished = true;
+                g.error = Some(e.clone());
+            }
+            self.objects_changed.notify_waiters();
+        }
+        self.event(spec, "FAILED", &e.message);
+    }
+
+    /// Owner side of `ReportGeneratorItem`.
+    pub(crate) fn generator_item(&self, task_id: &str, index: u64, item: pb::ReturnObject) {
+        let mut gens = self.generators.lock().unwrap();
+        let Some(g) = gens.get_mut(task_id) else { return };
+        if (index as usize) < g.items.len() {
+            return; // a retried task re-reporting an item we have
+        }
+        let state = match item.data {
+            Some(pb::return_object::Data::InlineValue(v)) => ObjState::Inline(Arc::new(v)),
+            Some(pb::return_object::Data::Location(l)) => {
+                ObjState::Stored { locations: vec![l], size: item.size }
+            }
+            None => ObjState::Inline(Arc::new(vec![])),
+        };
+        // Held by the generator until the consumer takes its ref.
+        self.objects
+            .lock()
+            .unwrap()
+            .insert(item.object_id.clone(), Owned { state, refs: 1, task_id: None });
+        g.items.push(item.object_id);
+        drop(gens);
+        self.objects_changed.notify_waiters();
+    }
+
+    pub(crate) fn streaming_item_id(task_id: &str, index: u64) -> String {
+        return_id(task_id, index)
+    }
+
+    async fn next_item(
+        &self,
+        task_id: &str,
+        function: &str,
+        index: u64,
+    ) -> Option<Result<RawRef, Error>> {
+        loop {
+            let notified = self.objects_changed.notified();
+            {
+                let gens = self.generators.lock().unwrap();
+                let g = gens.get(task_id)?;
+                if let Some(id) = g.items.get(index as usize) {
+                    let r = RawRef::new(id.clone(), self.address.clone());
+                    // Hand the generator's hold over to the consumer's ref.
+                    if let Some(o) = self.objects.lock().unwrap().get_mut(id) {
+                        o.refs = o.refs.saturating_sub(1);
+                    }
+                    return Some(Ok(r));
+                }
+                if g.finished {
+                    return g.error.as_ref().map(|e| Err(Error::from_wire(e, function)));
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// Cancels the task that makes `id` (queued: removed; running: the worker
+    /// is asked to stop it, killed when `force`).
+    pub(crate) async fn cancel(self: &Arc<Self>, id: &str, force: bool) -> Result<(), Error> {
+        let task_id = self.objects.lock().unwrap().get(id).and_then(|o| o.task_id.clone());
+        let Some(task_id) = task_id else { return Ok(()) };
+        let classes: Vec<Arc<Class>> = self.classes.lock().unwrap().values().cloned().collect();
+        for c in classes {
+            let mut q = c.queue.lock().unwrap();
+            if let Some(pos) = q.iter().position(|t| t.spec.task_id == task_id) {
+                let t = q.remove(pos).expect("position is valid");
+                drop(q);
+                self.finish_failed(
+                    &t.spec,
+                    err(Kind::Cancelled, "cancelled before it ran", &t.spec.name),
+                );
+                return Ok(());
+            }
+        }
+        let addr = {
+            let mut running = self.running.lock().unwrap();
+            running.get_mut(&task_id).map(|r| {
+                r.cancelled = true;
+                r.worker_address.clone()
+            })
+        };
+        if let Some(addr) = addr {
+            let mut c = tpuray_proto::client::worker(&addr, self.token.as_deref())
+                .map_err(|e| Error::Cluster(e.to_string()))?;
+            c.cancel_task(pb::CancelTaskRequest { task_id, force })
+                .await
+                .map_err(|s| Error::Cluster(s.message().to_string()))?;
+        }
+        Ok(())
+    }
+
+    // ---- actors ----
+
+    pub(crate) async fn create_actor(
+        self: &Arc<Self>,
+        class: &str,
+        args: Vec<Arg>,
+        opts: &crate::options::ActorOptions,
+    ) -> Result<crate::actor::ActorHandle, Error> {
+        let mut spec = self.base_spec(class, None, 0, false);
+        spec.actor_creation = true;
+        spec.function = Some(pb::FunctionDescriptor {
+            language: "rust".into(),
+            name: class.into(),
+            class_name: class.into(),
+        });
+        spec.max_concurrency = opts.max_concurrency.max(1);
+        let (args, _pins) =
+            self.resolve_args(args, class).await.map_err(|e| Error::from_wire(&e, class))?;
+        spec.args = args;
+        let mut resources: HashMap<String, f64> =
+            opts.resources.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        if let Some(c) = opts.num_cpus {
+            resources.insert("CPU".into(), c);
+        }
+        if opts.num_gpus > 0.0 {
+            resources.insert("GPU".into(), opts.num_gpus);
+        }
+        let labels = tpuray_scheduler::parse_label_selector(&opts.label_selector)
+            .map_err(|e| Error::Cluster(format!("label_selector: {e}")))?;
+        let strategy = match &opts.scheduling {
+            Scheduling::Default => tpuray_scheduler::Strategy::Default,
+            Scheduling::Spread => tpuray_scheduler::Strategy::Spread,
+            Scheduling::NodeAffinity { node_id, soft } => {
+                tpuray_scheduler::Strategy::NodeAffinity { node: node_id.clone(), soft: *soft }
+            }
+        };
+        let mut head = tpuray_proto::client::head(&self.head_address, self.token.as_deref())
+            .map_err(|e| Error::Cluster(e.to_string()))?;
+        let reply = head
+            .create_actor(pb::CreateActorRequest {
+                request_id: tpuray_proto::new_request_id(),
+                job_id: self.job_id.clone(),
+                name: opts.name.clone().unwrap_or_default(),
+                namespace: opts.namespace.clone().unwrap_or_default(),
+                class_name: class.to_string(),
+                resources,
+                max_restarts: opts.max_restarts,
+                detached: opts.detached,
+                label_selector: tpuray_proto::convert::labels_to_proto(&labels),
+                strategy: Some(tpuray_proto::convert::strategy_to_proto(&strategy)),
+                get_if_exists: opts.get_if_exists,
+                creation_task: prost::Message::encode_to_vec(&spec),
+            })
+            .await
+            .map_err(|s| Error::Cluster(format!("creating actor {class}: {}", s.message())))?
+            .into_inner();
+        let a = reply.actor.unwrap_or_default();
+        Ok(crate::actor::ActorHandle {
+            actor_id: a.actor_id,
+            class: class.to_string(),
+            name: a.name,
+        })
+    }
+
+    /// Submits an actor method call through the actor's ordered sender (CORE-4).
+    pub(crate) fn call_actor(
+        self: &Arc<Self>,
+        handle: &crate::actor::ActorHandle,
+        method: &str,
+        args: Vec<Arg>,
+        streaming: bool,
+    ) -> pb::TaskSpec {
+        let display = format!("{}.{method}", short_class(&handle.class));
+        let mut spec =
+            self.base_spec(method, Some(&display), if streaming { 0 } else { 1 }, streaming);
+        spec.actor_id = handle.actor_id.clone();
+        spec.function = Some(pb::FunctionDescriptor {
+            language: "rust".into(),
+            name: method.into(),
+            class_name: handle.class.clone(),
+        });
+        for id in &spec.return_ids {
+            self.register_owned(id, ObjState::Pending, Some(spec.task_id.clone()));
+        }
+        if streaming {
+            self.generators.lock().unwrap().insert(
+                spec.task_id.clone(),
+                GenState { items: vec![], finished: false, error: None },
+            );
+        }
+        self.event(&spec, "SUBMITTED", "");
+        // Resolve arguments at once, in parallel with earlier calls; the
+        // sender awaits them in submission order.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let core = Arc::clone(self);
+        self.rt.spawn(async move {
+            let _ = tx.send(core.resolve_args(args, &display).await);
+        });
+        let conn = self.actor_conn(&handle.actor_id);
+        let _ = conn.tx.send((spec.clone(), rx));
+        spec
+    }
+
+    fn actor_conn(self: &Arc<Self>, actor_id: &str) -> Arc<ActorConn> {
+        let mut actors = self.actors.lock().unwrap();
+        if let Some(c) = actors.get(actor_id) {
+            return Arc::clone(c);
+        }
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let conn = Arc::new(ActorConn { tx });
+        actors.insert(actor_id.to_string(), Arc::clone(&conn));
+        let core = Arc::clone(self);
+        let id = actor_id.to_string();
+        self.rt.spawn(async move { core.actor_sender(id, rx).await });
+        conn
+    }
+
+    /// Waits until the actor is ALIVE: (worker address, incarnation).
+    async fn wait_actor_alive(&self, actor_id: &str) -> Result<(String, u32), String> {
+        let mut head = tpuray_proto::client::head(&self.head_address, self.token.as_deref())
+            .map_err(|e| e.to_string())?;
+        let mut warned = false;
+        let started = Instant::now();
+        loop {
+            let mut req = Request::new(pb::GetActorRequest {
+                actor_id: actor_id.to_string(),
+                wait_alive_ms: 5_000,
+                ..Default::default()
+            });
+            req.set_timeout(Duration::from_secs(30));
+            let a = match head.get_actor(req).await {
+                Ok(r) => r.into_inner().actor.unwrap_or_default(),
+                Err(s) if s.code() == tonic::Code::NotFound => return Err(s.message().to_string()),
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+            };
+            if a.state == pb::ActorState::Alive as i32 {
+                return Ok((a.worker_address, a.num_restarts));
+            }
+            if a.state == pb::ActorState::Dead as i32 {
+                return Err(a.death_cause);
+            }
+            if !warned && started.elapsed() > Duration::from_secs(5) && !a.pending_reason.is_empty()
+            {
+                warned = true;
+                eprintln!(
+                    "tpuray: warning: actor {} is not placed yet: {}",
+                    a.class_name, a.pending_reason
+                );
+            }
+        }
+    }
+
+    async fn actor_sender(
+        self: Arc<Self>,
+        actor_id: String,
+        mut rx: tokio::sync::mpsc::UnboundedReceiver<(pb::TaskSpec, ResolvedArgs)>,
+    ) {
+        let current: Arc<Mutex<Option<(String, u32)>>> = Arc::new(Mutex::new(None));
+        let mut incarnation: Option<u32> = None;
+        let mut seq = 0u64;
+        while let Some((mut spec, resolved)) = rx.recv().await {
+            let (args, pins) = match resolved.await {
+                Ok(Ok(x)) => x,
+                Ok(Err(e)) => {
+                    self.finish_failed(&spec, e);
+                    continue;
+                }
+                Err(_) => continue,
+            };
+            spec.args = args;
+            let known = current.lock().unwrap().clone();
+            let (address, inc) = match known {
+                Some(a) => a,
+                None => match self.wait_actor_alive(&actor_id).await {
+                    Ok(a) => {
+                        *current.lock().unwrap() = Some(a.clone());
+                        a
+                    }
+                    Err(cause) => {
+                        let e =
+                            err(Kind::ActorDied, format!("the actor is dead: {cause}"), &spec.name);
+                        self.finish_failed(&spec, e);
+                        continue;
+                    }
+                },
+            };
+            if incarnation != Some(inc) {
+                incarnation = Some(inc);
+                seq = 0;
+            }
+            spec.sequence_no = seq;
+            seq += 1;
+            let core = Arc::clone(&self);
+            let current = Arc::clone(&current);
+            self.running.lock().unwrap().insert(
+                spec.task_id.clone(),
+                Running { worker_address: address.clone(), cancelled: false },
+            );
+            self.rt.spawn(async move {
+                let _pins = pins;
+                let result = match tpuray_proto::client::worker(&address, core.token.as_deref()) {
+                    Ok(mut c) => {
+                        c.push_task(pb::PushTaskRequest { spec: Some(spec.clone()) }).await
+                    }
+                    Err(e) => Err(tonic::Status::internal(e.to_string())),
+                };
+                core.running.lock().unwrap().remove(&spec.task_id);
+                match result {
+                    Ok(reply) => {
+                        let reply = reply.into_inner();
+                        match reply.error {
+                            Some(e) => core.finish_failed(&spec, e),
+                            None => core.finish_ok(&spec, reply.returns),
+                        }
+                    }
+                    Err(status) => {
+                        *current.lock().unwrap() = None;
+                        let e = err(
+                            Kind::ActorDied,
+                            format!("the actor died while running the call ({})", status.message()),
+                            &spec.name,
+                        );
+                        core.finish_failed(&spec, e);
+                    }
+                }
+            });
+        }
+    }
+}
+
+type ResolvedArgs =
+    tokio::sync::oneshot::Receiver<Result<(Vec<pb::TaskArg>, Vec<RawRef>), pb::TaskError>>;
+
+/// Blocks for the next item of a streaming task (see [`crate::ObjectRefGenerator`]).
+pub(crate) fn next_generator_item(
+    task_id: &str,
+    function: &str,
+    index: u64,
+) -> Option<Result<RawRef, Error>> {
+    let c = try_core()?;
+    c.rt.block_on(c.next_item(task_id, function, index))
+}
+
+/// Forgets a streaming task's bookkeeping once its consumer is gone.
+pub(crate) fn drop_generator(task_id: &str, consumed: u64) {
+    if let Some(c) = try_core() {
+        let g = c.generators.lock().unwrap().remove(task_id);
+        if let Some(g) = g {
+            // Items never taken still carry the generator's hold.
+            for id in g.items.into_iter().skip(consumed as usize) {
+                release_ref(&id, &c.address.clone());
+            }
+        }
+    }
+}
+
+fn short_class(class: &str) -> &str {
+    class.rsplit("::").next().unwrap_or(class)
+}

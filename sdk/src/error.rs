@@ -1,0 +1,76 @@
+//! Errors of the SDK. [`TaskFailure`] is what crosses the wire when a task
+//! fails; [`Error`] is what `get`, `wait` and submission return to users.
+
+use tpuray_proto::pb;
+use tpuray_proto::pb::task_error::Kind;
+
+/// A task's failure as data (it crosses the wire in `PushTaskReply`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TaskFailure {
+    pub kind: Kind,
+    pub message: String,
+}
+
+impl TaskFailure {
+    pub fn application(message: impl Into<String>) -> Self {
+        Self { kind: Kind::Application, message: message.into() }
+    }
+    pub fn bad_arguments(message: impl Into<String>) -> Self {
+        Self { kind: Kind::BadArguments, message: message.into() }
+    }
+    pub fn new(kind: Kind, message: impl Into<String>) -> Self {
+        Self { kind, message: message.into() }
+    }
+}
+
+/// Errors returned to SDK users; each names what failed.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum Error {
+    /// The task's function returned an error or panicked (Ray's `RayTaskError`).
+    #[error("task {function} failed on node {node} (pid {pid}): {message}")]
+    Task { function: String, message: String, node: String, pid: u32 },
+    /// The worker running the task died and no retries were left (`WorkerCrashedError`).
+    #[error("task {function}: the worker running it died: {message}")]
+    WorkerDied { function: String, message: String },
+    /// The actor is dead or died during the call (`RayActorError`).
+    #[error("actor {actor}: {message}")]
+    ActorDied { actor: String, message: String },
+    /// The task was cancelled (`TaskCancelledError`).
+    #[error("task {function} was cancelled")]
+    Cancelled { function: String },
+    /// `get` or `wait` ran out of time (`GetTimeoutError`).
+    #[error("timed out after {0:?} waiting for {1} object(s)")]
+    Timeout(std::time::Duration, usize),
+    /// The object's only copy was lost (`ObjectLostError`).
+    #[error("object {id} was lost: {message}")]
+    ObjectLost { id: String, message: String },
+    /// Decoding a value as the requested type failed.
+    #[error("{0}")]
+    Decode(String),
+    /// No live node could ever run the request, and fail-on-infeasible is on.
+    #[error("infeasible: {0}")]
+    Infeasible(String),
+    /// The SDK is not initialised or the cluster cannot be reached.
+    #[error("{0}")]
+    Cluster(String),
+}
+
+impl Error {
+    pub(crate) fn from_wire(e: &pb::TaskError, function: &str) -> Self {
+        let function =
+            if e.function_name.is_empty() { function.to_string() } else { e.function_name.clone() };
+        match Kind::try_from(e.kind).unwrap_or(Kind::Application) {
+            Kind::WorkerDied => Error::WorkerDied { function, message: e.message.clone() },
+            Kind::ActorDied => Error::ActorDied { actor: function, message: e.message.clone() },
+            Kind::Cancelled => Error::Cancelled { function },
+            Kind::ObjectLost => Error::ObjectLost { id: function, message: e.message.clone() },
+            Kind::Infeasible => Error::Infeasible(format!("task {function}: {}", e.message)),
+            _ => Error::Task {
+                function,
+                message: e.message.clone(),
+                node: e.node_id.clone(),
+                pid: e.pid,
+            },
+        }
+    }
+}

@@ -1,0 +1,310 @@
+//! The executing side of a worker process: runs pushed tasks on executor
+//! threads (never on the runtime threads that answer RPCs), hosts at most one
+//! actor, releases each caller's actor calls in sequence order (CORE-4), and
+//! stores large results in the node's object store.
+
+use std::collections::{BTreeMap, HashMap};
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tpuray_proto::pb;
+use tpuray_proto::pb::task_error::Kind;
+
+use crate::codec::Encoded;
+use crate::core::{Core, INLINE_MAX_BYTES};
+use crate::error::TaskFailure;
+use crate::object_ref::RawRef;
+use crate::registry::{self, ActorClass};
+
+struct Job {
+    spec: pb::TaskSpec,
+    reply: oneshot::Sender<pb::PushTaskReply>,
+}
+
+struct CallerQueue {
+    next: u64,
+    waiting: BTreeMap<u64, Job>,
+}
+
+struct ActorHost {
+    class: &'static ActorClass,
+    state: Mutex<Box<dyn std::any::Any + Send>>,
+    callers: Mutex<HashMap<String, CallerQueue>>,
+}
+
+pub(crate) struct Executor {
+    core: Arc<Core>,
+    tx: std::sync::mpsc::Sender<Job>,
+    actor: Option<ActorHost>,
+    /// Task ids running now, for cancellation.
+    running: Mutex<HashMap<String, ()>>,
+}
+
+fn failure(spec: &pb::TaskSpec, core: &Core, f: TaskFailure) -> pb::PushTaskReply {
+    pb::PushTaskReply {
+        returns: vec![],
+        error: Some(pb::TaskError {
+            kind: f.kind as i32,
+            message: f.message,
+            function_name: spec.name.clone(),
+            node_id: core.node_id.clone(),
+            pid: std::process::id(),
+        }),
+    }
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        format!("panicked: {s}")
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        format!("panicked: {s}")
+    } else {
+        "panicked".to_string()
+    }
+}
+
+impl Executor {
+    /// Starts `threads` executor threads. For an actor worker, `creation`
+    /// is the actor's creation task, run here before anything else.
+    ///
+    /// # Errors
+    /// The actor's class is not in this binary, or its constructor failed.
+    pub(crate) fn start(
+        core: Arc<Core>,
+        creation: Option<pb::TaskSpec>,
+    ) -> Result<Arc<Self>, String> {
+        let mut threads = 1;
+        let actor = match creation {
+            Some(spec) => {
+                let class_name =
+                    spec.function.as_ref().map(|f| f.class_name.clone()).unwrap_or_default();
+                let class = registry::class(&class_name).ok_or_else(|| {
+                    format!("actor class {class_name} is not registered in this worker's binary")
+                })?;
+                let args = resolve_args(&core, &spec).map_err(|f| f.message)?;
+                let state = std::panic::catch_unwind(AssertUnwindSafe(|| (class.construct)(&args)))
+                    .map_err(|p| format!("{class_name} constructor {}", panic_message(p)))?
+                    .map_err(|f| format!("{class_name} constructor failed: {}", f.message))?;
+                threads = spec.max_concurrency.max(1) as usize;
+                Some(ActorHost {
+                    class,
+                    state: Mutex::new(state),
+                    callers: Mutex::new(HashMap::new()),
+                })
+            }
+            None => None,
+        };
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let ex = Arc::new(Self { core, tx, actor, running: Mutex::new(HashMap::new()) });
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..threads {
+            let ex = Arc::clone(&ex);
+            let rx = Arc::clone(&rx);
+            std::thread::Builder::new()
+                .name(format!("tpuray-exec-{i}"))
+                .spawn(move || {
+                    loop {
+                        let job = { rx.lock().unwrap().recv() };
+                        let Ok(job) = job else { return };
+                        let reply = ex.run(&job.spec);
+                        let _ = job.reply.send(reply);
+                    }
+                })
+                .expect("spawn executor thread");
+        }
+        Ok(ex)
+    }
+
+    /// Accepts a pushed task; the reply arrives when it has run.
+    pub(crate) async fn push(&self, spec: pb::TaskSpec) -> pb::PushTaskReply {
+        let (tx, rx) = oneshot::channel();
+        let job = Job { spec, reply: tx };
+        if job.spec.actor_id.is_empty() {
+            let _ = self.tx.send(job);
+        } else {
+            let Some(actor) = &self.actor else {
+                return failure(
+                    &job.spec,
+                    &self.core,
+                    TaskFailure::new(Kind::ActorDied, "this worker hosts no actor"),
+                );
+            };
+            // CORE-4: release each caller's calls in sequence order.
+            let mut callers = actor.callers.lock().unwrap();
+            let q = callers
+                .entry(job.spec.caller_id.clone())
+                .or_insert_with(|| CallerQueue { next: 0, waiting: BTreeMap::new() });
+            q.waiting.insert(job.spec.sequence_no, job);
+            while let Some(j) = q.waiting.remove(&q.next) {
+                q.next += 1;
+                let _ = self.tx.send(j);
+            }
+        }
+        rx.await.unwrap_or_else(|_| pb::PushTaskReply {
+            returns: vec![],
+            error: Some(pb::TaskError {
+                kind: Kind::WorkerDied as i32,
+                message: "executor stopped".into(),
+                ..Default::default()
+            }),
+        })
+    }
+
+    /// Cancels a running task: with `force`, the process exits.
+    pub(crate) fn cancel(&self, task_id: &str, force: bool) -> bool {
+        let found = self.running.lock().unwrap().contains_key(task_id);
+        if found && force {
+            std::thread::spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                std::process::exit(137);
+            });
+        }
+        found
+    }
+
+    fn run(&self, spec: &pb::TaskSpec) -> pb::PushTaskReply {
+        let core = &self.core;
+        // Clients made here (generator reports, nested calls) need the runtime.
+        let _guard = core.rt.enter();
+        self.running.lock().unwrap().insert(spec.task_id.clone(), ());
+        core.event(spec, "RUNNING", "");
+        let reply = match self.invoke(spec) {
+            Ok(Encoded::Value(bytes)) => match self.store_return(&spec.return_ids[0], bytes) {
+                Ok(r) => pb::PushTaskReply { returns: vec![r], error: None },
+                Err(f) => failure(spec, core, f),
+            },
+            Ok(Encoded::Stream(items)) => self.stream(spec, items),
+            Err(f) => failure(spec, core, f),
+        };
+        self.running.lock().unwrap().remove(&spec.task_id);
+        reply
+    }
+
+    fn invoke(&self, spec: &pb::TaskSpec) -> Result<Encoded, TaskFailure> {
+        let args = resolve_args(&self.core, spec)?;
+        let f = spec.function.clone().unwrap_or_default();
+        let result = if spec.actor_id.is_empty() {
+            let invoke = registry::function(&f.name).ok_or_else(|| {
+                TaskFailure::new(
+                    Kind::FunctionNotFound,
+                    format!(
+                        "function {} is not registered in this worker's binary {:?}; is it marked #[tpuray::remote] in the driver's program?",
+                        f.name,
+                        std::env::current_exe().unwrap_or_default()
+                    ),
+                )
+            })?;
+            std::panic::catch_unwind(AssertUnwindSafe(|| invoke(&args)))
+        } else {
+            let actor = self
+                .actor
+                .as_ref()
+                .ok_or_else(|| TaskFailure::new(Kind::ActorDied, "no actor here"))?;
+            let method = actor.class.method(&f.name).ok_or_else(|| {
+                TaskFailure::new(
+                    Kind::FunctionNotFound,
+                    format!("actor class {} has no method {}", actor.class.name, f.name),
+                )
+            })?;
+            let mut state = actor.state.lock().unwrap_or_else(|p| p.into_inner());
+            std::panic::catch_unwind(AssertUnwindSafe(|| method(&mut **state, &args)))
+        };
+        result.map_err(|p| TaskFailure::application(panic_message(p)))?
+    }
+
+    fn store_return(&self, id: &str, bytes: Vec<u8>) -> Result<pb::ReturnObject, TaskFailure> {
+        let size = bytes.len() as u64;
+        if bytes.len() <= INLINE_MAX_BYTES {
+            return Ok(pb::ReturnObject {
+                object_id: id.to_string(),
+                data: Some(pb::return_object::Data::InlineValue(bytes)),
+                size,
+            });
+        }
+        self.core.store.put(id, &bytes).map_err(|e| {
+            TaskFailure::new(Kind::Application, format!("cannot store the result: {e}"))
+        })?;
+        Ok(pb::ReturnObject {
+            object_id: id.to_string(),
+            data: Some(pb::return_object::Data::Location(pb::ObjectLocation {
+                node_id: self.core.node_id.clone(),
+                agent_address: self.core.agent_address.clone(),
+                store_dir: self.core.store.dir().display().to_string(),
+            })),
+            size,
+        })
+    }
+
+    fn stream(
+        &self,
+        spec: &pb::TaskSpec,
+        items: Box<dyn Iterator<Item = Result<Vec<u8>, TaskFailure>> + Send>,
+    ) -> pb::PushTaskReply {
+        let core = &self.core;
+        let mut owner =
+            match tpuray_proto::client::worker(&spec.owner_address, core.token.as_deref()) {
+                Ok(c) => c,
+                Err(e) => return failure(spec, core, TaskFailure::application(e.to_string())),
+            };
+        let mut items = items;
+        let mut index = 0u64;
+        loop {
+            let next = std::panic::catch_unwind(AssertUnwindSafe(|| items.next()));
+            let item = match next {
+                Ok(Some(Ok(bytes))) => bytes,
+                Ok(None) => break,
+                Ok(Some(Err(f))) => return failure(spec, core, f),
+                Err(p) => return failure(spec, core, TaskFailure::application(panic_message(p))),
+            };
+            let id = Core::streaming_item_id(&spec.task_id, index);
+            let ret = match self.store_return(&id, item) {
+                Ok(r) => r,
+                Err(f) => return failure(spec, core, f),
+            };
+            let req = pb::ReportGeneratorItemRequest {
+                task_id: spec.task_id.clone(),
+                index,
+                item: Some(ret),
+                finished: false,
+                error: None,
+                attempt: spec.attempt,
+            };
+            if let Err(s) = core.rt.block_on(owner.report_generator_item(req)) {
+                return failure(
+                    spec,
+                    core,
+                    TaskFailure::application(format!(
+                        "the generator's owner is gone: {}",
+                        s.message()
+                    )),
+                );
+            }
+            index += 1;
+        }
+        pb::PushTaskReply { returns: vec![], error: None }
+    }
+}
+
+/// Each argument's bytes: inline values as they are, refs fetched (from the
+/// owner, this node's store, or another node).
+fn resolve_args(core: &Arc<Core>, spec: &pb::TaskSpec) -> Result<Vec<Vec<u8>>, TaskFailure> {
+    spec.args
+        .iter()
+        .enumerate()
+        .map(|(i, a)| match &a.kind {
+            Some(pb::task_arg::Kind::Value(v)) => Ok(v.clone()),
+            Some(pb::task_arg::Kind::ObjectRef(r)) => {
+                let raw = RawRef::new(r.object_id.clone(), r.owner_address.clone());
+                core.rt.block_on(core.get_data(&raw, None)).map(|d| d.to_vec()).map_err(|e| {
+                    TaskFailure::new(
+                        Kind::Application,
+                        format!("argument {i} ({}) failed: {e}", r.object_id),
+                    )
+                })
+            }
+            None => Err(TaskFailure::bad_arguments(format!("argument {i} is empty"))),
+        })
+        .collect()
+}

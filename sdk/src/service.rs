@@ -1,0 +1,123 @@
+//! `WorkerService` as every driver and worker serves it: the owner side
+//! (`GetObject`, `ReportGeneratorItem`) and, in workers, the executor side
+//! (`PushTask`, `CancelTask`).
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tonic::{Request, Response, Status};
+use tpuray_proto::pb;
+use tpuray_proto::pb::worker_service_server::WorkerService;
+
+use crate::core::Core;
+use crate::executor::Executor;
+
+/// The service handle tonic holds.
+#[derive(Clone)]
+pub(crate) struct SvcRef(pub Arc<Svc>);
+
+pub(crate) struct Svc {
+    pub core: Arc<Core>,
+    pub executor: OnceLock<Arc<Executor>>,
+    pub actor_id: String,
+    pub exit: tokio::sync::mpsc::Sender<()>,
+}
+
+#[tonic::async_trait]
+impl WorkerService for SvcRef {
+    async fn get_worker_info(
+        &self,
+        _req: Request<pb::GetWorkerInfoRequest>,
+    ) -> Result<Response<pb::GetWorkerInfoReply>, Status> {
+        Ok(Response::new(pb::GetWorkerInfoReply {
+            worker_id: self.0.core.worker_id.clone(),
+            pid: std::process::id(),
+            node_id: self.0.core.node_id.clone(),
+            actor_id: self.0.actor_id.clone(),
+        }))
+    }
+
+    async fn exit(&self, req: Request<pb::ExitRequest>) -> Result<Response<pb::ExitReply>, Status> {
+        if req.into_inner().force {
+            std::process::exit(0);
+        }
+        let _ = self.0.exit.try_send(());
+        Ok(Response::new(pb::ExitReply {}))
+    }
+
+    async fn push_task(
+        &self,
+        req: Request<pb::PushTaskRequest>,
+    ) -> Result<Response<pb::PushTaskReply>, Status> {
+        let spec =
+            req.into_inner().spec.ok_or_else(|| Status::invalid_argument("missing task spec"))?;
+        if spec.return_ids.len() != spec.num_returns as usize {
+            return Err(Status::invalid_argument(format!(
+                "task {} declares {} returns but names {} return ids",
+                spec.task_id,
+                spec.num_returns,
+                spec.return_ids.len()
+            )));
+        }
+        let ex = self.0.executor.get().ok_or_else(|| {
+            Status::failed_precondition("this process is a driver and does not execute tasks")
+        })?;
+        Ok(Response::new(ex.push(spec).await))
+    }
+
+    async fn get_object(
+        &self,
+        req: Request<pb::GetObjectRequest>,
+    ) -> Result<Response<pb::GetObjectReply>, Status> {
+        let req = req.into_inner();
+        let wait = Duration::from_millis(req.timeout_ms.min(60_000));
+        Ok(Response::new(self.0.core.serve_get_object(&req.object_id, wait).await))
+    }
+
+    async fn report_generator_item(
+        &self,
+        req: Request<pb::ReportGeneratorItemRequest>,
+    ) -> Result<Response<pb::ReportGeneratorItemReply>, Status> {
+        let req = req.into_inner();
+        if let Some(item) = req.item {
+            self.0.core.generator_item(&req.task_id, req.index, item);
+        }
+        Ok(Response::new(pb::ReportGeneratorItemReply {}))
+    }
+
+    async fn cancel_task(
+        &self,
+        req: Request<pb::CancelTaskRequest>,
+    ) -> Result<Response<pb::CancelTaskReply>, Status> {
+        let req = req.into_inner();
+        let found =
+            self.0.executor.get().map(|e| e.cancel(&req.task_id, req.force)).unwrap_or(false);
+        Ok(Response::new(pb::CancelTaskReply { found }))
+    }
+}
+
+/// Serves `svc` on `listener` until `shutdown` resolves.
+pub(crate) async fn serve(
+    listener: tokio::net::TcpListener,
+    svc: Arc<Svc>,
+    token: Option<String>,
+    auth_required: bool,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let server = pb::worker_service_server::WorkerServiceServer::new(SvcRef(svc))
+        .max_decoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES);
+    let auth = tpuray_proto::auth::ServerAuth::new(
+        token.as_deref().unwrap_or(""),
+        auth_required && token.is_some(),
+    );
+    let server = tonic::service::interceptor::InterceptedService::new(server, auth);
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(server)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await
+}
