@@ -23,7 +23,7 @@ impl ActorHandle {
     pub fn call<T>(&self, method: &str, args: Vec<Arg>) -> ObjectRef<T> {
         let core = crate::core::core().expect("tpuray::init must run before calling actors");
         let spec = core.call_actor(self, method, args, false);
-        ObjectRef::from_raw(RawRef::new(spec.return_ids[0].clone(), core.address.clone()))
+        ObjectRef::from_raw(RawRef::adopt(spec.return_ids[0].clone(), core.address.clone()))
     }
 
     #[doc(hidden)]

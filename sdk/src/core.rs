@@ -39,6 +39,9 @@ use crate::options::{Scheduling, TaskOptions};
 pub const INLINE_MAX_BYTES: usize = 100 * 1024;
 /// Tasks pushed to one leased worker before the first one finishes.
 const PIPELINE_DEPTH: usize = 8;
+/// How long an idle lease waits for another task of its class before it
+/// is returned.
+const LEASE_LINGER: Duration = Duration::from_millis(100);
 /// Leases one scheduling class may hold or ask for at once.
 const MAX_LEASES_PER_CLASS: usize = 32;
 
@@ -114,6 +117,8 @@ struct Class {
     queue: Mutex<VecDeque<Queued>>,
     leases: AtomicUsize,
     warned: AtomicBool,
+    /// Signalled when a task is queued (a lingering lease picks it up).
+    queued: Notify,
 }
 
 /// Per-actor caller state: the ordered sender (CORE-4).
@@ -146,6 +151,36 @@ pub(crate) struct Core {
     actors: Mutex<HashMap<String, Arc<ActorConn>>>,
     running: Mutex<HashMap<String, Running>>,
     events: Mutex<Vec<pb::TaskEvent>>,
+    clients: Mutex<Clients>,
+}
+
+type AuthChannel = tpuray_proto::client::AuthChannel;
+
+/// Connections reused across calls: one HTTP/2 channel per address.
+#[derive(Default)]
+struct Clients {
+    workers: HashMap<String, pb::worker_service_client::WorkerServiceClient<AuthChannel>>,
+    agents: HashMap<String, pb::node_agent_service_client::NodeAgentServiceClient<AuthChannel>>,
+    objects: HashMap<
+        String,
+        pb::object_transfer_service_client::ObjectTransferServiceClient<AuthChannel>,
+    >,
+    head: Option<pb::head_service_client::HeadServiceClient<AuthChannel>>,
+}
+
+macro_rules! cached_client {
+    ($name:ident, $field:ident, $make:path, $ty:ty) => {
+        pub(crate) fn $name(&self, addr: &str) -> Result<$ty, Error> {
+            let mut c = self.clients.lock().unwrap();
+            if let Some(x) = c.$field.get(addr) {
+                return Ok(x.clone());
+            }
+            let x =
+                $make(addr, self.token.as_deref()).map_err(|e| Error::Cluster(e.to_string()))?;
+            c.$field.insert(addr.to_string(), x.clone());
+            Ok(x)
+        }
+    };
 }
 
 fn now_ms() -> u64 {
@@ -232,7 +267,41 @@ impl Core {
             actors: Mutex::new(HashMap::new()),
             running: Mutex::new(HashMap::new()),
             events: Mutex::new(Vec::new()),
+            clients: Mutex::new(Clients::default()),
         }
+    }
+
+    cached_client!(
+        worker_client,
+        workers,
+        tpuray_proto::client::worker,
+        pb::worker_service_client::WorkerServiceClient<AuthChannel>
+    );
+    cached_client!(
+        agent_client,
+        agents,
+        tpuray_proto::client::agent,
+        pb::node_agent_service_client::NodeAgentServiceClient<AuthChannel>
+    );
+    cached_client!(
+        objects_client,
+        objects,
+        tpuray_proto::client::objects,
+        pb::object_transfer_service_client::ObjectTransferServiceClient<AuthChannel>
+    );
+
+    /// The head's client (the first address of a replicated head).
+    pub(crate) fn head_client(
+        &self,
+    ) -> Result<pb::head_service_client::HeadServiceClient<AuthChannel>, Error> {
+        let mut c = self.clients.lock().unwrap();
+        if let Some(h) = &c.head {
+            return Ok(h.clone());
+        }
+        let h = tpuray_proto::client::head(&self.head_address, self.token.as_deref())
+            .map_err(|e| Error::Cluster(e.to_string()))?;
+        c.head = Some(h.clone());
+        Ok(h)
     }
 
     fn location(&self) -> pb::ObjectLocation {
@@ -267,16 +336,18 @@ impl Core {
         if batch.is_empty() {
             return;
         }
-        if let Ok(mut head) = tpuray_proto::client::head(&self.head_address, self.token.as_deref())
-        {
+        if let Ok(mut head) = self.head_client() {
             let mut req = Request::new(pb::ReportTaskEventsRequest { events: batch });
             req.set_timeout(Duration::from_secs(5));
             let _ = head.report_task_events(req).await;
         }
     }
 
+    /// Registers an owned object holding one reference, which the caller
+    /// hands to a [`RawRef::adopt`] (so a result that arrives before the
+    /// caller has its ref cannot free the object).
     fn register_owned(&self, id: &str, state: ObjState, task_id: Option<String>) {
-        self.objects.lock().unwrap().insert(id.to_string(), Owned { state, refs: 0, task_id });
+        self.objects.lock().unwrap().insert(id.to_string(), Owned { state, refs: 1, task_id });
     }
 
     fn set_state(&self, id: &str, state: ObjState) {
@@ -317,7 +388,7 @@ impl Core {
         let id = tpuray_proto::ids::ObjectId::random().to_string();
         let state = self.make_state(&id, bytes)?;
         self.register_owned(&id, state, None);
-        Ok(RawRef::new(id, self.address.clone()))
+        Ok(RawRef::adopt(id, self.address.clone()))
     }
 
     /// An owned object that failed before any task ran (bad options).
@@ -328,7 +399,7 @@ impl Core {
             ObjState::Failed(err(Kind::BadArguments, message, function)),
             None,
         );
-        RawRef::new(id, self.address.clone())
+        RawRef::adopt(id, self.address.clone())
     }
 
     /// Inline when small, else written to this node's store.
@@ -392,8 +463,8 @@ impl Core {
         r: &RawRef,
         deadline: Option<Instant>,
     ) -> Result<(Option<Arc<Vec<u8>>>, Vec<pb::ObjectLocation>), Error> {
-        let mut client = tpuray_proto::client::worker(r.owner(), self.token.as_deref())
-            .map_err(|e| Error::Cluster(e.to_string()))?;
+        let mut client =
+            self.worker_client(r.owner()).map_err(|e| Error::Cluster(e.to_string()))?;
         loop {
             let wait = match deadline {
                 Some(d) => d.saturating_duration_since(Instant::now()).min(Duration::from_secs(10)),
@@ -464,8 +535,7 @@ impl Core {
     }
 
     async fn pull(&self, id: &str, agent: &str) -> Result<(), String> {
-        let mut c = tpuray_proto::client::objects(agent, self.token.as_deref())
-            .map_err(|e| e.to_string())?;
+        let mut c = self.objects_client(agent).map_err(|e| e.to_string())?;
         let mut stream = c
             .pull(pb::PullRequest { object_id: id.to_string(), chunk_size: 0 })
             .await
@@ -490,7 +560,7 @@ impl Core {
                 Some(ObjState::Pending)
             )
         } else {
-            let Ok(mut c) = tpuray_proto::client::worker(r.owner(), self.token.as_deref()) else {
+            let Ok(mut c) = self.worker_client(r.owner()) else {
                 return true;
             };
             match c
@@ -681,6 +751,7 @@ impl Core {
                     queue: Mutex::new(VecDeque::new()),
                     leases: AtomicUsize::new(0),
                     warned: AtomicBool::new(false),
+                    queued: Notify::new(),
                 })
             }))
         };
@@ -751,7 +822,7 @@ impl Core {
                     grant_or_reject,
                     queue_timeout_ms: 2000,
                 };
-                let reply = match tpuray_proto::client::agent(&target, self.token.as_deref()) {
+                let reply = match self.agent_client(&target) {
                     Ok(mut c) => c.request_worker_lease(req).await.map(|r| r.into_inner().outcome),
                     Err(e) => Err(tonic::Status::internal(e.to_string())),
                 };
@@ -767,7 +838,7 @@ impl Core {
                 Ok(Some(Outcome::Granted(g))) => {
                     failures = 0;
                     let broken = self.run_on_worker(class, &g).await;
-                    if let Ok(mut c) = tpuray_proto::client::agent(&target, self.token.as_deref()) {
+                    if let Ok(mut c) = self.agent_client(&target) {
                         let _ = c
                             .return_worker_lease(pb::ReturnWorkerLeaseRequest {
                                 request_id: tpuray_proto::new_request_id(),
@@ -824,8 +895,7 @@ impl Core {
         class: &Arc<Class>,
         g: &pb::request_worker_lease_reply::Granted,
     ) -> bool {
-        let Ok(client) = tpuray_proto::client::worker(&g.worker_address, self.token.as_deref())
-        else {
+        let Ok(client) = self.worker_client(&g.worker_address) else {
             return true;
         };
         let mut in_flight = tokio::task::JoinSet::new();
@@ -842,6 +912,21 @@ impl Core {
                     let r = c.push_task(pb::PushTaskRequest { spec: Some(q.spec.clone()) }).await;
                     (q, r)
                 });
+            }
+            if in_flight.is_empty() {
+                if broken {
+                    break;
+                }
+                // Keep the lease a moment for the next task of this class
+                // (a driver calling in a loop), as Ray's leases linger.
+                let queued = class.queued.notified();
+                if !class.queue.lock().unwrap().is_empty() {
+                    continue;
+                }
+                if tokio::time::timeout(LEASE_LINGER, queued).await.is_err() {
+                    break;
+                }
+                continue;
             }
             let Some(done) = in_flight.join_next().await else { break };
             let Ok((q, result)) = done else { continue };
@@ -883,6 +968,7 @@ impl Core {
             q.spec.attempt += 1;
             self.event(&q.spec, "RETRYING", detail);
             class.queue.lock().unwrap().push_back(q);
+            class.queued.notify_one();
             self.ensure_leases(class);
         } else {
             let e = err(Kind::WorkerDied, format!("{detail} (no retries left)"), &q.spec.name);
@@ -910,6 +996,7 @@ impl Core {
                 q.spec.attempt += 1;
                 self.event(&q.spec, "RETRYING", &e.message);
                 class.queue.lock().unwrap().push_back(q);
+                class.queued.notify_one();
                 self.ensure_leases(class);
                 return;
             }
@@ -998,12 +1085,8 @@ impl Core {
                 let gens = self.generators.lock().unwrap();
                 let g = gens.get(task_id)?;
                 if let Some(id) = g.items.get(index as usize) {
-                    let r = RawRef::new(id.clone(), self.address.clone());
-                    // Hand the generator's hold over to the consumer's ref.
-                    if let Some(o) = self.objects.lock().unwrap().get_mut(id) {
-                        o.refs = o.refs.saturating_sub(1);
-                    }
-                    return Some(Ok(r));
+                    // The generator's hold becomes the consumer's ref.
+                    return Some(Ok(RawRef::adopt(id.clone(), self.address.clone())));
                 }
                 if g.finished {
                     return g.error.as_ref().map(|e| Err(Error::from_wire(e, function)));
@@ -1039,8 +1122,7 @@ impl Core {
             })
         };
         if let Some(addr) = addr {
-            let mut c = tpuray_proto::client::worker(&addr, self.token.as_deref())
-                .map_err(|e| Error::Cluster(e.to_string()))?;
+            let mut c = self.worker_client(&addr).map_err(|e| Error::Cluster(e.to_string()))?;
             c.cancel_task(pb::CancelTaskRequest { task_id, force })
                 .await
                 .map_err(|s| Error::Cluster(s.message().to_string()))?;
@@ -1084,8 +1166,7 @@ impl Core {
                 tpuray_scheduler::Strategy::NodeAffinity { node: node_id.clone(), soft: *soft }
             }
         };
-        let mut head = tpuray_proto::client::head(&self.head_address, self.token.as_deref())
-            .map_err(|e| Error::Cluster(e.to_string()))?;
+        let mut head = self.head_client().map_err(|e| Error::Cluster(e.to_string()))?;
         let reply = head
             .create_actor(pb::CreateActorRequest {
                 request_id: tpuray_proto::new_request_id(),
@@ -1167,8 +1248,7 @@ impl Core {
 
     /// Waits until the actor is ALIVE: (worker address, incarnation).
     async fn wait_actor_alive(&self, actor_id: &str) -> Result<(String, u32), String> {
-        let mut head = tpuray_proto::client::head(&self.head_address, self.token.as_deref())
-            .map_err(|e| e.to_string())?;
+        let mut head = self.head_client().map_err(|e| e.to_string())?;
         let mut warned = false;
         let started = Instant::now();
         loop {
@@ -1209,18 +1289,34 @@ impl Core {
         mut rx: tokio::sync::mpsc::UnboundedReceiver<(pb::TaskSpec, ResolvedArgs)>,
     ) {
         let current: Arc<Mutex<Option<(String, u32)>>> = Arc::new(Mutex::new(None));
+        // Calls that never reached the actor (connection refused: it died or
+        // moved) come back here and go out again, before newer calls.
+        let (retry_tx, mut retry_rx) =
+            tokio::sync::mpsc::unbounded_channel::<(pb::TaskSpec, Vec<RawRef>, u32)>();
         let mut incarnation: Option<u32> = None;
         let mut seq = 0u64;
-        while let Some((mut spec, resolved)) = rx.recv().await {
-            let (args, pins) = match resolved.await {
-                Ok(Ok(x)) => x,
-                Ok(Err(e)) => {
-                    self.finish_failed(&spec, e);
-                    continue;
+        loop {
+            let (mut spec, pins, attempts) = tokio::select! {
+                biased;
+                Some(r) = retry_rx.recv() => r,
+                next = rx.recv() => {
+                    let Some((mut spec, resolved)) = next else { return };
+                    match resolved.await {
+                        Ok(Ok((args, pins))) => {
+                            spec.args = args;
+                            (spec, pins, 0)
+                        }
+                        Ok(Err(e)) => {
+                            self.finish_failed(&spec, e);
+                            continue;
+                        }
+                        Err(_) => continue,
+                    }
                 }
-                Err(_) => continue,
             };
-            spec.args = args;
+            if attempts > 0 {
+                tokio::time::sleep(Duration::from_millis(100 * u64::from(attempts.min(5)))).await;
+            }
             let known = current.lock().unwrap().clone();
             let (address, inc) = match known {
                 Some(a) => a,
@@ -1245,13 +1341,13 @@ impl Core {
             seq += 1;
             let core = Arc::clone(&self);
             let current = Arc::clone(&current);
+            let retry_tx = retry_tx.clone();
             self.running.lock().unwrap().insert(
                 spec.task_id.clone(),
                 Running { worker_address: address.clone(), cancelled: false },
             );
             self.rt.spawn(async move {
-                let _pins = pins;
-                let result = match tpuray_proto::client::worker(&address, core.token.as_deref()) {
+                let result = match core.worker_client(&address) {
                     Ok(mut c) => {
                         c.push_task(pb::PushTaskRequest { spec: Some(spec.clone()) }).await
                     }
@@ -1268,6 +1364,13 @@ impl Core {
                     }
                     Err(status) => {
                         *current.lock().unwrap() = None;
+                        let never_delivered = is_connect_error(&status);
+                        // About 60 s of re-resolving covers the head's death
+                        // timeout plus a restart elsewhere.
+                        if never_delivered && attempts < 120 {
+                            let _ = retry_tx.send((spec, pins, attempts + 1));
+                            return;
+                        }
                         let e = err(
                             Kind::ActorDied,
                             format!("the actor died while running the call ({})", status.message()),
@@ -1279,6 +1382,15 @@ impl Core {
             });
         }
     }
+}
+
+/// True when a call failed before reaching the server (nothing ran).
+fn is_connect_error(s: &tonic::Status) -> bool {
+    let m = s.message();
+    s.code() == tonic::Code::Unavailable
+        && (m.contains("connect")
+            || m.contains("Connection refused")
+            || m.contains("connection refused"))
 }
 
 type ResolvedArgs =

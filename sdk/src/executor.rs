@@ -243,11 +243,10 @@ impl Executor {
         items: Box<dyn Iterator<Item = Result<Vec<u8>, TaskFailure>> + Send>,
     ) -> pb::PushTaskReply {
         let core = &self.core;
-        let mut owner =
-            match tpuray_proto::client::worker(&spec.owner_address, core.token.as_deref()) {
-                Ok(c) => c,
-                Err(e) => return failure(spec, core, TaskFailure::application(e.to_string())),
-            };
+        let mut owner = match core.worker_client(&spec.owner_address) {
+            Ok(c) => c,
+            Err(e) => return failure(spec, core, TaskFailure::application(e.to_string())),
+        };
         let mut items = items;
         let mut index = 0u64;
         loop {

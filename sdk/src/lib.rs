@@ -171,8 +171,7 @@ pub fn cancel<T>(r: &ObjectRef<T>, force: bool) -> Result<(), Error> {
 pub fn kill_actor(actor_id: &str, no_restart: bool) -> Result<(), Error> {
     let core = core::core()?;
     core.rt.block_on(async {
-        let mut head = tpuray_proto::client::head(&core.head_address, core.token.as_deref())
-            .map_err(|e| Error::Cluster(e.to_string()))?;
+        let mut head = core.head_client()?;
         head.kill_actor(tpuray_proto::pb::KillActorRequest {
             request_id: tpuray_proto::new_request_id(),
             actor_id: actor_id.to_string(),
@@ -191,8 +190,7 @@ pub fn kill_actor(actor_id: &str, no_restart: bool) -> Result<(), Error> {
 pub fn get_actor(name: &str, namespace: Option<&str>) -> Result<ActorHandle, Error> {
     let core = core::core()?;
     core.rt.block_on(async {
-        let mut head = tpuray_proto::client::head(&core.head_address, core.token.as_deref())
-            .map_err(|e| Error::Cluster(e.to_string()))?;
+        let mut head = core.head_client()?;
         let a = head
             .get_actor(tpuray_proto::pb::GetActorRequest {
                 name: name.to_string(),
@@ -213,7 +211,7 @@ pub fn submit_task<T>(function: &str, args: Vec<codec::Arg>, opts: &TaskOptions)
     let core = core::core().expect("tpuray::init must run before submitting tasks");
     match core.submit(function, args, opts, false) {
         Ok(spec) => {
-            ObjectRef::from_raw(RawRef::new(spec.return_ids[0].clone(), core.address.clone()))
+            ObjectRef::from_raw(RawRef::adopt(spec.return_ids[0].clone(), core.address.clone()))
         }
         Err(e) => failed_ref(core, function, e),
     }

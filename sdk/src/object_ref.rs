@@ -32,6 +32,10 @@ impl RawRef {
         crate::core::add_ref(&id, &owner);
         Self(Arc::new(RefInner { id, owner }))
     }
+    /// Wraps a reference whose count the owner already holds for it.
+    pub(crate) fn adopt(id: String, owner: String) -> Self {
+        Self(Arc::new(RefInner { id, owner }))
+    }
     pub fn id(&self) -> &str {
         &self.0.id
     }

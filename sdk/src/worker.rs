@@ -88,6 +88,7 @@ pub fn run_worker() -> Result<(), WorkerError> {
     );
     let core =
         crate::core::install(Arc::new(core)).map_err(|e| WorkerError::Serve(e.to_string()))?;
+    spawn_agent_watchdog(agent_pid);
     let (exit_tx, mut exit_rx) = tokio::sync::mpsc::channel(1);
     let svc = Arc::new(Svc {
         core: Arc::clone(core),
@@ -107,7 +108,6 @@ pub fn run_worker() -> Result<(), WorkerError> {
             tokio::select! {
                 _ = term.recv() => {}
                 _ = exit_rx.recv() => {}
-                _ = agent_gone(agent_pid) => {}
             }
         },
     ));
@@ -163,18 +163,29 @@ pub fn run_worker() -> Result<(), WorkerError> {
     }
 }
 
-/// Resolves when the node agent that started us is gone (CORE-1): our
-/// parent pid changes (we were re-parented) or the agent pid stops existing.
-async fn agent_gone(agent_pid: Option<i32>) {
+/// CORE-1: a thread of its own exits the process as soon as the node agent
+/// that started us is gone (we were re-parented, or its pid vanished): the
+/// node is gone with its agent, and a running task must not finish here (its
+/// owner retries it elsewhere). A plain thread, so no runtime state or user
+/// code can delay it.
+fn spawn_agent_watchdog(agent_pid: Option<i32>) {
     // SAFETY: getppid has no preconditions.
     let parent = unsafe { libc::getppid() };
-    loop {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        // SAFETY: as above; kill with signal 0 only checks existence.
-        let reparented = unsafe { libc::getppid() } != parent;
-        let missing = agent_pid.is_some_and(|p| unsafe { libc::kill(p, 0) } != 0);
-        if reparented || missing {
-            return;
-        }
-    }
+    std::thread::Builder::new()
+        .name("tpuray-agent-watchdog".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_millis(100));
+                // SAFETY: as above; kill with signal 0 only checks existence.
+                let reparented = unsafe { libc::getppid() } != parent;
+                let missing = agent_pid.is_some_and(|p| unsafe { libc::kill(p, 0) } != 0);
+                if reparented || missing {
+                    eprintln!("tpuray worker: the node agent exited; exiting");
+                    // SAFETY: _exit skips atexit handlers and destructors, which
+                    // could block on locks held by other threads.
+                    unsafe { libc::_exit(1) };
+                }
+            }
+        })
+        .expect("spawn agent watchdog");
 }

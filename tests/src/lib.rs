@@ -409,6 +409,226 @@ fn parse_after(s: &str, prefix: &str, end: char) -> Option<String> {
     (!v.is_empty()).then_some(v)
 }
 
+/// A driver process (a job binary such as `tpuray-test-driver`) started
+/// with a cluster's environment, its stdout and stderr collected line by
+/// line as it runs. Killed when dropped; when the test is failing, its
+/// output is printed.
+pub struct Driver {
+    child: Option<std::process::Child>,
+    what: String,
+    stdout: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    stderr: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+    status: Option<std::process::ExitStatus>,
+}
+
+/// How a [`Driver`] ended.
+#[derive(Debug)]
+pub struct DriverOutput {
+    pub status: std::process::ExitStatus,
+    pub stdout: Vec<String>,
+    pub stderr: Vec<String>,
+}
+
+impl DriverOutput {
+    /// The first stdout line starting with `prefix`, or a panic showing the output.
+    pub fn line(&self, prefix: &str) -> &str {
+        self.stdout
+            .iter()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("driver printed no line starting with {prefix:?}:\n{self}"))
+    }
+
+    /// Panics (showing the output) unless the driver exited 0.
+    pub fn assert_success(&self) {
+        assert!(self.status.success(), "driver failed ({}):\n{self}", self.status);
+    }
+}
+
+impl std::fmt::Display for DriverOutput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "exit: {}\n--- stdout ---", self.status)?;
+        for l in &self.stdout {
+            writeln!(f, "{l}")?;
+        }
+        writeln!(f, "--- stderr ---")?;
+        for l in &self.stderr {
+            writeln!(f, "{l}")?;
+        }
+        Ok(())
+    }
+}
+
+fn collect_lines(
+    r: impl std::io::Read + Send + 'static,
+    into: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(r).lines() {
+            let Ok(line) = line else { break };
+            into.lock().unwrap_or_else(|e| e.into_inner()).push(line);
+        }
+    })
+}
+
+impl Driver {
+    /// Starts `bin ARGS` with `cluster`'s environment (`HOME`, registry, timeouts)
+    /// plus `envs`.
+    pub fn start(cluster: &Cluster, bin: &Path, args: &[&str], envs: &[(&str, &str)]) -> Self {
+        let mut cmd = Command::new(bin);
+        cmd.args(args)
+            .env("HOME", cluster.home())
+            .env("TPURAY_REGISTRY_DIR", cluster.registry_dir())
+            .env_remove("TPURAY_ADDRESS")
+            .env_remove("TPURAY_AUTH_TOKEN")
+            .env_remove("TPURAY_WORKER_ID")
+            .env_remove("TPURAY_FAIL_ON_INFEASIBLE")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        for (k, v) in &cluster.envs {
+            cmd.env(k, v);
+        }
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let mut child =
+            cmd.spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+        let stdout = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stderr = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let readers = vec![
+            collect_lines(child.stdout.take().expect("piped stdout"), stdout.clone()),
+            collect_lines(child.stderr.take().expect("piped stderr"), stderr.clone()),
+        ];
+        Self {
+            child: Some(child),
+            what: format!("{} {args:?}", bin.display()),
+            stdout,
+            stderr,
+            readers,
+            status: None,
+        }
+    }
+
+    /// The driver's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// Stdout lines so far.
+    pub fn stdout(&self) -> Vec<String> {
+        self.stdout.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Stderr lines so far.
+    pub fn stderr(&self) -> Vec<String> {
+        self.stderr.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn exited(&mut self) -> bool {
+        if self.status.is_none()
+            && let Some(c) = self.child.as_mut()
+        {
+            self.status = c.try_wait().ok().flatten();
+        }
+        self.status.is_some()
+    }
+
+    fn output_so_far(&self) -> String {
+        format!(
+            "--- stdout of {} ---\n{}\n--- stderr ---\n{}",
+            self.what,
+            self.stdout().join("\n"),
+            self.stderr().join("\n")
+        )
+    }
+
+    /// Waits for a stdout line starting with `prefix` and returns it; panics
+    /// (showing the output) after `timeout` or when the driver exits first.
+    pub fn wait_line(&mut self, prefix: &str, timeout: Duration) -> String {
+        self.wait_for(timeout, &format!("stdout line starting with {prefix:?}"), |d| {
+            d.stdout().into_iter().find(|l| l.starts_with(prefix))
+        })
+    }
+
+    /// Waits for a stderr line containing `needle` and returns it.
+    pub fn wait_stderr(&mut self, needle: &str, timeout: Duration) -> String {
+        self.wait_for(timeout, &format!("stderr line containing {needle:?}"), |d| {
+            d.stderr().into_iter().find(|l| l.contains(needle))
+        })
+    }
+
+    fn wait_for(
+        &mut self,
+        timeout: Duration,
+        what: &str,
+        mut f: impl FnMut(&Self) -> Option<String>,
+    ) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(l) = f(self) {
+                return l;
+            }
+            let exited = self.exited();
+            if exited {
+                // The readers may still hold the last lines.
+                std::thread::sleep(Duration::from_millis(100));
+                if let Some(l) = f(self) {
+                    return l;
+                }
+            }
+            assert!(
+                !exited && Instant::now() < deadline,
+                "{} before the driver printed a {what} (waited {timeout:?})\n{}",
+                if exited { "driver exited" } else { "timed out" },
+                self.output_so_far()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits at most `timeout` for the driver to exit (SIGKILLing it after)
+    /// and returns everything it printed.
+    pub fn finish(mut self, timeout: Duration) -> DriverOutput {
+        let deadline = Instant::now() + timeout;
+        while !self.exited() {
+            if Instant::now() >= deadline {
+                let out = self.output_so_far();
+                self.kill();
+                panic!("driver still running after {timeout:?}, killed\n{out}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+        DriverOutput {
+            status: self.status.expect("exited"),
+            stdout: self.stdout(),
+            stderr: self.stderr(),
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            if self.status.is_none() {
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        if std::thread::panicking() && self.child.is_some() {
+            eprintln!("{}", self.output_so_far());
+        }
+        self.kill();
+    }
+}
+
 /// Busy-loop child processes, killed when dropped.
 pub struct Burners(Vec<std::process::Child>);
 

@@ -1,0 +1,271 @@
+//! `tpuray-test-driver SCENARIO HEAD_ADDR [ARGS...]`: the job binary of the
+//! failure-path tests (`tests/core.rs`). Node agents start this same binary
+//! as the job's workers, so every remote function and actor lives here.
+//!
+//! Output is line-oriented for the tests to parse: `READY`, `INFO key=value`,
+//! `RESULT ...`, `ERROR kind=<variant> ms=<elapsed> msg=<message>`. It exits
+//! 0 when the scenario ran to its end (an expected error is not a failure;
+//! the test judges the printed lines), non-zero on anything unexpected.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use tpuray::{ActorOptions, Error, Scheduling, TaskOptions};
+
+/// Writes `pid node_id` to `path` atomically (temp file, then rename).
+fn write_pid_file(path: &str) {
+    let tmp = format!("{path}.tmp{}", std::process::id());
+    let body = format!("{} {}\n", std::process::id(), tpuray::node_id().unwrap_or_default());
+    std::fs::write(&tmp, body).expect("write pid file");
+    std::fs::rename(&tmp, path).expect("rename pid file");
+}
+
+#[tpuray::remote]
+fn add(a: i64, b: i64) -> i64 {
+    a + b
+}
+
+/// Records its pid (and node) in `pid_file`, sleeps `ms`, returns `value`.
+#[tpuray::remote]
+fn pid_then_sleep(pid_file: String, ms: u64, value: i64) -> i64 {
+    write_pid_file(&pid_file);
+    std::thread::sleep(Duration::from_millis(ms));
+    value
+}
+
+#[tpuray::remote]
+fn fail_with(code: i64) -> Result<i64, String> {
+    Err(format!("boom {code}"))
+}
+
+#[tpuray::remote]
+fn sleep_ms(ms: u64) -> u64 {
+    std::thread::sleep(Duration::from_millis(ms));
+    ms
+}
+
+#[tpuray::remote]
+fn where_am_i() -> String {
+    tpuray::node_id().unwrap_or_default()
+}
+
+#[derive(Default)]
+pub struct Journal {
+    entries: Vec<u64>,
+}
+
+#[tpuray::actor]
+impl Journal {
+    pub fn new() -> Self {
+        Journal::default()
+    }
+    pub fn append(&mut self, x: u64) -> usize {
+        self.entries.push(x);
+        self.entries.len()
+    }
+    pub fn entries(&self) -> Vec<u64> {
+        self.entries.clone()
+    }
+    /// (node id, pid) of the process hosting the actor.
+    pub fn whereabouts(&self) -> (String, u32) {
+        (tpuray::node_id().unwrap_or_default(), std::process::id())
+    }
+}
+
+fn kind(e: &Error) -> &'static str {
+    match e {
+        Error::Task { .. } => "Task",
+        Error::WorkerDied { .. } => "WorkerDied",
+        Error::ActorDied { .. } => "ActorDied",
+        Error::Cancelled { .. } => "Cancelled",
+        Error::Timeout(..) => "Timeout",
+        Error::ObjectLost { .. } => "ObjectLost",
+        Error::Decode(_) => "Decode",
+        Error::Infeasible(_) => "Infeasible",
+        Error::Cluster(_) => "Cluster",
+    }
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+fn print_error(e: &Error, since: Instant) {
+    let msg = e.to_string().replace('\n', " | ");
+    say(&format!("ERROR kind={} ms={} msg={msg}", kind(e), since.elapsed().as_millis()));
+}
+
+/// Waits (at most `timeout`) for `path` to exist.
+fn wait_for_file(path: &Path, timeout: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !path.exists() {
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {}", path.display());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+fn arg(args: &[String], i: usize, what: &str) -> anyhow::Result<String> {
+    args.get(i).cloned().with_context(|| format!("missing argument {i}: {what}"))
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    // In a worker process (started by a node agent) init never returns.
+    if tpuray::worker::is_worker_process() {
+        tpuray::init(None)?;
+        unreachable!("init returns only in a driver");
+    }
+    let scenario = arg(&args, 1, "scenario")?;
+    let addr = arg(&args, 2, "head address")?;
+    tpuray::init(Some(&addr))?;
+    say(&format!("INFO node={}", tpuray::node_id()?));
+    let r = run(&scenario, &args[3..]);
+    tpuray::shutdown();
+    r
+}
+
+fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
+    match scenario {
+        // A task whose worker the test SIGKILLs; get must still return 42.
+        "retry" => {
+            let pid_file = arg(args, 0, "pid file")?;
+            let r = pid_then_sleep::remote(pid_file, 3000, 42);
+            say("SUBMITTED");
+            let t = Instant::now();
+            match tpuray::get(&r) {
+                Ok(v) => say(&format!("RESULT {v} ms={}", t.elapsed().as_millis())),
+                Err(e) => print_error(&e, t),
+            }
+        }
+        // An actor (max_restarts 1) and a long task on the actor's node; the
+        // test kills that node's agent, then creates the go file.
+        "node-death" => {
+            let dir = PathBuf::from(arg(args, 0, "work dir")?);
+            let j = Journal::options(ActorOptions { max_restarts: 1, ..Default::default() })
+                .remote()?;
+            let (node, pid) = tpuray::get(&j.whereabouts())?;
+            say(&format!("ACTOR id={} node={node} pid={pid}", j.handle().actor_id));
+            let pid_file = dir.join("task.pid");
+            let opts = TaskOptions {
+                scheduling: Scheduling::NodeAffinity { node_id: node.clone(), soft: true },
+                ..Default::default()
+            };
+            let r = pid_then_sleep::options(opts).remote(pid_file.display().to_string(), 5000, 7);
+            wait_for_file(&pid_file, Duration::from_secs(30))?;
+            let task = std::fs::read_to_string(&pid_file)?;
+            say(&format!("TASK {}", task.trim()));
+            say("READY");
+            wait_for_file(&dir.join("go"), Duration::from_secs(60))?;
+            // The first call after the restart, then (if that one failed)
+            // a second one: the test tells the two apart.
+            for attempt in 1..=2 {
+                let t = Instant::now();
+                match tpuray::get_timeout(&j.whereabouts(), Duration::from_secs(30)) {
+                    Ok((n, p)) => {
+                        say(&format!("ACTOR_AGAIN attempt={attempt} node={n} pid={p}"));
+                        break;
+                    }
+                    Err(e) => print_error(&e, t),
+                }
+            }
+            let t = Instant::now();
+            match tpuray::get_timeout(&r, Duration::from_secs(40)) {
+                Ok(v) => say(&format!("RESULT {v} ms={}", t.elapsed().as_millis())),
+                Err(e) => print_error(&e, t),
+            }
+            let task = std::fs::read_to_string(&pid_file)?;
+            say(&format!("TASK_AFTER {}", task.trim()));
+        }
+        "fail" => {
+            let t = Instant::now();
+            match tpuray::get_timeout(&fail_with::remote(42), Duration::from_secs(30)) {
+                Ok(v) => say(&format!("RESULT {v}")),
+                Err(e) => print_error(&e, t),
+            }
+        }
+        // A task needing a GPU on a cluster without one. With a go-file
+        // argument, waits for it before exiting (so the test can look at
+        // `tpuray status` while the task is still pending).
+        "infeasible" => {
+            let opts = TaskOptions { num_gpus: 1.0, ..Default::default() };
+            let r = add::options(opts).remote(1, 2);
+            say("SUBMITTED");
+            let wait = if std::env::var_os("TPURAY_FAIL_ON_INFEASIBLE").is_some() {
+                Duration::from_secs(30)
+            } else {
+                Duration::from_secs(2)
+            };
+            let t = Instant::now();
+            match tpuray::get_timeout(&r, wait) {
+                Ok(v) => say(&format!("RESULT {v}")),
+                Err(e) => print_error(&e, t),
+            }
+            if let Some(go) = args.first() {
+                wait_for_file(Path::new(go), Duration::from_secs(60))?;
+            }
+        }
+        "timeout" => {
+            let r = sleep_ms::remote(10_000);
+            let t = Instant::now();
+            match tpuray::get_timeout(&r, Duration::from_millis(500)) {
+                Ok(v) => say(&format!("RESULT {v}")),
+                Err(e) => print_error(&e, t),
+            }
+        }
+        // Cancels a running task, then runs another.
+        "cancel" => {
+            let pid_file = arg(args, 0, "pid file")?;
+            let r = pid_then_sleep::remote(pid_file.clone(), 60_000, 1);
+            wait_for_file(Path::new(&pid_file), Duration::from_secs(30))?;
+            let task = std::fs::read_to_string(&pid_file)?;
+            say(&format!("TASK {}", task.trim()));
+            let t = Instant::now();
+            tpuray::cancel(&r, true)?;
+            match tpuray::get_timeout(&r, Duration::from_secs(30)) {
+                Ok(v) => say(&format!("RESULT {v}")),
+                Err(e) => print_error(&e, t),
+            }
+            let t = Instant::now();
+            match tpuray::get_timeout(&add::remote(40, 2), Duration::from_secs(30)) {
+                Ok(v) => say(&format!("AFTER {v} ms={}", t.elapsed().as_millis())),
+                Err(e) => print_error(&e, t),
+            }
+        }
+        // Waits for the go file (the test moves this binary meanwhile), then runs tasks.
+        "moved" => {
+            let go = arg(args, 0, "go file")?;
+            say("READY");
+            wait_for_file(Path::new(&go), Duration::from_secs(60))?;
+            let t = Instant::now();
+            let refs: Vec<_> = (0..4).map(|i| add::remote(i, 100)).collect();
+            let sum: i64 = tpuray::get_all(&refs)?.iter().sum();
+            let node = tpuray::get(&where_am_i::remote())?;
+            say(&format!("RESULT {sum} node={node} ms={}", t.elapsed().as_millis()));
+        }
+        "named" => {
+            let name = arg(args, 0, "actor name")?;
+            let j =
+                Journal::options(ActorOptions { name: Some(name.clone()), ..Default::default() })
+                    .remote()?;
+            let found = tpuray::get_actor(&name, None)?;
+            say(&format!("CREATED id={}", j.handle().actor_id));
+            say(&format!("FOUND id={} name={} class={}", found.actor_id, found.name, found.class));
+            let found = JournalHandle(found);
+            let refs: Vec<_> = (0..100u64).map(|i| found.append(i)).collect();
+            let lens = tpuray::get_all(&refs)?;
+            let entries = tpuray::get(&found.entries())?;
+            let in_order = lens == (1..=100).collect::<Vec<usize>>()
+                && entries == (0..100).collect::<Vec<u64>>();
+            say(&format!("RESULT in_order={in_order} calls={}", lens.len()));
+        }
+        other => bail!("unknown scenario {other:?}"),
+    }
+    Ok(())
+}

@@ -1,0 +1,327 @@
+//! Failure-path tests of the core worker and Rust SDK: a real cluster per
+//! test (started through the `tpuray` CLI) and a real driver process, the
+//! `tpuray-test-driver` binary of this crate, which node agents also start
+//! as the job's workers. The driver prints `RESULT ...` / `ERROR kind=...`
+//! lines; the tests kill processes, move files and read `tpuray status` /
+//! `tpuray list` around it.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tpuray_tests::*;
+
+/// The job binary, built by cargo with this test (honours CARGO_TARGET_DIR).
+fn driver_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_tpuray-test-driver"))
+}
+
+/// Bound for a whole driver run.
+const RUN: Duration = Duration::from_secs(60);
+
+fn start_driver(c: &Cluster, scenario: &str, args: &[&str]) -> Driver {
+    start_driver_with(c, &driver_bin(), scenario, args, &[])
+}
+
+fn start_driver_with(
+    c: &Cluster,
+    bin: &Path,
+    scenario: &str,
+    args: &[&str],
+    envs: &[(&str, &str)],
+) -> Driver {
+    let addr = c.head_addr();
+    let mut all = vec![scenario, addr.as_str()];
+    all.extend_from_slice(args);
+    Driver::start(c, bin, &all, envs)
+}
+
+/// The value of `key=` in a `KIND key=value ...` line (`msg=` runs to the end).
+fn field<'a>(line: &'a str, key: &str) -> &'a str {
+    let pat = format!(" {key}=");
+    let i = line.find(&pat).unwrap_or_else(|| panic!("no {key}= in {line:?}")) + pat.len();
+    let rest = &line[i..];
+    if key == "msg" { rest } else { rest.split(' ').next().unwrap_or_default() }
+}
+
+fn millis(line: &str) -> u64 {
+    field(line, "ms").parse().unwrap_or_else(|e| panic!("bad ms= in {line:?}: {e}"))
+}
+
+/// Waits for a `PID NODE_ID` file a task wrote; returns (pid, node id).
+fn wait_pid_file(path: &Path) -> (u32, String) {
+    let mut got = None;
+    wait_until(SOON, &format!("{} is written", path.display()), || {
+        let Ok(s) = std::fs::read_to_string(path) else { return false };
+        let mut it = s.split_whitespace();
+        got = it.next().and_then(|p| p.parse().ok()).map(|p| (p, it.next().unwrap_or("").into()));
+        got.is_some()
+    });
+    got.expect("pid file parsed")
+}
+
+fn actor_row(c: &Cluster, actor_id: &str) -> serde_json::Value {
+    let actors = c.list("actors");
+    actors
+        .as_array()
+        .expect("list actors is a JSON list")
+        .iter()
+        .find(|a| a["actor_id"] == actor_id)
+        .cloned()
+        .unwrap_or_else(|| panic!("actor {actor_id} not listed: {actors:#}"))
+}
+
+#[test]
+fn worker_killed_mid_task_is_retried_with_the_right_result() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let pid_file = c.dir().join("task.pid");
+    let d = start_driver(&c, "retry", &[&pid_file.display().to_string()]);
+
+    let (pid, _) = wait_pid_file(&pid_file);
+    assert_ne!(pid, d.pid(), "the task runs in a worker, not in the driver");
+    signal(pid, libc::SIGKILL);
+    wait_until(SOON, "the killed worker is gone", || !pid_alive(pid));
+
+    let out = d.finish(RUN);
+    out.assert_success();
+    let result = out.line("RESULT ");
+    assert_eq!(result.split(' ').nth(1), Some("42"), "retried task's value:\n{out}");
+    let (retry_pid, _) = wait_pid_file(&pid_file);
+    assert_ne!(retry_pid, pid, "the retry ran in a new worker:\n{out}");
+}
+
+/// A node dies: its agent is SIGKILLed, and so is the task's worker (as on
+/// a machine that goes down; see the strict test below for a worker left
+/// behind by its agent). The actor (max_restarts 1) comes back on the other
+/// node and answers again; the task is retried there and returns its value.
+#[test]
+fn node_agent_killed_retries_tasks_elsewhere_and_restarts_actor() {
+    node_agent_killed(false);
+}
+
+/// The strict form of the test above, which it tolerates two product bugs
+/// of (both reproduce every run):
+/// 1. CORE-1 (`sdk/src/worker.rs`, `run_worker`): a worker whose agent is
+///    SIGKILLed keeps running its current task to the end. `agent_gone` is
+///    only the gRPC server's *graceful* shutdown signal, which waits for the
+///    in-flight `PushTask` to finish; so the task is not retried, it
+///    finishes on a node the head already marked DEAD, and the orphaned
+///    worker lives as long as the task does. Here the agent alone is killed
+///    and the worker must exit within 3 s.
+/// 2. The *first* actor call made after the actor was restarted (and listed
+///    ALIVE on the other node) fails at once with `ActorDied: the actor died
+///    while running the call (tcp connect error)`: `actor_sender`
+///    (`sdk/src/core.rs`) keeps the dead instance's address cached until a
+///    push to it fails, although that call never reached any worker; only
+///    the next call re-resolves the actor. Sometimes it fails instead with
+///    `ObjectLost: ... freed by its owner` (bug 3): `call_actor` and
+///    `submit` register the return object with `refs: 0` and the caller's
+///    `ObjectRef` takes its reference only after submission returns, so a
+///    reply (here the instant connect failure) that lands first frees the
+///    object (`set_state` drops objects with no refs) before the ref exists.
+#[test]
+fn node_agent_killed_alone_workers_exit_and_first_call_reaches_restarted_actor() {
+    node_agent_killed(true);
+}
+
+/// Kills the agent of the node running an actor (max_restarts 1) and a
+/// task; checks the actor restarts on the other node and the task is
+/// retried there. `strict`: the task's worker must exit by itself (CORE-1)
+/// and no actor call may fail once the restart is listed.
+fn node_agent_killed(strict: bool) {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "0"]);
+    let a = c.add_node(&["--num-cpus", "2"]);
+    let b = c.add_node(&["--num-cpus", "2"]);
+    let work = c.dir().join("work");
+    std::fs::create_dir_all(&work).expect("work dir");
+    let mut d = start_driver(&c, "node-death", &[&work.display().to_string()]);
+
+    let actor = d.wait_line("ACTOR ", RUN);
+    let actor_id = field(&actor, "id").to_string();
+    let actor_node = field(&actor, "node").to_string();
+    let (victim, survivor) = if actor_node == a.node_id {
+        (&a, &b)
+    } else {
+        assert_eq!(actor_node, b.node_id, "the actor runs on a worker node");
+        (&b, &a)
+    };
+    d.wait_line("READY", RUN);
+    let task = d.wait_line("TASK ", RUN);
+    let mut t = task.split(' ').skip(1);
+    let task_pid: u32 = t.next().and_then(|p| p.parse().ok()).expect("task pid");
+    assert_eq!(
+        t.next(),
+        Some(victim.node_id.as_str()),
+        "soft affinity put the task on the actor's node"
+    );
+
+    signal(victim.pid, libc::SIGKILL);
+    if strict {
+        wait_until(
+            Duration::from_secs(3),
+            "the task's worker exits with its agent (CORE-1)",
+            || !pid_alive(task_pid),
+        );
+    } else {
+        signal(task_pid, libc::SIGKILL);
+        wait_until(SOON, "the task's worker is gone", || !pid_alive(task_pid));
+    }
+    wait_until(SOON, "the actor is restarted on the surviving node", || {
+        let row = actor_row(&c, &actor_id);
+        row["state"] == "ALIVE"
+            && row["num_restarts"] == 1
+            && row["node_id"] == survivor.node_id.as_str()
+    });
+    assert_eq!(node_state(&c.list_node(&victim.node_id)), "DEAD");
+    std::fs::write(work.join("go"), b"go").expect("go file");
+
+    let out = d.finish(RUN);
+    out.assert_success();
+    let again = out.line("ACTOR_AGAIN ");
+    if strict {
+        assert_eq!(field(again, "attempt"), "1", "first call after the restart failed:\n{out}");
+    } else if field(again, "attempt") != "1" {
+        // Bug 2 above (and bug 3, which turns its instant failure into
+        // ObjectLost): only a stale-address failure is tolerated.
+        let err = out.line("ERROR ");
+        let stale = err.contains("kind=ActorDied") && err.contains("connect");
+        let raced = err.contains("kind=ObjectLost") && err.contains("freed by its owner");
+        assert!(stale || raced, "unexpected failure of the first call after the restart:\n{out}");
+    }
+    assert_eq!(
+        field(again, "node"),
+        survivor.node_id,
+        "restarted actor answers from the survivor:\n{out}"
+    );
+    let result = out.line("RESULT ");
+    assert_eq!(result.split(' ').nth(1), Some("7"), "retried task's value:\n{out}");
+    let after = out.line("TASK_AFTER ");
+    let mut t = after.split(' ').skip(1);
+    assert_ne!(t.next(), Some(task_pid.to_string().as_str()), "the task was retried:\n{out}");
+    assert_eq!(t.next(), Some(survivor.node_id.as_str()), "the retry ran on the survivor:\n{out}");
+}
+
+#[test]
+fn failing_task_error_names_function_and_message() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let out = start_driver(&c, "fail", &[]).finish(RUN);
+    out.assert_success();
+    let err = out.line("ERROR ");
+    assert_eq!(field(err, "kind"), "Task", "{out}");
+    let msg = field(err, "msg");
+    assert!(msg.contains("tpuray_test_driver::fail_with"), "error names the function: {msg}");
+    assert!(msg.contains("boom 42"), "error carries the message: {msg}");
+}
+
+#[test]
+fn infeasible_gpu_task_warns_is_listed_and_get_times_out() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let go = c.dir().join("go");
+    let started = Instant::now();
+    let mut d = start_driver(&c, "infeasible", &[&go.display().to_string()]);
+    let fail_fast = start_driver_with(
+        &c,
+        &driver_bin(),
+        "infeasible",
+        &[],
+        &[("TPURAY_FAIL_ON_INFEASIBLE", "1")],
+    );
+
+    let warning = d.wait_stderr("GPU", SOON);
+    assert!(warning.contains("infeasible"), "warning says infeasible: {warning}");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "warning came late: {:?}",
+        started.elapsed()
+    );
+
+    let mut status = String::new();
+    wait_until(SOON, "`tpuray status` lists the GPU demand as infeasible", || {
+        status = c.status();
+        status
+            .split("Infeasible:")
+            .nth(1)
+            .is_some_and(|s| s.lines().any(|l| l.contains("GPU") && l.contains("infeasible")))
+    });
+    let err = d.wait_line("ERROR ", RUN);
+    assert_eq!(field(&err, "kind"), "Timeout", "get_timeout(2 s) of an infeasible task: {err}");
+    assert!(millis(&err) < 10_000, "{err}");
+    std::fs::write(&go, b"go").expect("go file");
+    d.finish(RUN).assert_success();
+
+    let out = fail_fast.finish(RUN);
+    out.assert_success();
+    let err = out.line("ERROR ");
+    assert_eq!(field(err, "kind"), "Infeasible", "with TPURAY_FAIL_ON_INFEASIBLE=1:\n{out}");
+    assert!(field(err, "msg").contains("GPU"), "infeasible error names GPU: {err}");
+    assert!(millis(err) < 10_000, "fails fast, not after the 30 s get timeout: {err}");
+}
+
+#[test]
+fn get_with_timeout_on_sleeping_task_times_out() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let out = start_driver(&c, "timeout", &[]).finish(RUN);
+    out.assert_success();
+    let err = out.line("ERROR ");
+    assert_eq!(field(err, "kind"), "Timeout", "{out}");
+    let ms = millis(err);
+    assert!((400..3000).contains(&ms), "get_timeout(500 ms) returned after {ms} ms");
+}
+
+#[test]
+fn cancelling_a_running_task_fails_its_get_with_cancelled() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let pid_file = c.dir().join("task.pid");
+    let out = start_driver(&c, "cancel", &[&pid_file.display().to_string()]).finish(RUN);
+    out.assert_success();
+    let err = out.line("ERROR ");
+    assert_eq!(field(err, "kind"), "Cancelled", "{out}");
+    assert!(millis(err) < 5000, "cancel takes effect promptly: {err}");
+    let after = out.line("AFTER ");
+    assert_eq!(after.split(' ').nth(1), Some("42"), "a task after the cancel works:\n{out}");
+    let (pid, _) = wait_pid_file(&pid_file);
+    wait_until(SOON, "the cancelled task's worker exits", || !pid_alive(pid));
+}
+
+#[test]
+fn driver_binary_moved_away_still_runs_tasks() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "0"]);
+    let worker = c.add_node(&["--num-cpus", "2"]);
+    let (from, to) = (c.dir().join("bin-a"), c.dir().join("bin-b"));
+    std::fs::create_dir_all(&from).expect("bin dir");
+    std::fs::create_dir_all(&to).expect("bin dir");
+    let bin = from.join("tpuray-test-driver");
+    std::fs::copy(driver_bin(), &bin).expect("copy the driver");
+    let go = c.dir().join("go");
+    let mut d = start_driver_with(&c, &bin, "moved", &[&go.display().to_string()], &[]);
+
+    d.wait_line("READY", RUN);
+    std::fs::rename(&bin, to.join("renamed-driver")).expect("move the driver away");
+    assert!(!bin.exists());
+    std::fs::write(&go, b"go").expect("go file");
+
+    let out = d.finish(RUN);
+    out.assert_success();
+    let result = out.line("RESULT ");
+    assert_eq!(result.split(' ').nth(1), Some("406"), "{out}");
+    assert_eq!(field(result, "node"), worker.node_id, "tasks ran on the worker node:\n{out}");
+}
+
+#[test]
+fn named_actor_found_by_name_and_calls_stay_in_order() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let out = start_driver(&c, "named", &["journal-7"]).finish(RUN);
+    out.assert_success();
+    let created = out.line("CREATED ");
+    let found = out.line("FOUND ");
+    assert_eq!(field(created, "id"), field(found, "id"), "get_actor finds the created actor");
+    assert_eq!(field(found, "name"), "journal-7");
+    assert_eq!(out.line("RESULT "), "RESULT in_order=true calls=100", "{out}");
+}
