@@ -99,26 +99,10 @@ fn node_agent_killed_retries_tasks_elsewhere_and_restarts_actor() {
     node_agent_killed(false);
 }
 
-/// The strict form of the test above, which it tolerates two product bugs
-/// of (both reproduce every run):
-/// 1. CORE-1 (`sdk/src/worker.rs`, `run_worker`): a worker whose agent is
-///    SIGKILLed keeps running its current task to the end. `agent_gone` is
-///    only the gRPC server's *graceful* shutdown signal, which waits for the
-///    in-flight `PushTask` to finish; so the task is not retried, it
-///    finishes on a node the head already marked DEAD, and the orphaned
-///    worker lives as long as the task does. Here the agent alone is killed
-///    and the worker must exit within 3 s.
-/// 2. The *first* actor call made after the actor was restarted (and listed
-///    ALIVE on the other node) fails at once with `ActorDied: the actor died
-///    while running the call (tcp connect error)`: `actor_sender`
-///    (`sdk/src/core.rs`) keeps the dead instance's address cached until a
-///    push to it fails, although that call never reached any worker; only
-///    the next call re-resolves the actor. Sometimes it fails instead with
-///    `ObjectLost: ... freed by its owner` (bug 3): `call_actor` and
-///    `submit` register the return object with `refs: 0` and the caller's
-///    `ObjectRef` takes its reference only after submission returns, so a
-///    reply (here the instant connect failure) that lands first frees the
-///    object (`set_state` drops objects with no refs) before the ref exists.
+/// The strict form of the test above: only the agent is killed, so the
+/// task's worker must exit by itself within 3 s (CORE-1), and no actor call
+/// may fail once the restart is listed (calls that never reached the dead
+/// instance are resent to the restarted one).
 #[test]
 fn node_agent_killed_alone_workers_exit_and_first_call_reaches_restarted_actor() {
     node_agent_killed(true);

@@ -13,6 +13,7 @@ fn noop() -> u8 {
     0
 }
 
+#[derive(Default)]
 pub struct Counter {
     n: u64,
 }
@@ -20,7 +21,7 @@ pub struct Counter {
 #[tpuray::actor]
 impl Counter {
     pub fn new() -> Self {
-        Counter { n: 0 }
+        Counter::default()
     }
     pub fn incr(&mut self) -> u64 {
         self.n += 1;
