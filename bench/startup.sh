@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS="${ROUNDS:-5}"
 cargo build --release -p tpuray-cli >/dev/null 2>&1
-T="$PWD/target/release/tpuray"
+T="${CARGO_TARGET_DIR:-$PWD/target}/release/tpuray"
 export TPURAY_REGISTRY_DIR="$(mktemp -d /tmp/tpuray-bench-reg.XXXXXX)"
 TMP="$(mktemp -d /tmp/tpuray-bench.XXXXXX)"
 PORT=16500

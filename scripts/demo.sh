@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Builds tpuray and runs the demo on a local three-node cluster: a head node
-# and two worker nodes (one with a custom "special" resource), the Rust
-# example joining as a job, `tpuray status` and `tpuray list`, then stops
+# and two worker nodes (one with a custom "special" resource); the Rust
+# examples join as jobs (cluster_info prints the cluster; tour runs remote
+# functions, refs between tasks, nested tasks, an ordered actor, a task on
+# the `special` node, 10,000 tasks, a 50 MB result read on another node and
+# a streaming generator); then `tpuray status` and `tpuray list`, and stops
 # everything it started. Needs only cargo (and a C compiler for libc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-cargo build -p tpuray-cli -p tpuray-examples
-export PATH="$PWD/target/debug:$PATH"
+cargo build --release -p tpuray-cli -p tpuray-examples
+export PATH="${CARGO_TARGET_DIR:-$PWD/target}/release:$PATH"
 
 # A private registry and port, so the demo never touches another cluster.
 export TPURAY_REGISTRY_DIR="${TPURAY_REGISTRY_DIR:-$(mktemp -d /tmp/tpuray-demo-registry.XXXXXX)}"
@@ -20,14 +23,20 @@ tpuray start --head --port "$PORT" --num-cpus 1 --temp-dir "$TMP/head"
 echo "== tpuray start --address (two worker nodes)"
 tpuray start --address "127.0.0.1:$PORT" --num-cpus 2 --temp-dir "$TMP/n1"
 tpuray start --address "127.0.0.1:$PORT" --num-cpus 2 --resources '{"special": 1}' --labels zone=b --temp-dir "$TMP/n2"
-echo "== Rust example (cluster_info)"
+echo "== Rust example: cluster_info"
 cluster_info
+echo "== Rust example: tour"
+tour
 echo "== tpuray status"
 tpuray status
 echo "== tpuray list nodes"
 tpuray list nodes
 echo "== tpuray list jobs"
 tpuray list jobs
+echo "== tpuray list actors"
+tpuray list actors
+echo "== tpuray list tasks (newest 5 of $(tpuray list tasks --format json | grep -c '"task_id"'))"
+tpuray list tasks | head -6
 echo "== tpuray stop"
 tpuray stop
 trap - EXIT
