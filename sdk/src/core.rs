@@ -88,6 +88,19 @@ enum ObjState {
     Failed(pb::TaskError),
 }
 
+impl ObjState {
+    /// The state a task's reply gives a return object.
+    fn from_return(r: pb::ReturnObject) -> Self {
+        match r.data {
+            Some(pb::return_object::Data::InlineValue(v)) => ObjState::Inline(Arc::new(v)),
+            Some(pb::return_object::Data::Location(l)) => {
+                ObjState::Stored { locations: vec![l], size: r.size }
+            }
+            None => ObjState::Inline(Arc::new(vec![])),
+        }
+    }
+}
+
 struct Owned {
     state: ObjState,
     /// References alive in this process (CORE-2).
@@ -771,6 +784,7 @@ impl Core {
                         retry_exceptions,
                         _pins: pins,
                     });
+                    class.queued.notify_one();
                     core.ensure_leases(&class);
                 }
                 Err(e) => core.finish_failed(&spec, e),
@@ -950,54 +964,46 @@ impl Core {
         broken
     }
 
-    fn worker_died(self: &Arc<Self>, class: &Arc<Class>, mut q: Queued, detail: &str) {
-        let cancelled = self
-            .running
-            .lock()
-            .unwrap()
-            .remove(&q.spec.task_id)
-            .map(|r| r.cancelled)
-            .unwrap_or(false);
-        if cancelled {
-            let e = err(Kind::Cancelled, "cancelled", &q.spec.name);
-            self.finish_failed(&q.spec, e);
+    /// Finishes a task that was cancelled while it ran; true if it was.
+    fn finish_if_cancelled(&self, spec: &pb::TaskSpec) -> bool {
+        let running = self.running.lock().unwrap().remove(&spec.task_id);
+        if running.is_some_and(|r| r.cancelled) {
+            self.finish_failed(spec, err(Kind::Cancelled, "cancelled", &spec.name));
+            return true;
+        }
+        false
+    }
+
+    /// Queues a task again for its next attempt (CORE-5).
+    fn retry(self: &Arc<Self>, class: &Arc<Class>, mut q: Queued, detail: &str) {
+        q.retries_left -= 1;
+        q.spec.attempt += 1;
+        self.event(&q.spec, "RETRYING", detail);
+        class.queue.lock().unwrap().push_back(q);
+        class.queued.notify_one();
+        self.ensure_leases(class);
+    }
+
+    fn worker_died(self: &Arc<Self>, class: &Arc<Class>, q: Queued, detail: &str) {
+        if self.finish_if_cancelled(&q.spec) {
             return;
         }
         if q.retries_left != 0 {
-            q.retries_left -= 1;
-            q.spec.attempt += 1;
-            self.event(&q.spec, "RETRYING", detail);
-            class.queue.lock().unwrap().push_back(q);
-            class.queued.notify_one();
-            self.ensure_leases(class);
+            self.retry(class, q, detail);
         } else {
             let e = err(Kind::WorkerDied, format!("{detail} (no retries left)"), &q.spec.name);
             self.finish_failed(&q.spec, e);
         }
     }
 
-    fn complete(self: &Arc<Self>, class: &Arc<Class>, mut q: Queued, reply: pb::PushTaskReply) {
-        let cancelled = self
-            .running
-            .lock()
-            .unwrap()
-            .remove(&q.spec.task_id)
-            .map(|r| r.cancelled)
-            .unwrap_or(false);
-        if cancelled {
-            let e = err(Kind::Cancelled, "cancelled", &q.spec.name);
-            self.finish_failed(&q.spec, e);
+    fn complete(self: &Arc<Self>, class: &Arc<Class>, q: Queued, reply: pb::PushTaskReply) {
+        if self.finish_if_cancelled(&q.spec) {
             return;
         }
         if let Some(e) = reply.error {
             let app = e.kind == Kind::Application as i32;
             if app && q.retry_exceptions && q.retries_left != 0 {
-                q.retries_left -= 1;
-                q.spec.attempt += 1;
-                self.event(&q.spec, "RETRYING", &e.message);
-                class.queue.lock().unwrap().push_back(q);
-                class.queued.notify_one();
-                self.ensure_leases(class);
+                self.retry(class, q, &e.message);
                 return;
             }
             self.finish_failed(&q.spec, e);
@@ -1008,14 +1014,8 @@ impl Core {
 
     fn finish_ok(&self, spec: &pb::TaskSpec, returns: Vec<pb::ReturnObject>) {
         for r in returns {
-            let state = match r.data {
-                Some(pb::return_object::Data::InlineValue(v)) => ObjState::Inline(Arc::new(v)),
-                Some(pb::return_object::Data::Location(l)) => {
-                    ObjState::Stored { locations: vec![l], size: r.size }
-                }
-                None => ObjState::Inline(Arc::new(vec![])),
-            };
-            self.set_state(&r.object_id, state);
+            let id = r.object_id.clone();
+            self.set_state(&id, ObjState::from_return(r));
         }
         if spec.streaming {
             self.generators
@@ -1052,13 +1052,7 @@ impl Core {
         if (index as usize) < g.items.len() {
             return; // a retried task re-reporting an item we have
         }
-        let state = match item.data {
-            Some(pb::return_object::Data::InlineValue(v)) => ObjState::Inline(Arc::new(v)),
-            Some(pb::return_object::Data::Location(l)) => {
-                ObjState::Stored { locations: vec![l], size: item.size }
-            }
-            None => ObjState::Inline(Arc::new(vec![])),
-        };
+        let state = ObjState::from_return(item.clone());
         // Held by the generator until the consumer takes its ref.
         self.objects
             .lock()

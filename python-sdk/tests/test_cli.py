@@ -1,0 +1,220 @@
+"""Tests of the ``tpuray`` console script installed by the Python package.
+
+They run the installed script as a user would, so they test the wheel: the
+console script, the extension module, and the processes that ``tpuray
+start`` spawns through ``TPURAY_SELF_COMMAND`` (``python -m tpuray ...``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import tpuray
+
+
+def _tpuray_script() -> str:
+    """Returns the path of the installed ``tpuray`` console script."""
+    beside = Path(sys.executable).parent / "tpuray"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("tpuray")
+    if found is None:
+        pytest.fail("the tpuray console script is not installed")
+    return found
+
+
+TPURAY = _tpuray_script()
+
+
+def _run(args: list[str], env: dict[str, str] | None = None, timeout: float = 90):
+    return subprocess.run(
+        [TPURAY, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+def _registry_entries(registry: Path) -> list[dict]:
+    entries = []
+    for p in sorted(registry.glob("proc-*.json")):
+        try:
+            entries.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            pass
+    return entries
+
+
+def test_help():
+    r = _run(["--help"])
+    assert r.returncode == 0, r.stderr
+    for verb in ("start", "status", "list", "stop"):
+        assert verb in r.stdout
+    # Hidden verbs stay hidden.
+    assert "_head" not in r.stdout
+
+
+def test_version():
+    r = _run(["--version"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"tpuray {tpuray.__version__}"
+
+
+def test_usage_error_exit_code():
+    r = _run(["no-such-verb"])
+    assert r.returncode == 2
+    assert "no-such-verb" in r.stderr
+
+
+def test_module_entry_point():
+    r = subprocess.run(
+        [sys.executable, "-m", "tpuray", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"tpuray {tpuray.__version__}"
+
+
+def test_worker_verb_runs_through_python():
+    """``python -m tpuray _worker`` reaches the Rust worker (which needs the
+    agent's environment and says so) rather than failing in Python."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPURAY_")}
+    r = subprocess.run(
+        [sys.executable, "-m", "tpuray", "_worker"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1
+    assert r.stderr.startswith("tpuray: worker process"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.fixture
+def cluster_env(tmp_path: Path):
+    """An environment whose cluster state (auth token, registry, sessions)
+    lives under `tmp_path`; stops whatever was started there afterwards."""
+    home = tmp_path / "home"
+    home.mkdir()
+    registry = tmp_path / "registry"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TPURAY_SELF_COMMAND", "TPURAY_ADDRESS", "TPURAY_AUTH_TOKEN")
+    }
+    env.update(HOME=str(home), TPURAY_REGISTRY_DIR=str(registry))
+    try:
+        yield env, registry, tmp_path / "sessions"
+    finally:
+        _run(["stop", "--force"], env=env, timeout=60)
+        for e in _registry_entries(registry):
+            pid = e.get("pid")
+            if pid and _alive(pid) and "tpuray" in " ".join(_cmdline(pid)):
+                os.kill(pid, 9)
+
+
+def test_start_status_list_stop(cluster_env):
+    env, registry, temp_dir = cluster_env
+    port = _free_port()
+    r = _run(
+        [
+            "start",
+            "--head",
+            "--port",
+            str(port),
+            "--num-cpus",
+            "1",
+            "--temp-dir",
+            str(temp_dir),
+        ],
+        env=env,
+    )
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert f"127.0.0.1:{port}" in r.stdout
+
+    # The head and the agent were started through the Python interpreter:
+    # `python -m tpuray _head|_agent ...`, as TPURAY_SELF_COMMAND says.
+    entries = _registry_entries(registry)
+    kinds = sorted(e["kind"] for e in entries)
+    assert kinds == ["agent", "head"], entries
+    for e in entries:
+        assert _alive(e["pid"]), e
+        argv = _cmdline(e["pid"])
+        assert argv[:3] == [sys.executable, "-m", "tpuray"], argv
+        assert argv[3] == "_" + e["kind"], argv
+        assert "python" in os.path.basename(os.readlink(f"/proc/{e['pid']}/exe"))
+        # The spawned processes see the same self command, so the agent's
+        # workers also start as `python -m tpuray _worker`.
+        environ = Path(f"/proc/{e['pid']}/environ").read_bytes().split(b"\0")
+        self_cmd = [v for v in environ if v.startswith(b"TPURAY_SELF_COMMAND=")]
+        assert self_cmd, "TPURAY_SELF_COMMAND not passed on"
+        value = self_cmd[0].split(b"=", 1)[1].decode()
+        assert json.loads(value) == [sys.executable, "-m", "tpuray"]
+
+    r = _run(["status"], env=env)
+    assert r.returncode == 0, r.stderr
+    assert "1 alive" in r.stdout, r.stdout
+
+    # On a closed pipe the CLI dies of SIGPIPE, as the native binary does,
+    # instead of panicking in println!.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run(
+            [TPURAY, "status"],
+            env=env,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert r.returncode == -signal.SIGPIPE, r.stderr
+    assert "panicked" not in r.stderr, r.stderr
+
+    r = _run(["list", "nodes", "--format", "json"], env=env)
+    assert r.returncode == 0, r.stderr
+    nodes = json.loads(r.stdout)
+    assert isinstance(nodes, list)
+    assert [n["state"] for n in nodes] == ["ALIVE"], nodes
+    assert nodes[0]["is_head_node"] is True
+
+    pids = [e["pid"] for e in _registry_entries(registry)]
+    r = _run(["stop"], env=env)
+    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)]
+    for e in _registry_entries(registry):
+        assert not _alive(e["pid"]), e

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Builds the Python package (python-sdk/, the `tpuray` wheel with its Rust
+# extension) into a virtual environment at .venv and runs its pytest suite.
+# Needs only Python >= 3.9 with venv and pip, and cargo; maturin and pytest
+# come from PyPI. Arguments go to pytest.
+#
+# The extension is built with cargo's dev profile into python-sdk/target,
+# which later runs reuse (set MATURIN_PEP517_ARGS= to build the release
+# wheel instead, as a plain `pip install ./python-sdk` does).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=.venv
+if [ ! -x "$venv/bin/python" ]; then
+    "${PYTHON:-python3}" -m venv "$venv"
+fi
+# maturin's build hook runs `maturin` from PATH.
+export PATH="$PWD/$venv/bin:$PATH"
+"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest
+# No build isolation: use the maturin installed above rather than fetching a
+# fresh one into a throw-away environment on every run.
+MATURIN_PEP517_ARGS="${MATURIN_PEP517_ARGS---profile dev}" \
+    "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps --force-reinstall ./python-sdk
+"$venv/bin/python" -m pytest python-sdk/tests -q "$@"
