@@ -14,7 +14,7 @@ cargo build --release -p tpuray-cli >/dev/null 2>&1
 T="${CARGO_TARGET_DIR:-$PWD/target}/release/tpuray"
 export TPURAY_REGISTRY_DIR="$(mktemp -d /tmp/tpuray-bench-reg.XXXXXX)"
 TMP="$(mktemp -d /tmp/tpuray-bench.XXXXXX)"
-PORT=16500
+PORT=26500
 
 ms() { echo $(( ($(date +%s%N) - $1) / 1000000 )); }
 median() { sort -n | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
@@ -32,7 +32,7 @@ echo "tpuray median: start --head $(printf '%s\n' "${heads[@]}" | median) ms, no
 if [ -n "${RAY:-}" ]; then
     rheads=(); rjoins=()
     for i in $(seq "$ROUNDS"); do
-        t0=$(date +%s%N); "$RAY" start --head --port "$PORT" --num-cpus 1 --disable-usage-stats >/dev/null 2>&1; h=$(ms "$t0")
+        t0=$(date +%s%N); "$RAY" start --head --port "$PORT" --num-cpus 1 --disable-usage-stats >/dev/null 2>&1 || { echo "ray start --head failed"; exit 1; }; h=$(ms "$t0")
         t0=$(date +%s%N); "$RAY" start --address "127.0.0.1:$PORT" --num-cpus 1 >/dev/null 2>&1; j=$(ms "$t0")
         "$RAY" stop --force >/dev/null 2>&1 || true
         echo "ray round $i: start --head ${h} ms, node join ${j} ms"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Sets up and runs every test: formatting, lints, unit tests, and the
+# Sets up and runs every test: formatting, lints, unit tests, the
 # integration tests that start real head and node-agent processes on
-# loopback. Needs only cargo (cargo-nextest is used when installed).
+# loopback, and the Python package's tests (scripts/python-tests.sh).
+# Needs only cargo and Python 3 with pip (cargo-nextest is used when installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,3 +15,5 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
     cargo test --workspace --no-fail-fast
 fi
+# The Python package: builds the wheel's extension and runs pytest.
+./scripts/python-tests.sh
