@@ -21,7 +21,9 @@ pub enum Encoded {
 /// reference that is resolved to its value before the function runs (Ray
 /// resolves top-level `ObjectRef` arguments the same way).
 pub enum Arg {
-    Value(Vec<u8>),
+    /// An encoded value and the refs nested inside it (pinned by the
+    /// submitter until the task ends, CORE-2).
+    Value(Vec<u8>, Vec<crate::object_ref::RawRef>),
     Ref(crate::object_ref::RawRef),
 }
 
@@ -32,7 +34,8 @@ pub trait IntoArg<T> {
 
 impl<T: Serialize> IntoArg<T> for T {
     fn into_arg(self) -> Arg {
-        Arg::Value(encode(&self))
+        let (bytes, nested) = crate::object_ref::capture_nested(|| encode(&self));
+        Arg::Value(bytes, nested)
     }
 }
 

@@ -103,8 +103,11 @@ impl ObjState {
 
 struct Owned {
     state: ObjState,
-    /// References alive in this process (CORE-2).
+    /// References alive in this process plus one per borrowing process
+    /// (CORE-2).
     refs: usize,
+    /// Processes that borrow the object (their WorkerService addresses).
+    borrowers: std::collections::HashSet<String>,
     /// The task that makes it, for cancellation.
     task_id: Option<String>,
 }
@@ -165,6 +168,8 @@ pub(crate) struct Core {
     running: Mutex<HashMap<String, Running>>,
     events: Mutex<Vec<pb::TaskEvent>>,
     clients: Mutex<Clients>,
+    /// Objects this process borrows: id -> live counted refs here.
+    borrowed: Mutex<HashMap<String, usize>>,
 }
 
 type AuthChannel = tpuray_proto::client::AuthChannel;
@@ -213,20 +218,68 @@ fn err(kind: Kind, message: impl Into<String>, function: &str) -> pb::TaskError 
     }
 }
 
-/// Called when a [`RawRef`] is made in this process.
-pub(crate) fn add_ref(id: &str, owner: &str) {
-    if let Some(c) = try_core()
-        && c.address == owner
-        && let Some(o) = c.objects.lock().unwrap().get_mut(id)
-    {
-        o.refs += 1;
+thread_local! {
+    /// Borrower registrations started on this thread and not yet confirmed;
+    /// an executor waits for them before it replies (CORE-2).
+    static PENDING_BORROWS: std::cell::RefCell<Vec<tokio::task::JoinHandle<()>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Waits until the owners confirmed every borrow this thread started.
+pub(crate) fn confirm_borrows(core: &Core) {
+    let pending: Vec<_> = PENDING_BORROWS.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    for h in pending {
+        let _ = core.rt.block_on(h);
     }
 }
 
-/// Called when the last clone of a [`RawRef`] drops in this process.
+/// Called when a counted [`RawRef`] is made in this process: the owner
+/// counts it; a borrower tells the owner when it starts holding the object.
+pub(crate) fn add_ref(id: &str, owner: &str) {
+    let Some(c) = try_core() else { return };
+    if c.address == owner {
+        if let Some(o) = c.objects.lock().unwrap().get_mut(id) {
+            o.refs += 1;
+        }
+        return;
+    }
+    let first = {
+        let mut b = c.borrowed.lock().unwrap();
+        let n = b.entry(id.to_string()).or_insert(0);
+        *n += 1;
+        *n == 1
+    };
+    if first {
+        let fut = c.update_borrower(id.to_string(), owner.to_string(), true);
+        if tokio::runtime::Handle::try_current().is_ok() {
+            let h = c.rt.spawn(fut);
+            PENDING_BORROWS.with(|p| p.borrow_mut().push(h));
+        } else {
+            c.rt.block_on(fut);
+        }
+    }
+}
+
+/// Called when the last clone of a counted [`RawRef`] drops in this process.
 pub(crate) fn release_ref(id: &str, owner: &str) {
     let Some(c) = try_core() else { return };
     if c.address != owner {
+        let last = {
+            let mut b = c.borrowed.lock().unwrap();
+            match b.get_mut(id) {
+                Some(n) if *n > 1 => {
+                    *n -= 1;
+                    false
+                }
+                Some(_) => {
+                    b.remove(id);
+                    true
+                }
+                None => false,
+            }
+        };
+        if last {
+            c.rt.spawn(c.update_borrower(id.to_string(), owner.to_string(), false));
+        }
         return;
     }
     let freed = {
@@ -281,7 +334,56 @@ impl Core {
             running: Mutex::new(HashMap::new()),
             events: Mutex::new(Vec::new()),
             clients: Mutex::new(Clients::default()),
+            borrowed: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Tells `owner` that this process starts (`add`) or stops borrowing `id`.
+    fn update_borrower(
+        &self,
+        id: String,
+        owner: String,
+        add: bool,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let client = self.worker_client(&owner);
+        let me = self.address.clone();
+        async move {
+            let Ok(mut c) = client else { return };
+            let mut req = Request::new(pb::UpdateBorrowerRequest {
+                object_id: id,
+                borrower_address: me,
+                add,
+            });
+            req.set_timeout(Duration::from_secs(10));
+            let _ = c.update_borrower(req).await;
+        }
+    }
+
+    /// Owner side of `UpdateBorrower`; false when the object is gone.
+    pub(crate) fn serve_update_borrower(&self, id: &str, borrower: &str, add: bool) -> bool {
+        let freed = {
+            let mut objs = self.objects.lock().unwrap();
+            let Some(o) = objs.get_mut(id) else { return false };
+            if add {
+                if o.borrowers.insert(borrower.to_string()) {
+                    o.refs += 1;
+                }
+                None
+            } else if o.borrowers.remove(borrower) {
+                o.refs = o.refs.saturating_sub(1);
+                if o.refs == 0 && !matches!(o.state, ObjState::Pending) {
+                    objs.remove(id)
+                } else {
+                    None
+                }
+            } else {
+                None
+            }
+        };
+        if let Some(Owned { state: ObjState::Stored { locations, .. }, .. }) = freed {
+            self.free_copies(id.to_string(), locations);
+        }
+        true
     }
 
     cached_client!(
@@ -360,7 +462,10 @@ impl Core {
     /// hands to a [`RawRef::adopt`] (so a result that arrives before the
     /// caller has its ref cannot free the object).
     fn register_owned(&self, id: &str, state: ObjState, task_id: Option<String>) {
-        self.objects.lock().unwrap().insert(id.to_string(), Owned { state, refs: 1, task_id });
+        self.objects.lock().unwrap().insert(
+            id.to_string(),
+            Owned { state, refs: 1, task_id, borrowers: Default::default() },
+        );
     }
 
     fn set_state(&self, id: &str, state: ObjState) {
@@ -643,8 +748,20 @@ impl Core {
         let mut pins = Vec::new();
         for a in args {
             match a {
-                Arg::Value(v) => out
-                    .push(pb::TaskArg { kind: Some(pb::task_arg::Kind::Value(v)), nested: vec![] }),
+                Arg::Value(v, nested) => {
+                    let msgs = nested
+                        .iter()
+                        .map(|r| pb::ObjectRefMsg {
+                            object_id: r.id().to_string(),
+                            owner_address: r.owner().to_string(),
+                        })
+                        .collect();
+                    out.push(pb::TaskArg {
+                        kind: Some(pb::task_arg::Kind::Value(v)),
+                        nested: msgs,
+                    });
+                    pins.extend(nested);
+                }
                 Arg::Ref(r) => {
                     if r.owner() == self.address {
                         match self.get_data(&r, None).await {
@@ -1054,10 +1171,10 @@ impl Core {
         }
         let state = ObjState::from_return(item.clone());
         // Held by the generator until the consumer takes its ref.
-        self.objects
-            .lock()
-            .unwrap()
-            .insert(item.object_id.clone(), Owned { state, refs: 1, task_id: None });
+        self.objects.lock().unwrap().insert(
+            item.object_id.clone(),
+            Owned { state, refs: 1, task_id: None, borrowers: Default::default() },
+        );
         g.items.push(item.object_id);
         drop(gens);
         self.objects_changed.notify_waiters();

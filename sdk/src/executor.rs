@@ -178,6 +178,9 @@ impl Executor {
             Ok(Encoded::Stream(items)) => self.stream(spec, items),
             Err(f) => failure(spec, core, f),
         };
+        // Refs the task kept (in an actor's state, say) are registered with
+        // their owners before the reply unpins the arguments (CORE-2).
+        crate::core::confirm_borrows(core);
         self.running.lock().unwrap().remove(&spec.task_id);
         reply
     }
@@ -295,7 +298,8 @@ fn resolve_args(core: &Arc<Core>, spec: &pb::TaskSpec) -> Result<Vec<Vec<u8>>, T
         .map(|(i, a)| match &a.kind {
             Some(pb::task_arg::Kind::Value(v)) => Ok(v.clone()),
             Some(pb::task_arg::Kind::ObjectRef(r)) => {
-                let raw = RawRef::new(r.object_id.clone(), r.owner_address.clone());
+                // Pinned by the submitter while the task runs.
+                let raw = RawRef::uncounted(r.object_id.clone(), r.owner_address.clone());
                 core.rt.block_on(core.get_data(&raw, None)).map(|d| d.to_vec()).map_err(|e| {
                     TaskFailure::new(
                         Kind::Application,

@@ -15,12 +15,31 @@ use crate::error::Error;
 struct RefInner {
     id: String,
     owner: String,
+    /// Whether this ref counts towards the object's lifetime (CORE-2).
+    counted: bool,
 }
 
 impl Drop for RefInner {
     fn drop(&mut self) {
-        crate::core::release_ref(&self.id, &self.owner);
+        if self.counted {
+            crate::core::release_ref(&self.id, &self.owner);
+        }
     }
+}
+
+thread_local! {
+    /// Refs serialized on this thread while a capture is active: the refs
+    /// nested inside an argument value, which the submitter pins.
+    static CAPTURE: std::cell::RefCell<Option<Vec<RawRef>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f`, returning also every ref it serialized.
+pub(crate) fn capture_nested<R>(f: impl FnOnce() -> R) -> (R, Vec<RawRef>) {
+    let prev = CAPTURE.with(|c| c.borrow_mut().replace(Vec::new()));
+    let r = f();
+    let nested =
+        CAPTURE.with(|c| std::mem::replace(&mut *c.borrow_mut(), prev)).unwrap_or_default();
+    (r, nested)
 }
 
 /// An untyped reference: object id and owner address.
@@ -30,11 +49,16 @@ pub struct RawRef(Arc<RefInner>);
 impl RawRef {
     pub(crate) fn new(id: String, owner: String) -> Self {
         crate::core::add_ref(&id, &owner);
-        Self(Arc::new(RefInner { id, owner }))
+        Self(Arc::new(RefInner { id, owner, counted: true }))
+    }
+    /// A ref used only inside the SDK while something else keeps the object
+    /// alive (a task's pinned argument): it never changes any count.
+    pub(crate) fn uncounted(id: String, owner: String) -> Self {
+        Self(Arc::new(RefInner { id, owner, counted: false }))
     }
     /// Wraps a reference whose count the owner already holds for it.
     pub(crate) fn adopt(id: String, owner: String) -> Self {
-        Self(Arc::new(RefInner { id, owner }))
+        Self(Arc::new(RefInner { id, owner, counted: true }))
     }
     pub fn id(&self) -> &str {
         &self.0.id
@@ -52,6 +76,11 @@ impl std::fmt::Debug for RawRef {
 
 impl Serialize for RawRef {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        CAPTURE.with(|c| {
+            if let Some(v) = c.borrow_mut().as_mut() {
+                v.push(self.clone());
+            }
+        });
         (self.id(), self.owner()).serialize(s)
     }
 }

@@ -85,6 +85,16 @@ impl WorkerService for SvcRef {
         Ok(Response::new(pb::ReportGeneratorItemReply {}))
     }
 
+    async fn update_borrower(
+        &self,
+        req: Request<pb::UpdateBorrowerRequest>,
+    ) -> Result<Response<pb::UpdateBorrowerReply>, Status> {
+        let req = req.into_inner();
+        let known =
+            self.0.core.serve_update_borrower(&req.object_id, &req.borrower_address, req.add);
+        Ok(Response::new(pb::UpdateBorrowerReply { known }))
+    }
+
     async fn cancel_task(
         &self,
         req: Request<pb::CancelTaskRequest>,

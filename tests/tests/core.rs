@@ -309,3 +309,14 @@ fn named_actor_found_by_name_and_calls_stay_in_order() {
     assert_eq!(field(found, "name"), "journal-7");
     assert_eq!(out.line("RESULT "), "RESULT in_order=true calls=100", "{out}");
 }
+
+/// CORE-2: refs handed to an actor inside a value stay alive after the
+/// owner drops its own copies, because the actor's process borrows them.
+#[test]
+fn objects_borrowed_by_an_actor_outlive_the_owners_refs() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let out = start_driver(&c, "borrow", &[]).finish(RUN);
+    out.assert_success();
+    assert_eq!(out.line("RESULT "), "RESULT kept=2 total=2001000", "{out}");
+}

@@ -51,6 +51,28 @@ fn where_am_i() -> String {
     tpuray::node_id().unwrap_or_default()
 }
 
+/// An actor that keeps refs handed to it (it borrows them, CORE-2).
+#[derive(Default)]
+pub struct Keeper {
+    kept: Vec<tpuray::ObjectRef<tpuray::Blob>>,
+}
+
+#[tpuray::actor]
+impl Keeper {
+    pub fn new() -> Self {
+        Keeper::default()
+    }
+    pub fn keep(&mut self, refs: Vec<tpuray::ObjectRef<tpuray::Blob>>) -> usize {
+        self.kept.extend(refs);
+        self.kept.len()
+    }
+    /// Total bytes of every kept object, fetched now.
+    pub fn total_bytes(&self) -> Result<usize, String> {
+        let blobs = tpuray::get_all(&self.kept).map_err(|e| e.to_string())?;
+        Ok(blobs.iter().map(|b| b.0.len()).sum())
+    }
+}
+
 #[derive(Default)]
 pub struct Journal {
     entries: Vec<u64>,
@@ -264,6 +286,21 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             let in_order = lens == (1..=100).collect::<Vec<usize>>()
                 && entries == (0..100).collect::<Vec<u64>>();
             say(&format!("RESULT in_order={in_order} calls={}", lens.len()));
+        }
+        // The driver puts two objects (one inline-sized, one in the store),
+        // hands refs to an actor inside a value, drops its own refs, and the
+        // actor still reads both later (the actor borrows them).
+        "borrow" => {
+            let keeper = Keeper::remote()?;
+            let small = tpuray::put(&tpuray::Blob(vec![7u8; 1000]))?;
+            let big = tpuray::put(&tpuray::Blob(vec![9u8; 2_000_000]))?;
+            let n = tpuray::get(&keeper.keep(vec![small, big]))?;
+            // `small` and `big` were moved into the call and are gone here.
+            std::thread::sleep(Duration::from_millis(500));
+            match tpuray::get(&keeper.total_bytes()) {
+                Ok(total) => say(&format!("RESULT kept={n} total={total}")),
+                Err(e) => print_error(&e, Instant::now()),
+            }
         }
         other => bail!("unknown scenario {other:?}"),
     }
