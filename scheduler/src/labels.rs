@@ -77,7 +77,7 @@ impl Labels {
 }
 
 /// What a selector entry requires of a label's value.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum LabelOp {
     /// The label is present with one of these values.
     In(Vec<String>),
@@ -90,7 +90,7 @@ pub enum LabelOp {
 }
 
 /// One selector entry: `key` must satisfy `op`.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct LabelConstraint {
     pub key: String,
     pub op: LabelOp,

@@ -6,6 +6,12 @@
 //! - [`resources`]: [`Amount`] (exact fixed point, 1/10_000 of a resource) and [`ResourceSet`].
 //! - [`labels`]: node [`Labels`] and Ray 2.x label selectors ([`parse_label_selector`]).
 //! - [`policy`]: [`schedule`] picks a node for one [`Request`] from [`NodeView`]s.
+//! - [`cluster`]: [`ClusterView`] indexes nodes per request class; [`schedule_in`] decides in
+//!   O(log nodes) and applies the allocation.
+//! - [`placement`]: placement groups ([`place_group`], [`place_group_in`],
+//!   [`replace_lost_bundles`]) and TPU slice groups ([`place_slice_group`]).
+//! - [`tpu`]: the TPU model of TPU.md: accelerator types, topologies, what a host advertises
+//!   ([`TpuHostInfo::from_env`]), aligned chip blocks ([`ChipAllocator`]), [`chip_env`].
 //!
 //! Invariants (the number appears at the code that enforces it and in the tests that check it):
 //!
@@ -22,11 +28,38 @@
 //! - SCHED-7: same inputs and seed give the same decision.
 //! - SCHED-8: label keys `ray.io/K` and `tpuray.io/K` are aliases.
 //! - SCHED-9: hard node affinity never places anywhere but its target.
+//! - SCHED-10: a placement group is placed whole or not at all: `Placed` lists one node per
+//!   bundle and all bundles fit that node's available together (earlier bundles count).
+//! - SCHED-11: a TPU slice advertises exactly one `TPU-<type>-head` resource (worker 0).
+//! - SCHED-12: chips are handed out as the lowest free aligned block ({i}, {2k,2k+1},
+//!   {4k..4k+3}, all 8), never a ragged set.
+//! - SCHED-13: a process gets 1, 2, 4, 8 chips or the whole host; other counts (3, 0.5)
+//!   are rejected with a message naming the valid counts.
+//! - SCHED-14: a process holding k < n chips gets the bounds variables (and their older
+//!   names); k == n leaves them unset.
+//! - SCHED-15: a slice group reserves every host of N intact slices (bundles in worker-id
+//!   order) or nothing; never mixes slices or single-host nodes of the same generation.
+//! - SCHED-16: a group no arrangement of alive nodes could hold (e.g. STRICT_SPREAD with more
+//!   bundles than nodes) is `Infeasible` at once, never left pending forever.
+//! - SCHED-17: [`ClusterView`] decisions equal [`schedule`]'s over the same nodes.
+//! - SCHED-18: allocate/release round trips restore availability exactly (fixed point).
 
+pub mod cluster;
 pub mod labels;
+pub mod placement;
 pub mod policy;
 pub mod resources;
+pub mod tpu;
 
+pub use cluster::{ClusterView, schedule_in};
 pub use labels::{LabelConstraint, LabelError, LabelOp, Labels, parse_label_selector};
+pub use placement::{
+    Bundle, PgDecision, PgStrategy, place_group, place_group_in, place_slice_group,
+    release_group_in, replace_lost_bundles, slice_name_selector,
+};
 pub use policy::{Decision, NodeView, Request, SPREAD_THRESHOLD, Strategy, schedule};
 pub use resources::{Amount, ResourceError, ResourceSet};
+pub use tpu::{
+    AcceleratorType, ChipAllocator, ChipError, Topology, TpuError, TpuGeneration, TpuHostInfo,
+    chip_count, chip_env,
+};

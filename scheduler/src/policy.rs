@@ -109,23 +109,23 @@ pub fn schedule<K: Clone + Eq + Hash + Ord + Debug>(
 }
 
 /// Total ⊇ demand and labels match the selector (SCHED-3).
-fn is_feasible<K>(req: &Request<K>, n: &NodeView<K>) -> bool {
+pub(crate) fn is_feasible<K>(req: &Request<K>, n: &NodeView<K>) -> bool {
     n.total.is_superset_of(&req.demand) && selector_matches(&req.label_selector, &n.labels)
 }
 
 /// True when the demand asks for any GPU or TPU.
-fn uses_accelerator(demand: &ResourceSet) -> bool {
+pub(crate) fn uses_accelerator(demand: &ResourceSet) -> bool {
     ACCELERATOR_RESOURCES.iter().any(|r| demand.get(r) > Amount::ZERO)
 }
 
 /// True when the node has any GPU or TPU.
-fn is_accelerator_node<K>(n: &NodeView<K>) -> bool {
+pub(crate) fn is_accelerator_node<K>(n: &NodeView<K>) -> bool {
     uses_accelerator(&n.total)
 }
 
 /// Utilisation after placement, 0..=1: the max over the demanded resources of
 /// (total - available + demand) / total; the CPU utilisation for an empty demand.
-fn utilisation<K>(demand: &ResourceSet, n: &NodeView<K>) -> f64 {
+pub(crate) fn utilisation<K>(demand: &ResourceSet, n: &NodeView<K>) -> f64 {
     let ratio = |name: &str, extra: Amount| {
         let total = n.total.get(name).0;
         if total <= 0 {
@@ -179,7 +179,7 @@ fn spread<K: Clone + Ord>(scored: Vec<(f64, &NodeView<K>)>, seed: u64) -> Decisi
 }
 
 /// Hard affinity: only `node` (SCHED-9).
-fn hard_affinity<K: Clone + Debug>(
+pub(crate) fn hard_affinity<K: Clone + Debug>(
     req: &Request<K>,
     node: &K,
     target: Option<&NodeView<K>>,
@@ -223,7 +223,7 @@ fn missing_resource<'a, K>(
 
 /// Why no alive node is feasible (SCHED-5): a missing resource with the cluster total, else
 /// the label selector, else the resource missing among label-matching nodes.
-fn infeasible_reason<K>(req: &Request<K>, alive: &[&NodeView<K>]) -> String {
+pub(crate) fn infeasible_reason<K>(req: &Request<K>, alive: &[&NodeView<K>]) -> String {
     if let Some((name, want, total)) = missing_resource(&req.demand, alive) {
         return format!("no node has resource {name:?} (requested {want}, cluster total {total})");
     }
@@ -251,7 +251,7 @@ fn infeasible_reason<K>(req: &Request<K>, alive: &[&NodeView<K>]) -> String {
 }
 
 /// SplitMix64: spreads consecutive seeds over the top-k (SCHED-7: no randomness of our own).
-fn splitmix64(seed: u64) -> u64 {
+pub(crate) fn splitmix64(seed: u64) -> u64 {
     let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);

@@ -94,7 +94,7 @@ impl fmt::Display for Amount {
 
 /// Named resource amounts. Zero (or negative) amounts are never stored (SCHED-2), so two
 /// sets that mean the same thing compare equal. Serializes as a map of name to units.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(try_from = "BTreeMap<String, Amount>", into = "BTreeMap<String, Amount>")]
 pub struct ResourceSet {
     amounts: BTreeMap<String, Amount>,
