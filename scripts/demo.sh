@@ -35,8 +35,8 @@ echo "== tpuray list jobs"
 tpuray list jobs
 echo "== tpuray list actors"
 tpuray list actors
-echo "== tpuray list tasks (newest 5 of $(tpuray list tasks --format json | grep -c '"task_id"'))"
-tpuray list tasks | head -6
+echo "== tpuray list tasks --limit 5"
+tpuray list tasks --limit 5
 echo "== tpuray stop"
 tpuray stop
 trap - EXIT

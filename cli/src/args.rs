@@ -101,12 +101,13 @@ impl ResourceFlags {
 }
 
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("mode").required(true).args(["head", "address"])))]
 pub struct StartArgs {
     /// Start the head node of a new cluster.
     #[arg(long, conflicts_with = "address")]
     pub head: bool,
     /// Join the cluster whose head is at HOST:PORT[,HOST:PORT...].
-    #[arg(long, required_unless_present = "head")]
+    #[arg(long)]
     pub address: Option<String>,
     /// The head's port (with --head).
     #[arg(long, default_value_t = 6379)]
@@ -156,6 +157,9 @@ pub struct ListArgs {
     pub kind: ListKind,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
+    /// Show at most this many entries, newest tasks first (0: all).
+    #[arg(long, default_value_t = 100)]
+    pub limit: usize,
     #[command(flatten)]
     pub address: AddressArg,
 }
@@ -199,7 +203,9 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Start(a) => procs::start(a),
         Command::Status(a) => show::status(&resolve_address(a.address)?),
-        Command::List(a) => show::list(&resolve_address(a.address.address)?, a.kind, a.format),
+        Command::List(a) => {
+            show::list(&resolve_address(a.address.address)?, a.kind, a.format, a.limit)
+        }
         Command::Stop(a) => procs::stop(a.force),
         Command::Head(a) => procs::run_head(a),
         Command::Agent(a) => procs::run_agent(a),

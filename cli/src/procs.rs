@@ -93,7 +93,12 @@ fn spawn_and_wait(
     }
     let mut child = cmd.spawn().with_context(|| format!("cannot start {kind} process"))?;
     let started = Instant::now();
+    let mut told = false;
     loop {
+        if !told && kind == "agent" && started.elapsed() > Duration::from_secs(2) {
+            told = true;
+            eprintln!("tpuray: waiting for the head to answer (retrying for up to 30 s)...");
+        }
         if let Ok(s) = std::fs::read_to_string(&ready_file)
             && let Ok(v) = serde_json::from_str::<serde_json::Value>(&s)
         {
@@ -110,7 +115,17 @@ fn spawn_and_wait(
         }
         if let Some(status) = child.try_wait()? {
             let tail = tail(&err_path, 3000);
-            bail!("the {kind} process exited during start-up ({status}):\n{}", tail.trim_end());
+            let tail = tail.trim_end();
+            // The process's own error line says what went wrong; show it alone.
+            let last = tail
+                .lines()
+                .rev()
+                .find(|l| l.starts_with("tpuray: "))
+                .map(|l| l.trim_start_matches("tpuray: "));
+            match last {
+                Some(line) => bail!("{line}"),
+                None => bail!("the {kind} process exited during start-up ({status}):\n{tail}"),
+            }
         }
         if started.elapsed() > READY_TIMEOUT {
             let _ = child.kill();
@@ -135,6 +150,11 @@ fn tail(path: &Path, max: usize) -> String {
 pub fn start(a: StartArgs) -> Result<i32> {
     // Check every flag before anything starts, so bad input fails fast.
     tpuray_worker::build_resources(&a.resources.options())?;
+    if let Some(addr) = &a.address {
+        for part in addr.split(',') {
+            tpuray_proto::client::check_address(part).map_err(|e| anyhow!("--address: {e}"))?;
+        }
+    }
     let session = new_session_dir(&a.temp_dir)?;
     let detach = !a.block;
     let mut spawned = Vec::new();

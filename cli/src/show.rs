@@ -109,7 +109,7 @@ pub fn status(address: &str) -> Result<i32> {
     Ok(0)
 }
 
-pub fn list(address: &str, kind: ListKind, format: Format) -> Result<i32> {
+pub fn list(address: &str, kind: ListKind, format: Format, limit: usize) -> Result<i32> {
     let rt = runtime()?;
     let rows: Vec<serde_json::Value> = rt.block_on(async {
         let mut head = head_client(address)?;
@@ -215,6 +215,12 @@ pub fn list(address: &str, kind: ListKind, format: Format) -> Result<i32> {
         };
         Ok::<_, anyhow::Error>(rows)
     })?;
+    let total = rows.len();
+    let rows: Vec<serde_json::Value> =
+        if limit > 0 { rows.into_iter().take(limit).collect() } else { rows };
+    if rows.len() < total && format == Format::Table {
+        eprintln!("(showing {} of {total}; use --limit 0 for all)", rows.len());
+    }
     match format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&rows).context("encode json")?),
         Format::Table => print_table(&rows, kind),

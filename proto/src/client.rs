@@ -28,19 +28,28 @@ pub enum ClientError {
 /// # Errors
 /// [`ClientError::BadAddress`] when `addr` is not a valid `HOST:PORT`.
 pub fn channel(addr: &str) -> Result<Channel, ClientError> {
+    check_address(addr)?;
+    let ep = Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| ClientError::BadAddress { addr: addr.to_string(), detail: e.to_string() })?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(20));
+    Ok(ep.connect_lazy())
+}
+
+/// Checks that `addr` is `HOST:PORT`; needs no runtime.
+///
+/// # Errors
+/// [`ClientError::BadAddress`] naming what is missing.
+pub fn check_address(addr: &str) -> Result<(), ClientError> {
     let bad = |detail: String| ClientError::BadAddress { addr: addr.to_string(), detail };
     let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad("missing port".into()))?;
     if host.is_empty() {
         return Err(bad("missing host".into()));
     }
     port.parse::<u16>().map_err(|e| bad(format!("port {port:?}: {e}")))?;
-    let ep = Endpoint::from_shared(format!("http://{addr}"))
-        .map_err(|e| bad(e.to_string()))?
-        .connect_timeout(Duration::from_secs(5))
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(20));
-    Ok(ep.connect_lazy())
+    Ok(())
 }
 
 fn authed(addr: &str, token: Option<&str>) -> Result<AuthChannel, ClientError> {

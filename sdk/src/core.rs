@@ -952,6 +952,7 @@ impl Core {
                     strategy: Some(class.strategy.clone()),
                     grant_or_reject,
                     queue_timeout_ms: 2000,
+                    owner_address: self.address.clone(),
                 };
                 let reply = match self.agent_client(&target) {
                     Ok(mut c) => c.request_worker_lease(req).await.map(|r| r.into_inner().outcome),

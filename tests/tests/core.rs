@@ -320,3 +320,21 @@ fn objects_borrowed_by_an_actor_outlive_the_owners_refs() {
     out.assert_success();
     assert_eq!(out.line("RESULT "), "RESULT kept=2 total=2001000", "{out}");
 }
+
+/// AGENT-5: a driver killed while its task runs never returns its lease;
+/// the node agent notices the holder is gone and gets the CPU back.
+#[test]
+fn leases_of_a_killed_driver_are_reclaimed() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let pid_file = c.dir().join("task.pid");
+    let d = start_driver(&c, "retry", &[&pid_file.display().to_string()]);
+    wait_pid_file(&pid_file);
+    let cpu =
+        |c: &Cluster| c.list("nodes")[0]["resources_available"]["CPU"].as_f64().unwrap_or(-1.0);
+    assert!(cpu(&c) < 2.0, "the running task holds a CPU");
+    signal(d.pid(), libc::SIGKILL);
+    wait_until(Duration::from_secs(20), "the killed driver's lease is reclaimed", || {
+        cpu(&c) == 2.0
+    });
+}

@@ -15,6 +15,7 @@
 //! - AGENT-4: a lease request is granted, spilled, answered infeasible (and
 //!   listed as infeasible demand) or waits listed as pending demand; never
 //!   silently.
+//! - AGENT-5: leases whose holder stops answering are reclaimed.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -85,6 +86,8 @@ struct WorkerEntry {
 struct Lease {
     worker_id: WorkerId,
     resources: ResourceSet,
+    /// The lease holder's WorkerService address ("" when unknown).
+    owner: String,
 }
 
 /// A demand shape waiting here, for heartbeats and `tpuray status`.
@@ -600,10 +603,113 @@ impl Agent {
         Some((id, w.address.clone(), w.pid))
     }
 
+    /// Grants a lease. The grant runs as a task of its own; if the caller's
+    /// request is dropped before the answer (the client hung up), the lease
+    /// is returned as soon as the grant finishes (AGENT-2).
     async fn grant_lease(
         self: &Arc<Self>,
         key: PoolKey,
         demand: ResourceSet,
+        owner: String,
+    ) -> Result<pb::request_worker_lease_reply::Granted, Status> {
+        struct ReturnIfDropped {
+            agent: Arc<Agent>,
+            handle: Option<
+                tokio::task::JoinHandle<Result<pb::request_worker_lease_reply::Granted, Status>>,
+            >,
+        }
+        impl Drop for ReturnIfDropped {
+            fn drop(&mut self) {
+                if let Some(h) = self.handle.take() {
+                    let agent = Arc::clone(&self.agent);
+                    tokio::spawn(async move {
+                        if let Ok(Ok(g)) = h.await {
+                            agent.return_lease(&LeaseId::from_wire(g.lease_id), false);
+                        }
+                    });
+                }
+            }
+        }
+        let agent = Arc::clone(self);
+        let mut guard = ReturnIfDropped {
+            agent: Arc::clone(self),
+            handle: Some(tokio::spawn(
+                async move { agent.grant_lease_now(key, demand, owner).await },
+            )),
+        };
+        let result = guard.handle.as_mut().expect("handle is set").await;
+        guard.handle = None;
+        result.map_err(|e| Status::internal(format!("lease grant failed: {e}")))?
+    }
+
+    /// Returns a lease: its resources come back, its worker goes idle (or is
+    /// killed with `disconnect`). Returning twice is harmless (AGENT-2).
+    pub fn return_lease(&self, lease_id: &LeaseId, disconnect: bool) {
+        let kill = {
+            let mut st = self.lock();
+            let Some(lease) = st.leases.remove(lease_id) else {
+                return;
+            };
+            self.release(&mut st, &lease.resources);
+            match st.workers.get_mut(&lease.worker_id) {
+                Some(w) if disconnect => {
+                    w.exit_intended = true;
+                    w.state = WorkerState::Starting;
+                    Some(w.pid)
+                }
+                Some(w) => {
+                    w.state = WorkerState::Idle { since: Instant::now() };
+                    None
+                }
+                None => None,
+            }
+        };
+        if let Some(pid) = kill {
+            signal(pid, libc::SIGKILL);
+        }
+        self.freed.notify_waiters();
+    }
+
+    /// AGENT-5: returns the leases of holders that no longer answer (a
+    /// driver or worker that exited without returning them). Their workers
+    /// may still run the dead holder's task, so they are stopped.
+    pub async fn reclaim_orphaned_leases(&self) {
+        let owners: std::collections::HashSet<String> = self
+            .lock()
+            .leases
+            .values()
+            .map(|l| l.owner.clone())
+            .filter(|o| !o.is_empty())
+            .collect();
+        for owner in owners {
+            let Ok(mut c) = tpuray_proto::client::worker(&owner, self.config.token.as_deref())
+            else {
+                continue;
+            };
+            let mut req = Request::new(pb::GetWorkerInfoRequest {});
+            req.set_timeout(Duration::from_secs(2));
+            let gone = matches!(c.get_worker_info(req).await, Err(s) if s.code() == tonic::Code::Unavailable);
+            if gone {
+                let ids: Vec<LeaseId> = self
+                    .lock()
+                    .leases
+                    .iter()
+                    .filter(|(_, l)| l.owner == owner)
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                tracing::info!(%owner, leases = ids.len(), "lease holder is gone; reclaiming its leases");
+                for id in ids {
+                    self.return_lease(&id, true);
+                }
+            }
+        }
+    }
+
+    async fn grant_lease_now(
+        self: &Arc<Self>,
+        key: PoolKey,
+        demand: ResourceSet,
+        owner: String,
     ) -> Result<pb::request_worker_lease_reply::Granted, Status> {
         let lease_id = LeaseId::random();
         let reused = {
@@ -611,7 +717,7 @@ impl Agent {
             st.available.saturating_sub(&demand);
             st.leases.insert(
                 lease_id.clone(),
-                Lease { worker_id: WorkerId::from_wire(""), resources: demand.clone() },
+                Lease { worker_id: WorkerId::from_wire(""), resources: demand.clone(), owner },
             );
             let reused = self.take_idle(&mut st, &key, &lease_id);
             if let (Some((wid, _, _)), Some(l)) = (&reused, st.leases.get_mut(&lease_id)) {
@@ -792,7 +898,11 @@ impl NodeAgentService for AgentSvc {
             };
             match decision {
                 (Decision::Place(n), _) if n == local_id => {
-                    break Outcome::Granted(agent.grant_lease(key.clone(), demand.clone()).await?);
+                    break Outcome::Granted(
+                        agent
+                            .grant_lease(key.clone(), demand.clone(), req.owner_address.clone())
+                            .await?,
+                    );
                 }
                 (Decision::Place(n), addrs) => {
                     let address = addrs.get(&n).cloned().unwrap_or_default();
@@ -826,31 +936,7 @@ impl NodeAgentService for AgentSvc {
         req: Request<pb::ReturnWorkerLeaseRequest>,
     ) -> Result<Response<pb::ReturnWorkerLeaseReply>, Status> {
         let req = req.into_inner();
-        let lease_id = LeaseId::from_wire(req.lease_id);
-        let kill = {
-            let mut st = self.0.lock();
-            // Returning twice is harmless: the second finds nothing (AGENT-2).
-            let Some(lease) = st.leases.remove(&lease_id) else {
-                return Ok(Response::new(pb::ReturnWorkerLeaseReply {}));
-            };
-            self.0.release(&mut st, &lease.resources);
-            match st.workers.get_mut(&lease.worker_id) {
-                Some(w) if req.disconnect_worker => {
-                    w.exit_intended = true;
-                    w.state = WorkerState::Starting;
-                    Some(w.pid)
-                }
-                Some(w) => {
-                    w.state = WorkerState::Idle { since: Instant::now() };
-                    None
-                }
-                None => None,
-            }
-        };
-        if let Some(pid) = kill {
-            signal(pid, libc::SIGKILL);
-        }
-        self.0.freed.notify_waiters();
+        self.0.return_lease(&LeaseId::from_wire(req.lease_id), req.disconnect_worker);
         Ok(Response::new(pb::ReturnWorkerLeaseReply {}))
     }
 

@@ -59,7 +59,11 @@ pub struct AgentOptions {
 pub fn build_resources(o: &AgentOptions) -> Result<(ResourceSet, Labels), StartError> {
     let bad = StartError::BadFlag;
     let mut total = match &o.resources_json {
-        Some(j) => ResourceSet::from_json(j).map_err(|e| bad(format!("--resources: {e}")))?,
+        Some(j) => ResourceSet::from_json(j).map_err(|e| {
+            let e = e.to_string();
+            // The JSON error already names the flag.
+            bad(if e.contains("--resources") { e } else { format!("--resources: {e}") })
+        })?,
         None => ResourceSet::new(),
     };
     for reserved in ["CPU", "GPU", "memory", "object_store_memory"] {
@@ -129,8 +133,8 @@ async fn join_head(
                 if started.elapsed() >= retry_for {
                     return Err(StartError::HeadUnreachable {
                         address,
-                        waited: started.elapsed(),
-                        detail: s.message().to_string(),
+                        waited: Duration::from_secs(started.elapsed().as_secs()),
+                        detail: error_chain(&s),
                     });
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
@@ -305,9 +309,14 @@ pub async fn serve_agent(
     );
     let reaper = Arc::clone(&agent);
     tokio::spawn(async move {
+        let mut tick = 0u64;
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
             reaper.reap_idle_workers();
+            tick += 1;
+            if tick.is_multiple_of(2) {
+                reaper.reclaim_orphaned_leases().await;
+            }
         }
     });
     tracing::info!(%node_id, address = %agent.config.advertise_address, "node agent joined the cluster");
@@ -340,6 +349,22 @@ fn tokio_stream_listener(
     listener: tokio::net::TcpListener,
 ) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
     tokio_stream::wrappers::TcpListenerStream::new(listener)
+}
+
+/// A status's message followed by its underlying causes ("tcp connect
+/// error: Connection refused (os error 111)").
+fn error_chain(s: &tonic::Status) -> String {
+    let mut out = s.message().to_string();
+    let mut cur: Option<&dyn std::error::Error> = std::error::Error::source(s);
+    while let Some(e) = cur {
+        let m = e.to_string();
+        if !out.contains(&m) {
+            out.push_str(": ");
+            out.push_str(&m);
+        }
+        cur = e.source();
+    }
+    out
 }
 
 /// A duration from an environment variable in milliseconds, or a default.
