@@ -16,7 +16,7 @@ export PATH="${CARGO_TARGET_DIR:-$PWD/target}/release:$PATH"
 export TPURAY_REGISTRY_DIR="${TPURAY_REGISTRY_DIR:-$(mktemp -d /tmp/tpuray-demo-registry.XXXXXX)}"
 PORT="${TPURAY_DEMO_PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo 6390)}"
 TMP="$(mktemp -d /tmp/tpuray-demo.XXXXXX)"
-trap 'tpuray stop >/dev/null 2>&1 || true' EXIT
+trap 'tpuray stop >/dev/null 2>&1 || true; rm -rf "$TMP"' EXIT
 
 echo "== tpuray start --head"
 tpuray start --head --port "$PORT" --num-cpus 1 --temp-dir "$TMP/head"
@@ -39,4 +39,3 @@ echo "== tpuray list tasks --limit 5"
 tpuray list tasks --limit 5
 echo "== tpuray stop"
 tpuray stop
-trap - EXIT

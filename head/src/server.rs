@@ -971,9 +971,13 @@ impl HeadService for HeadSvc {
             if e.state == "SUBMITTED" {
                 t.submitted_ms = e.time_ms;
             }
-            if e.state == "RUNNING" {
+            // Where it ran: the executor's RUNNING event, or the owner's
+            // final event (the reply names the node) if that one was lost.
+            if !e.node_id.is_empty() && (e.state == "RUNNING" || rank(&e.state) == 3) {
                 t.node_id = e.node_id.clone();
-                t.worker_id = e.worker_id.clone();
+                if !e.worker_id.is_empty() {
+                    t.worker_id = e.worker_id.clone();
+                }
             }
             if rank(&e.state) >= rank(&t.state) || e.attempt > t.attempt {
                 t.state = e.state.clone();

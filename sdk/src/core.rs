@@ -428,6 +428,11 @@ impl Core {
     }
 
     pub(crate) fn event(&self, spec: &pb::TaskSpec, state: &str, error: &str) {
+        self.event_at(spec, state, error, &self.node_id, &self.worker_id);
+    }
+
+    /// A task event naming where the task ran ("" when unknown).
+    fn event_at(&self, spec: &pb::TaskSpec, state: &str, error: &str, node: &str, worker: &str) {
         let mut ev = self.events.lock().unwrap();
         if ev.len() < 100_000 {
             ev.push(pb::TaskEvent {
@@ -435,8 +440,8 @@ impl Core {
                 job_id: spec.job_id.clone(),
                 name: spec.name.clone(),
                 state: state.to_string(),
-                node_id: self.node_id.clone(),
-                worker_id: self.worker_id.clone(),
+                node_id: node.to_string(),
+                worker_id: worker.to_string(),
                 attempt: spec.attempt,
                 error: error.to_string(),
                 time_ms: now_ms(),
@@ -1114,11 +1119,11 @@ impl Core {
         }
     }
 
-    fn complete(self: &Arc<Self>, class: &Arc<Class>, q: Queued, reply: pb::PushTaskReply) {
+    fn complete(self: &Arc<Self>, class: &Arc<Class>, q: Queued, mut reply: pb::PushTaskReply) {
         if self.finish_if_cancelled(&q.spec) {
             return;
         }
-        if let Some(e) = reply.error {
+        if let Some(e) = reply.error.take() {
             let app = e.kind == Kind::Application as i32;
             if app && q.retry_exceptions && q.retries_left != 0 {
                 self.retry(class, q, &e.message);
@@ -1127,10 +1132,12 @@ impl Core {
             self.finish_failed(&q.spec, e);
             return;
         }
-        self.finish_ok(&q.spec, reply.returns);
+        self.finish_ok(&q.spec, reply);
     }
 
-    fn finish_ok(&self, spec: &pb::TaskSpec, returns: Vec<pb::ReturnObject>) {
+    fn finish_ok(&self, spec: &pb::TaskSpec, reply: pb::PushTaskReply) {
+        let (node, worker) = (reply.node_id, reply.worker_id);
+        let returns = reply.returns;
         for r in returns {
             let id = r.object_id.clone();
             self.set_state(&id, ObjState::from_return(r));
@@ -1143,7 +1150,7 @@ impl Core {
                 .and_modify(|g| g.finished = true);
             self.objects_changed.notify_waiters();
         }
-        self.event(spec, "FINISHED", "");
+        self.event_at(spec, "FINISHED", "", &node, &worker);
     }
 
     fn finish_failed(&self, spec: &pb::TaskSpec, mut e: pb::TaskError) {
@@ -1160,7 +1167,8 @@ impl Core {
             }
             self.objects_changed.notify_waiters();
         }
-        self.event(spec, "FAILED", &e.message);
+        let node = e.node_id.clone();
+        self.event_at(spec, "FAILED", &e.message, &node, "");
     }
 
     /// Owner side of `ReportGeneratorItem`.
@@ -1468,10 +1476,10 @@ impl Core {
                 core.running.lock().unwrap().remove(&spec.task_id);
                 match result {
                     Ok(reply) => {
-                        let reply = reply.into_inner();
-                        match reply.error {
+                        let mut reply = reply.into_inner();
+                        match reply.error.take() {
                             Some(e) => core.finish_failed(&spec, e),
-                            None => core.finish_ok(&spec, reply.returns),
+                            None => core.finish_ok(&spec, reply),
                         }
                     }
                     Err(status) => {

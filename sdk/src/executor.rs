@@ -52,6 +52,7 @@ fn failure(spec: &pb::TaskSpec, core: &Core, f: TaskFailure) -> pb::PushTaskRepl
             node_id: core.node_id.clone(),
             pid: std::process::id(),
         }),
+        ..Default::default()
     }
 }
 
@@ -149,6 +150,7 @@ impl Executor {
                 message: "executor stopped".into(),
                 ..Default::default()
             }),
+            ..Default::default()
         })
     }
 
@@ -172,12 +174,15 @@ impl Executor {
         core.event(spec, "RUNNING", "");
         let reply = match self.invoke(spec) {
             Ok(Encoded::Value(bytes)) => match self.store_return(&spec.return_ids[0], bytes) {
-                Ok(r) => pb::PushTaskReply { returns: vec![r], error: None },
+                Ok(r) => pb::PushTaskReply { returns: vec![r], ..Default::default() },
                 Err(f) => failure(spec, core, f),
             },
             Ok(Encoded::Stream(items)) => self.stream(spec, items),
             Err(f) => failure(spec, core, f),
         };
+        let mut reply = reply;
+        reply.node_id = core.node_id.clone();
+        reply.worker_id = core.worker_id.clone();
         // Refs the task kept (in an actor's state, say) are registered with
         // their owners before the reply unpins the arguments (CORE-2).
         crate::core::confirm_borrows(core);
@@ -285,7 +290,7 @@ impl Executor {
             }
             index += 1;
         }
-        pb::PushTaskReply { returns: vec![], error: None }
+        pb::PushTaskReply::default()
     }
 }
 
