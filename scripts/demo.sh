@@ -28,6 +28,7 @@ cluster_info
 echo "== Rust example: tour"
 tour
 echo "== tpuray status"
+sleep 2  # nodes report usage in their heartbeats, once a second
 tpuray status
 echo "== tpuray list nodes"
 tpuray list nodes

@@ -756,6 +756,23 @@ impl Agent {
     }
 }
 
+/// Takes a waiting lease request off the pending demand when it is dropped
+/// while still counted.
+struct WaitingGuard<'a> {
+    agent: &'a Agent,
+    demand: ResourceSet,
+    waiting: std::cell::Cell<bool>,
+}
+
+impl Drop for WaitingGuard<'_> {
+    fn drop(&mut self) {
+        if self.waiting.get() {
+            let mut st = self.agent.lock();
+            self.agent.note_demand(&mut st, &self.demand, false, "", -1);
+        }
+    }
+}
+
 /// Sends a signal to a process, ignoring "no such process".
 pub fn signal(pid: u32, sig: i32) {
     if pid > 0 {
@@ -827,7 +844,11 @@ impl NodeAgentService for AgentSvc {
         let deadline = (req.queue_timeout_ms > 0)
             .then(|| Instant::now() + Duration::from_millis(req.queue_timeout_ms));
         let local_id = agent.config.node_id.to_string();
-        let mut waiting = false;
+        // Counts this request as pending demand while it waits; if the
+        // request is dropped mid-wait (the client hung up), the guard takes
+        // it off the books (AGENT-4).
+        let guard =
+            WaitingGuard { agent, demand: demand.clone(), waiting: std::cell::Cell::new(false) };
         let outcome = loop {
             let freed = agent.freed.notified();
             tokio::pin!(freed);
@@ -841,29 +862,29 @@ impl NodeAgentService for AgentSvc {
                 let d = tpuray_scheduler::schedule(&request, &views, Some(&local_id), now_ms());
                 match &d {
                     Decision::Place(n) if *n == local_id => {
-                        if waiting {
+                        if guard.waiting.get() {
                             agent.note_demand(&mut st, &demand, false, "", -1);
                         }
-                        waiting = false;
+                        guard.waiting.set(false);
                     }
                     Decision::Infeasible { reason } => {
-                        if waiting {
+                        if guard.waiting.get() {
                             agent.note_demand(&mut st, &demand, false, "", -1);
-                            waiting = false;
+                            guard.waiting.set(false);
                         }
                         agent.note_demand(&mut st, &demand, true, reason, 0);
                     }
                     Decision::Queue { reason } => {
-                        if !waiting {
+                        if !guard.waiting.get() {
                             agent.note_demand(&mut st, &demand, false, reason, 1);
-                            waiting = true;
+                            guard.waiting.set(true);
                         }
                     }
                     Decision::Place(_) => {
-                        if waiting {
+                        if guard.waiting.get() {
                             agent.note_demand(&mut st, &demand, false, "", -1);
                         }
-                        waiting = false;
+                        guard.waiting.set(false);
                     }
                 }
                 // Feasible here but busy: queue locally. Feasible only elsewhere: spill there.
@@ -881,7 +902,7 @@ impl NodeAgentService for AgentSvc {
                             .min_by_key(|(v, _)| v.id.clone())
                             .map(|(v, a)| (v.id.clone(), a.clone()));
                         if let Some((node_id, address)) = best {
-                            if waiting {
+                            if guard.waiting.get() {
                                 agent.note_demand(&mut st, &demand, false, "", -1);
                             }
                             break Outcome::Spillback(Spillback { node_id, address });
@@ -912,17 +933,12 @@ impl NodeAgentService for AgentSvc {
                     break Outcome::Infeasible(Infeasible { reason });
                 }
                 (Decision::Queue { reason }, _) => {
-                    let timed_out = match deadline {
-                        Some(d) => tokio::time::timeout_at(d.into(), freed).await.is_err(),
-                        None => {
-                            // Re-check now and then: other nodes' views change too.
-                            let _ = tokio::time::timeout(Duration::from_millis(500), freed).await;
-                            false
-                        }
-                    };
-                    if timed_out {
-                        let mut st = agent.lock();
-                        agent.note_demand(&mut st, &demand, false, "", -1);
+                    // Wake when resources free up here, and re-check every
+                    // 200 ms anyway: other nodes' views change with heartbeats
+                    // and the request may now spill to one of them.
+                    let _ = tokio::time::timeout(Duration::from_millis(200), freed).await;
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        // The guard takes it off the pending demand.
                         break Outcome::Busy(Busy { reason });
                     }
                 }
