@@ -73,6 +73,7 @@ impl ResourceFlags {
             labels: self.labels.clone(),
             object_store_memory: self.object_store_memory,
             memory: self.memory,
+            env: std::env::vars().collect(),
         }
     }
 

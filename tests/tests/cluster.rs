@@ -840,3 +840,35 @@ async fn subscription_stream_resumes_after_sequence_number() {
         assert!(ch.seq > last, "resumed stream delivered seq {} <= {last}", ch.seq);
     }
 }
+
+/// TPU.md's simulated-host line: the `TPU_*` environment plus
+/// `--resources '{"TPU": 4}'` advertises the slice's resources and labels,
+/// with exactly one `TPU-v6e-16-head` in the slice.
+#[test]
+fn simulated_tpu_hosts_advertise_slice_resources_and_labels() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "1"]);
+    c.set_env("TPU_ACCELERATOR_TYPE", "v6e-16");
+    c.set_env("TPU_NAME", "sa");
+    c.set_env("TPU_TOPOLOGY", "4x4");
+    let mut hosts = Vec::new();
+    for w in 0..4 {
+        c.set_env("TPU_WORKER_ID", &w.to_string());
+        hosts.push(c.add_node(&["--num-cpus", "1", "--resources", r#"{"TPU": 4}"#]));
+    }
+    let mut heads = 0;
+    for (w, h) in hosts.iter().enumerate() {
+        let n = c.list_node(&h.node_id);
+        let res = &n["resources_total"];
+        assert_eq!(res["TPU"], 4.0, "{n:#}");
+        assert_eq!(res["accelerator_type:TPU-V6E"], 1.0, "{n:#}");
+        assert_eq!(res["sa"], 1.0, "{n:#}");
+        heads += res.get("TPU-v6e-16-head").is_some() as u32;
+        assert_eq!(n["labels"]["tpuray.io/tpu-worker-id"], w.to_string(), "{n:#}");
+        assert_eq!(n["labels"]["ray.io/tpu-slice-name"], "sa", "{n:#}");
+        assert_eq!(n["labels"]["tpuray.io/tpu-topology"], "4x4", "{n:#}");
+    }
+    assert_eq!(heads, 1, "exactly one head resource per slice");
+    let status = c.status();
+    assert!(status.contains("TPU"), "{status}");
+}

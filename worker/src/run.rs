@@ -45,6 +45,8 @@ pub struct AgentOptions {
     pub object_store_memory: Option<u64>,
     /// `--memory` in bytes.
     pub memory: Option<u64>,
+    /// The process environment (`TPU_*` variables describe a TPU host).
+    pub env: std::collections::BTreeMap<String, String>,
 }
 
 /// The node's total resources and labels from flags and detection.
@@ -96,10 +98,27 @@ pub fn build_resources(o: &AgentOptions) -> Result<(ResourceSet, Labels), StartE
         "object_store_memory",
         amount("--object-store-memory", "object_store_memory", store as f64)?,
     );
-    let labels = match &o.labels {
+    let mut labels = match &o.labels {
         Some(l) => Labels::parse(l).map_err(|e| bad(format!("--labels: {e}")))?,
         None => Labels::default(),
     };
+    // A TPU host (TPU.md): the chip count from `--resources '{"TPU": N}'`,
+    // the slice from the `TPU_*` environment, exactly as on Ray.
+    let tpu = total.get("TPU");
+    if tpu != Amount::ZERO {
+        let chips = tpuray_scheduler::tpu::chip_count(tpu, None)
+            .map_err(|e| bad(format!("--resources: \"TPU\": {e}")))?;
+        if o.env.contains_key("TPU_ACCELERATOR_TYPE") {
+            let host = tpuray_scheduler::tpu::TpuHostInfo::from_env(&o.env, chips)
+                .map_err(|e| bad(format!("TPU host environment: {e}")))?;
+            for (name, amount) in host.resources().iter() {
+                total.set(name, amount);
+            }
+            for (k, v) in host.labels().0 {
+                labels.0.insert(k, v);
+            }
+        }
+    }
     Ok((total, labels))
 }
 
@@ -414,5 +433,45 @@ mod tests {
         }
         let o = AgentOptions { num_cpus: Some(-2.0), ..Default::default() };
         assert!(build_resources(&o).unwrap_err().to_string().contains("--num-cpus"));
+    }
+}
+
+#[cfg(test)]
+mod tpu_tests {
+    use super::*;
+
+    fn tpu_options(worker_id: &str) -> AgentOptions {
+        let env = [
+            ("TPU_ACCELERATOR_TYPE", "v6e-16"),
+            ("TPU_NAME", "sa"),
+            ("TPU_WORKER_ID", worker_id),
+            ("TPU_TOPOLOGY", "4x4"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        AgentOptions { resources_json: Some(r#"{"TPU": 4}"#.into()), env, ..Default::default() }
+    }
+
+    #[test]
+    fn simulated_tpu_host_advertises_tpu_md_resources_and_labels() {
+        let (r, l) = build_resources(&tpu_options("2")).unwrap();
+        assert_eq!(r.get("TPU").to_f64(), 4.0);
+        assert_eq!(r.get("accelerator_type:TPU-V6E").to_f64(), 1.0);
+        assert_eq!(r.get("sa").to_f64(), 1.0);
+        assert_eq!(r.get("TPU-v6e-16-head").to_f64(), 0.0, "only worker 0 has the head resource");
+        assert_eq!(l.0.get("tpuray.io/tpu-worker-id").map(String::as_str), Some("2"));
+        assert_eq!(l.0.get("ray.io/tpu-slice-name").map(String::as_str), Some("sa"));
+        let (r0, _) = build_resources(&tpu_options("0")).unwrap();
+        assert_eq!(r0.get("TPU-v6e-16-head").to_f64(), 1.0);
+    }
+
+    #[test]
+    fn inconsistent_tpu_environment_is_refused() {
+        let e = build_resources(&tpu_options("9")).unwrap_err().to_string();
+        assert!(e.contains("TPU"), "{e}");
+        let o = AgentOptions { resources_json: Some(r#"{"TPU": 3}"#.into()), ..Default::default() };
+        let e = build_resources(&o).unwrap_err().to_string();
+        assert!(e.contains("TPU"), "{e}");
     }
 }
