@@ -37,8 +37,20 @@ use crate::options::{Scheduling, TaskOptions};
 /// Results up to this size travel inline in replies; larger ones go to the
 /// executing node's object store (DESIGN.md §2).
 pub const INLINE_MAX_BYTES: usize = 100 * 1024;
-/// Tasks pushed to one leased worker before the first one finishes.
-const PIPELINE_DEPTH: usize = 8;
+/// Tasks pushed to one leased worker before the first one finishes: 1 by
+/// default, as Ray's `max_tasks_in_flight_per_worker`, so a slow task never
+/// holds up quick ones queued behind it while other CPUs are free;
+/// `TPURAY_MAX_TASKS_IN_FLIGHT_PER_WORKER` raises it for throughput.
+fn pipeline_depth() -> usize {
+    static DEPTH: OnceLock<usize> = OnceLock::new();
+    *DEPTH.get_or_init(|| {
+        std::env::var("TPURAY_MAX_TASKS_IN_FLIGHT_PER_WORKER")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&d| d >= 1)
+            .unwrap_or(1)
+    })
+}
 /// How long an idle lease waits for another task of its class before it
 /// is returned.
 const LEASE_LINGER: Duration = Duration::from_millis(100);
@@ -919,7 +931,7 @@ impl Core {
         let queued = class.queue.lock().unwrap().len();
         loop {
             let cur = class.leases.load(Ordering::SeqCst);
-            let want = queued.div_ceil(PIPELINE_DEPTH).clamp(1, MAX_LEASES_PER_CLASS);
+            let want = queued.div_ceil(pipeline_depth()).clamp(1, MAX_LEASES_PER_CLASS);
             if queued == 0 || cur >= want {
                 return;
             }
@@ -1038,7 +1050,7 @@ impl Core {
         let mut in_flight = tokio::task::JoinSet::new();
         let mut broken = false;
         loop {
-            while !broken && in_flight.len() < PIPELINE_DEPTH {
+            while !broken && in_flight.len() < pipeline_depth() {
                 let Some(q) = class.queue.lock().unwrap().pop_front() else { break };
                 self.running.lock().unwrap().insert(
                     q.spec.task_id.clone(),

@@ -338,3 +338,41 @@ fn leases_of_a_killed_driver_are_reclaimed() {
         cpu(&c) == 2.0
     });
 }
+
+/// CORE-5: application errors are retried only with `retry_exceptions`.
+#[test]
+fn retry_exceptions_retries_application_errors_only_when_asked() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let work = c.dir().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let out = start_driver(&c, "retry-exceptions", &[&work.display().to_string()]).finish(RUN);
+    out.assert_success();
+    assert_eq!(out.line("RETRIED "), "RETRIED attempts=3", "{out}");
+    let err = out.line("ERROR ");
+    assert!(err.contains("kind=Task") && err.contains("flaky failure 1"), "{out}");
+}
+
+/// `wait` returns the ready refs once `num_returns` are ready, leaving the rest.
+#[test]
+fn wait_returns_ready_refs_before_the_slow_one() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "3"]);
+    let out = start_driver(&c, "wait", &[]).finish(RUN);
+    out.assert_success();
+    let line = out.line("RESULT ");
+    assert!(line.starts_with("RESULT ready=2 rest=1 which=[true, false, true]"), "{out}");
+}
+
+/// A detached named actor outlives its creator's job; a plain named actor
+/// dies with it (Ray's lifetime semantics).
+#[test]
+fn detached_actor_outlives_its_job_and_plain_actor_does_not() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "3"]);
+    start_driver(&c, "detached-create", &["keeper"]).finish(RUN).assert_success();
+    let out = start_driver(&c, "detached-use", &["keeper"]).finish(RUN);
+    out.assert_success();
+    assert_eq!(out.line("RESULT "), "RESULT entries=[5]", "{out}");
+    assert!(out.line("ERROR ").contains("keeper-plain"), "the plain actor is gone:\n{out}");
+}

@@ -40,6 +40,18 @@ fn fail_with(code: i64) -> Result<i64, String> {
     Err(format!("boom {code}"))
 }
 
+/// Fails until it has been attempted `fail_times` times (counted in a file).
+#[tpuray::remote]
+fn flaky(counter_file: String, fail_times: u32) -> Result<u32, String> {
+    let n = std::fs::read_to_string(&counter_file)
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .unwrap_or(0)
+        + 1;
+    std::fs::write(&counter_file, n.to_string()).map_err(|e| e.to_string())?;
+    if n <= fail_times { Err(format!("flaky failure {n}")) } else { Ok(n) }
+}
+
 #[tpuray::remote]
 fn sleep_ms(ms: u64) -> u64 {
     std::thread::sleep(Duration::from_millis(ms));
@@ -299,6 +311,66 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             std::thread::sleep(Duration::from_millis(500));
             match tpuray::get(&keeper.total_bytes()) {
                 Ok(total) => say(&format!("RESULT kept={n} total={total}")),
+                Err(e) => print_error(&e, Instant::now()),
+            }
+        }
+        // retry_exceptions: a task failing twice succeeds on its third
+        // attempt with max_retries 2; without retry_exceptions the first
+        // failure is final.
+        "retry-exceptions" => {
+            let dir = PathBuf::from(arg(args, 0, "work dir")?);
+            let opts = TaskOptions { retry_exceptions: true, max_retries: 2, ..Default::default() };
+            let with = flaky::options(opts).remote(dir.join("a").display().to_string(), 2);
+            match tpuray::get(&with) {
+                Ok(n) => say(&format!("RETRIED attempts={n}")),
+                Err(e) => print_error(&e, Instant::now()),
+            }
+            let without = flaky::remote(dir.join("b").display().to_string(), 2);
+            match tpuray::get(&without) {
+                Ok(n) => say(&format!("RESULT unexpected success attempts={n}")),
+                Err(e) => print_error(&e, Instant::now()),
+            }
+        }
+        // wait: two quick tasks and one slow; wait for two.
+        "wait" => {
+            let refs = vec![sleep_ms::remote(0), sleep_ms::remote(30_000), sleep_ms::remote(0)];
+            let t = Instant::now();
+            // Generous: starting worker processes on a loaded machine is slow.
+            let (ready, rest) = tpuray::wait(&refs, 2, Some(Duration::from_secs(20)))?;
+            let ids: Vec<bool> =
+                refs.iter().map(|r| ready.iter().any(|x| x.id() == r.id())).collect();
+            say(&format!(
+                "RESULT ready={} rest={} which={ids:?} ms={}",
+                ready.len(),
+                rest.len(),
+                t.elapsed().as_millis()
+            ));
+        }
+        // A detached named actor outlives its creator's job; a plain one dies with it.
+        "detached-create" => {
+            let name = arg(args, 0, "actor name")?;
+            let d = Journal::options(ActorOptions {
+                name: Some(name.clone()),
+                detached: true,
+                ..Default::default()
+            })
+            .remote()?;
+            let p = Journal::options(ActorOptions {
+                name: Some(format!("{name}-plain")),
+                ..Default::default()
+            })
+            .remote()?;
+            tpuray::get(&d.append(5))?;
+            tpuray::get(&p.append(6))?;
+            say("CREATED");
+        }
+        "detached-use" => {
+            let name = arg(args, 0, "actor name")?;
+            let d = JournalHandle(tpuray::get_actor(&name, None)?);
+            let entries = tpuray::get(&d.entries())?;
+            say(&format!("RESULT entries={entries:?}"));
+            match tpuray::get_actor(&format!("{name}-plain"), None) {
+                Ok(h) => say(&format!("PLAIN found {}", h.actor_id)),
                 Err(e) => print_error(&e, Instant::now()),
             }
         }
