@@ -88,9 +88,26 @@ pub fn decode_arg<T: DeserializeOwned>(
     decode(bytes).map_err(|e| TaskFailure::bad_arguments(format!("{name}: argument {index}: {e}")))
 }
 
+thread_local! {
+    /// Refs nested in the return value encoded last on this thread (the
+    /// executor hands them to the caller, CORE-2).
+    static RETURN_NESTED: std::cell::RefCell<Vec<crate::object_ref::RawRef>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Takes the refs nested in the last return value encoded on this thread.
+pub(crate) fn take_return_nested() -> Vec<crate::object_ref::RawRef> {
+    RETURN_NESTED.with(|r| std::mem::take(&mut *r.borrow_mut()))
+}
+
+fn encode_return<T: Serialize>(v: &T) -> Vec<u8> {
+    let (bytes, nested) = crate::object_ref::capture_nested(|| encode(v));
+    RETURN_NESTED.with(|r| *r.borrow_mut() = nested);
+    bytes
+}
+
 #[doc(hidden)]
 pub fn encode_value<T: Serialize>(v: &T) -> Result<Encoded, TaskFailure> {
-    Ok(Encoded::Value(encode(v)))
+    Ok(Encoded::Value(encode_return(v)))
 }
 
 #[doc(hidden)]
@@ -98,7 +115,7 @@ pub fn encode_result<T: Serialize, E: std::fmt::Display>(
     r: Result<T, E>,
 ) -> Result<Encoded, TaskFailure> {
     match r {
-        Ok(v) => Ok(Encoded::Value(encode(&v))),
+        Ok(v) => Ok(Encoded::Value(encode_return(&v))),
         Err(e) => Err(TaskFailure::application(e.to_string())),
     }
 }

@@ -120,6 +120,9 @@ struct Owned {
     refs: usize,
     /// Processes that borrow the object (their WorkerService addresses).
     borrowers: std::collections::HashSet<String>,
+    /// Refs nested in this object's value that this process was registered
+    /// to borrow on its behalf (id, owner); released when it is freed.
+    nested: Vec<(String, String)>,
     /// The task that makes it, for cancellation.
     task_id: Option<String>,
 }
@@ -308,8 +311,8 @@ pub(crate) fn release_ref(id: &str, owner: &str) {
             None => None,
         }
     };
-    if let Some(Owned { state: ObjState::Stored { locations, .. }, .. }) = freed {
-        c.free_copies(id.to_string(), locations);
+    if let Some(o) = freed {
+        c.on_freed(id, o);
     }
 }
 
@@ -357,8 +360,18 @@ impl Core {
         owner: String,
         add: bool,
     ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        self.update_borrower_as(id, owner, self.address.clone(), add)
+    }
+
+    /// As [`Core::update_borrower`], for borrower key `me`.
+    pub(crate) fn update_borrower_as(
+        &self,
+        id: String,
+        owner: String,
+        me: String,
+        add: bool,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
         let client = self.worker_client(&owner);
-        let me = self.address.clone();
         async move {
             let Ok(mut c) = client else { return };
             let mut req = Request::new(pb::UpdateBorrowerRequest {
@@ -392,8 +405,8 @@ impl Core {
                 None
             }
         };
-        if let Some(Owned { state: ObjState::Stored { locations, .. }, .. }) = freed {
-            self.free_copies(id.to_string(), locations);
+        if let Some(o) = freed {
+            self.on_freed(id, o);
         }
         true
     }
@@ -481,7 +494,7 @@ impl Core {
     fn register_owned(&self, id: &str, state: ObjState, task_id: Option<String>) {
         self.objects.lock().unwrap().insert(
             id.to_string(),
-            Owned { state, refs: 1, task_id, borrowers: Default::default() },
+            Owned { state, refs: 1, task_id, borrowers: Default::default(), nested: vec![] },
         );
     }
 
@@ -497,10 +510,26 @@ impl Core {
                 None => None,
             }
         };
-        if let Some(Owned { state: ObjState::Stored { locations, .. }, .. }) = freed {
-            self.free_copies(id.to_string(), locations);
+        if let Some(o) = freed {
+            self.on_freed(id, o);
         }
         self.objects_changed.notify_waiters();
+    }
+
+    /// An owned object was dropped from the table: delete its store copies
+    /// and stop borrowing the refs its value carried (CORE-2).
+    fn on_freed(&self, id: &str, o: Owned) {
+        if let ObjState::Stored { locations, .. } = o.state {
+            self.free_copies(id.to_string(), locations);
+        }
+        let key = format!("{}#ret:{id}", self.address);
+        for (nid, owner) in o.nested {
+            if owner == self.address {
+                self.serve_update_borrower(&nid, &key, false);
+            } else {
+                self.rt.spawn(self.update_borrower_as(nid, owner, key.clone(), false));
+            }
+        }
     }
 
     fn free_copies(&self, id: String, locations: Vec<pb::ObjectLocation>) {
@@ -1150,6 +1179,27 @@ impl Core {
     fn finish_ok(&self, spec: &pb::TaskSpec, reply: pb::PushTaskReply) {
         let (node, worker) = (reply.node_id, reply.worker_id);
         let returns = reply.returns;
+        if let (Some(first), false) = (spec.return_ids.first(), reply.nested_in_return.is_empty()) {
+            let nested = reply
+                .nested_in_return
+                .into_iter()
+                .map(|r| (r.object_id, r.owner_address))
+                .collect();
+            match self.objects.lock().unwrap().get_mut(first) {
+                Some(o) => o.nested = nested,
+                None => {
+                    // Already freed by the caller: release at once.
+                    let o = Owned {
+                        state: ObjState::Pending,
+                        refs: 0,
+                        task_id: None,
+                        borrowers: Default::default(),
+                        nested,
+                    };
+                    self.on_freed(first, o);
+                }
+            }
+        }
         for r in returns {
             let id = r.object_id.clone();
             self.set_state(&id, ObjState::from_return(r));
@@ -1194,7 +1244,7 @@ impl Core {
         // Held by the generator until the consumer takes its ref.
         self.objects.lock().unwrap().insert(
             item.object_id.clone(),
-            Owned { state, refs: 1, task_id: None, borrowers: Default::default() },
+            Owned { state, refs: 1, task_id: None, borrowers: Default::default(), nested: vec![] },
         );
         g.items.push(item.object_id);
         drop(gens);

@@ -173,10 +173,17 @@ impl Executor {
         self.running.lock().unwrap().insert(spec.task_id.clone(), ());
         core.event(spec, "RUNNING", "");
         let reply = match self.invoke(spec) {
-            Ok(Encoded::Value(bytes)) => match self.store_return(&spec.return_ids[0], bytes) {
-                Ok(r) => pb::PushTaskReply { returns: vec![r], ..Default::default() },
-                Err(f) => failure(spec, core, f),
-            },
+            Ok(Encoded::Value(bytes)) => {
+                let nested = crate::codec::take_return_nested();
+                match self.store_return(&spec.return_ids[0], bytes) {
+                    Ok(r) => pb::PushTaskReply {
+                        returns: vec![r],
+                        nested_in_return: self.hand_over(spec, nested),
+                        ..Default::default()
+                    },
+                    Err(f) => failure(spec, core, f),
+                }
+            }
             Ok(Encoded::Stream(items)) => self.stream(spec, items),
             Err(f) => failure(spec, core, f),
         };
@@ -220,6 +227,37 @@ impl Executor {
             std::panic::catch_unwind(AssertUnwindSafe(|| method(&mut **state, &args)))
         };
         result.map_err(|p| TaskFailure::application(panic_message(p)))?
+    }
+
+    /// Refs nested in a return value outlive this task's own copies: each
+    /// owner learns, before the reply goes out, that the caller borrows them
+    /// (as `<caller>#ret:<return id>`), and the caller releases that when it
+    /// frees the return object (CORE-2).
+    fn hand_over(&self, spec: &pb::TaskSpec, nested: Vec<RawRef>) -> Vec<pb::ObjectRefMsg> {
+        let core = &self.core;
+        let key = format!("{}#ret:{}", spec.owner_address, spec.return_ids[0]);
+        let mut seen = std::collections::HashSet::new();
+        let mut out = Vec::new();
+        for r in nested {
+            if !seen.insert(r.id().to_string()) {
+                continue;
+            }
+            if r.owner() == core.address {
+                core.serve_update_borrower(r.id(), &key, true);
+            } else {
+                core.rt.block_on(core.update_borrower_as(
+                    r.id().to_string(),
+                    r.owner().to_string(),
+                    key.clone(),
+                    true,
+                ));
+            }
+            out.push(pb::ObjectRefMsg {
+                object_id: r.id().to_string(),
+                owner_address: r.owner().to_string(),
+            });
+        }
+        out
     }
 
     fn store_return(&self, id: &str, bytes: Vec<u8>) -> Result<pb::ReturnObject, TaskFailure> {

@@ -376,3 +376,14 @@ fn detached_actor_outlives_its_job_and_plain_actor_does_not() {
     assert_eq!(out.line("RESULT "), "RESULT entries=[5]", "{out}");
     assert!(out.line("ERROR ").contains("keeper-plain"), "the plain actor is gone:\n{out}");
 }
+
+/// CORE-2: a ref returned by a task stays valid after the task's own copy
+/// is gone (the executor hands the caller a borrow before replying).
+#[test]
+fn refs_returned_by_a_task_stay_readable() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let out = start_driver(&c, "return-ref", &[]).finish(RUN);
+    out.assert_success();
+    assert_eq!(out.line("RESULT "), "RESULT sizes=[1000, 2000000]", "{out}");
+}

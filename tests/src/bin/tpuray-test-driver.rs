@@ -40,6 +40,12 @@ fn fail_with(code: i64) -> Result<i64, String> {
     Err(format!("boom {code}"))
 }
 
+/// Puts an object in this worker and returns only a ref to it.
+#[tpuray::remote]
+fn make_ref(bytes: usize) -> Result<tpuray::ObjectRef<tpuray::Blob>, String> {
+    tpuray::put(&tpuray::Blob(vec![3u8; bytes])).map_err(|e| e.to_string())
+}
+
 /// Fails until it has been attempted `fail_times` times (counted in a file).
 #[tpuray::remote]
 fn flaky(counter_file: String, fail_times: u32) -> Result<u32, String> {
@@ -371,6 +377,20 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             say(&format!("RESULT entries={entries:?}"));
             match tpuray::get_actor(&format!("{name}-plain"), None) {
                 Ok(h) => say(&format!("PLAIN found {}", h.actor_id)),
+                Err(e) => print_error(&e, Instant::now()),
+            }
+        }
+        // A task returns refs to objects it put; the caller reads them after
+        // the task's own copies of the refs are long gone.
+        "return-ref" => {
+            let outers = vec![make_ref::remote(1000), make_ref::remote(2_000_000)];
+            let inners: Vec<tpuray::ObjectRef<tpuray::Blob>> = tpuray::get_all(&outers)?;
+            drop(outers);
+            std::thread::sleep(Duration::from_millis(500));
+            let sizes: Result<Vec<usize>, _> =
+                inners.iter().map(|r| tpuray::get(r).map(|b| b.0.len())).collect();
+            match sizes {
+                Ok(s) => say(&format!("RESULT sizes={s:?}")),
                 Err(e) => print_error(&e, Instant::now()),
             }
         }
