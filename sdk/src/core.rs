@@ -123,6 +123,8 @@ struct Owned {
     /// Refs nested in this object's value that this process was registered
     /// to borrow on its behalf (id, owner); released when it is freed.
     nested: Vec<(String, String)>,
+    /// Refs nested in a `put` value, held while the object lives.
+    pins: Vec<RawRef>,
     /// The task that makes it, for cancellation.
     task_id: Option<String>,
 }
@@ -494,7 +496,14 @@ impl Core {
     fn register_owned(&self, id: &str, state: ObjState, task_id: Option<String>) {
         self.objects.lock().unwrap().insert(
             id.to_string(),
-            Owned { state, refs: 1, task_id, borrowers: Default::default(), nested: vec![] },
+            Owned {
+                state,
+                refs: 1,
+                task_id,
+                borrowers: Default::default(),
+                nested: vec![],
+                pins: vec![],
+            },
         );
     }
 
@@ -548,10 +557,17 @@ impl Core {
     }
 
     /// Stores `bytes` as a new owned object (`put`).
-    pub(crate) fn put_bytes(&self, bytes: Vec<u8>) -> Result<RawRef, Error> {
+    /// `nested`: refs serialized inside `bytes`, kept alive as long as this
+    /// object lives (CORE-2).
+    pub(crate) fn put_bytes(&self, bytes: Vec<u8>, nested: Vec<RawRef>) -> Result<RawRef, Error> {
         let id = tpuray_proto::ids::ObjectId::random().to_string();
         let state = self.make_state(&id, bytes)?;
         self.register_owned(&id, state, None);
+        if !nested.is_empty()
+            && let Some(o) = self.objects.lock().unwrap().get_mut(&id)
+        {
+            o.pins = nested;
+        }
         Ok(RawRef::adopt(id, self.address.clone()))
     }
 
@@ -1195,6 +1211,7 @@ impl Core {
                         task_id: None,
                         borrowers: Default::default(),
                         nested,
+                        pins: vec![],
                     };
                     self.on_freed(first, o);
                 }
@@ -1244,7 +1261,14 @@ impl Core {
         // Held by the generator until the consumer takes its ref.
         self.objects.lock().unwrap().insert(
             item.object_id.clone(),
-            Owned { state, refs: 1, task_id: None, borrowers: Default::default(), nested: vec![] },
+            Owned {
+                state,
+                refs: 1,
+                task_id: None,
+                borrowers: Default::default(),
+                nested: vec![],
+                pins: vec![],
+            },
         );
         g.items.push(item.object_id);
         drop(gens);

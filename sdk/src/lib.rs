@@ -108,7 +108,8 @@ pub fn get_bytes<T>(r: &ObjectRef<T>) -> Result<core::Data, Error> {
 /// The node's object store cannot take it.
 pub fn put<T: Serialize>(value: &T) -> Result<ObjectRef<T>, Error> {
     let core = core::core()?;
-    core.put_bytes(codec::encode(value)).map(ObjectRef::from_raw)
+    let (bytes, nested) = object_ref::capture_nested(|| codec::encode(value));
+    core.put_bytes(bytes, nested).map(ObjectRef::from_raw)
 }
 
 /// Ready and not-ready refs, as [`wait`] returns them.

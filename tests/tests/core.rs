@@ -387,3 +387,14 @@ fn refs_returned_by_a_task_stay_readable() {
     out.assert_success();
     assert_eq!(out.line("RESULT "), "RESULT sizes=[1000, 2000000]", "{out}");
 }
+
+/// CORE-2: an object put inside another one lives as long as the outer one,
+/// even after the caller dropped its own ref to the inner object.
+#[test]
+fn object_put_inside_another_lives_with_it() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "1"]);
+    let out = start_driver(&c, "nested-put", &[]).finish(RUN);
+    out.assert_success();
+    assert_eq!(out.line("RESULT "), "RESULT size=300000", "{out}");
+}

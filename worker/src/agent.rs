@@ -413,7 +413,14 @@ impl Agent {
         )
         .await
         .map_err(|e| {
-            Status::failed_precondition(format!("cannot fetch the job's worker binary: {e}"))
+            let msg = format!("cannot fetch the job's worker binary: {e}");
+            // A binary that was never uploaded will not appear; anything else
+            // (disk, network) may pass on a retry.
+            if e.contains("never uploaded") {
+                Status::failed_precondition(msg)
+            } else {
+                Status::unavailable(msg)
+            }
         })?;
         Ok(vec![path.display().to_string()])
     }

@@ -60,7 +60,9 @@ pub async fn ensure_binary(
         return Err(format!("worker binary {hash}: downloaded bytes hash to {got}"));
     }
     std::fs::create_dir_all(cache_dir).map_err(|e| format!("{}: {e}", cache_dir.display()))?;
-    let tmp = cache_dir.join(format!(".{hash}.{}", std::process::id()));
+    // A name of its own per fetch: concurrent fetches of one binary (two
+    // workers starting at once) must not share a temporary file.
+    let tmp = cache_dir.join(format!(".{hash}.{}", tpuray_proto::ids::WorkerId::random()));
     {
         use std::io::Write;
         use std::os::unix::fs::OpenOptionsExt;
@@ -73,6 +75,11 @@ pub async fn ensure_binary(
             .map_err(|e| format!("{}: {e}", tmp.display()))?;
         f.write_all(&bytes).map_err(|e| format!("{}: {e}", tmp.display()))?;
     }
-    std::fs::rename(&tmp, &path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if let Err(e) = std::fs::rename(&tmp, &path) {
+        let _ = std::fs::remove_file(&tmp);
+        if !path.exists() {
+            return Err(format!("{}: {e}", path.display()));
+        }
+    }
     Ok(path)
 }

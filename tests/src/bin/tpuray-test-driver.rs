@@ -394,6 +394,17 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
                 Err(e) => print_error(&e, Instant::now()),
             }
         }
+        // An object put inside another stays alive while the outer lives.
+        "nested-put" => {
+            let inner = tpuray::put(&tpuray::Blob(vec![4u8; 300_000]))?;
+            let outer = tpuray::put(&vec![inner])?;
+            std::thread::sleep(Duration::from_millis(300));
+            let inners = tpuray::get(&outer)?;
+            match tpuray::get(&inners[0]) {
+                Ok(b) => say(&format!("RESULT size={}", b.0.len())),
+                Err(e) => print_error(&e, Instant::now()),
+            }
+        }
         other => bail!("unknown scenario {other:?}"),
     }
     Ok(())
