@@ -87,5 +87,12 @@ pub fn actor_to_proto(a: &ActorRecord, pending_reason: Option<&str>) -> pb::Acto
             info.death_cause = cause.clone();
         }
     }
+    // A restarting or dead actor still shows where it last ran.
+    if info.node_id.is_empty()
+        && let Some((node, pid)) = &a.last_placement
+    {
+        info.node_id = node.to_string();
+        info.pid = *pid;
+    }
     info
 }

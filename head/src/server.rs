@@ -728,6 +728,7 @@ impl HeadService for HeadSvc {
             detached: req.detached,
             status: ActorStatus::PendingCreation,
             creation_task: req.creation_task,
+            last_placement: None,
         };
         let id = match self.0.commit(Command {
             request_id: req.request_id,

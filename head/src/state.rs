@@ -94,6 +94,8 @@ pub struct ActorRecord {
     pub status: ActorStatus,
     /// The serialized creation task the actor's worker runs on every start.
     pub creation_task: Vec<u8>,
+    /// Where the actor last ran (node, pid), kept after it restarts or dies.
+    pub last_placement: Option<(NodeId, u32)>,
 }
 
 impl ActorRecord {
@@ -333,6 +335,7 @@ impl StateMachine {
                         "actor {actor_id} is dead"
                     )));
                 }
+                actor.last_placement = Some((node_id.clone(), pid));
                 actor.status = ActorStatus::Alive { node_id, worker_id, address, pid };
                 changed.push(Changed::Actor(actor_id.clone()));
                 Outcome::Actor(actor_id)
@@ -446,6 +449,7 @@ mod tests {
             detached: false,
             status: ActorStatus::PendingCreation,
             creation_task: vec![],
+            last_placement: None,
         }
     }
 
