@@ -32,7 +32,7 @@ use tpuray_proto::pb::task_error::Kind;
 use crate::codec::Arg;
 use crate::error::Error;
 use crate::object_ref::RawRef;
-use crate::options::{Scheduling, TaskOptions};
+use crate::options::TaskOptions;
 
 /// Results up to this size travel inline in replies; larger ones go to the
 /// executing node's object store (DESIGN.md §2).
@@ -921,13 +921,7 @@ impl Core {
                 GenState { items: vec![], finished: false, error: None },
             );
         }
-        let strategy = match &opts.scheduling {
-            Scheduling::Default => tpuray_scheduler::Strategy::Default,
-            Scheduling::Spread => tpuray_scheduler::Strategy::Spread,
-            Scheduling::NodeAffinity { node_id, soft } => {
-                tpuray_scheduler::Strategy::NodeAffinity { node: node_id.clone(), soft: *soft }
-            }
-        };
+        let strategy = opts.scheduling.to_strategy();
         let strategy = tpuray_proto::convert::strategy_to_proto(&strategy);
         let labels = tpuray_proto::convert::labels_to_proto(&labels);
         let mut key_res: Vec<_> = resources.iter().map(|(k, v)| format!("{k}={v}")).collect();
@@ -1365,13 +1359,7 @@ impl Core {
         }
         let labels = tpuray_scheduler::parse_label_selector(&opts.label_selector)
             .map_err(|e| Error::Cluster(format!("label_selector: {e}")))?;
-        let strategy = match &opts.scheduling {
-            Scheduling::Default => tpuray_scheduler::Strategy::Default,
-            Scheduling::Spread => tpuray_scheduler::Strategy::Spread,
-            Scheduling::NodeAffinity { node_id, soft } => {
-                tpuray_scheduler::Strategy::NodeAffinity { node: node_id.clone(), soft: *soft }
-            }
-        };
+        let strategy = opts.scheduling.to_strategy();
         let mut head = self.head_client().map_err(|e| Error::Cluster(e.to_string()))?;
         let reply = head
             .create_actor(pb::CreateActorRequest {

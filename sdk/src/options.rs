@@ -18,6 +18,19 @@ pub enum Scheduling {
     },
 }
 
+impl Scheduling {
+    /// The scheduler's form, node ids as strings.
+    pub fn to_strategy(&self) -> tpuray_scheduler::Strategy<String> {
+        match self {
+            Scheduling::Default => tpuray_scheduler::Strategy::Default,
+            Scheduling::Spread => tpuray_scheduler::Strategy::Spread,
+            Scheduling::NodeAffinity { node_id, soft } => {
+                tpuray_scheduler::Strategy::NodeAffinity { node: node_id.clone(), soft: *soft }
+            }
+        }
+    }
+}
+
 /// Options of a remote function call.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TaskOptions {
