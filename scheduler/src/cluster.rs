@@ -417,18 +417,11 @@ pub fn schedule_in<K: Clone + Eq + Hash + Ord + Debug>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::labels::{Labels, parse_label_selector};
+    use crate::labels::parse_label_selector;
     use crate::policy::schedule;
     use crate::resources::Amount;
 
-    fn res(json: &str) -> ResourceSet {
-        ResourceSet::from_json(json).unwrap()
-    }
-
-    fn node(id: u32, total: &str, labels: &str) -> NodeView<u32> {
-        let labels = Labels::parse(labels).unwrap();
-        NodeView { id, total: res(total), available: res(total), labels, alive: true }
-    }
+    use crate::test_util::{node, res};
 
     fn req(demand: &str, strategy: Strategy<u32>, sel: &[(&str, &str)]) -> Request<u32> {
         let map = sel.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();

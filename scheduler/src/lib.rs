@@ -63,3 +63,22 @@ pub use tpu::{
     AcceleratorType, ChipAllocator, ChipError, Topology, TpuError, TpuGeneration, TpuHostInfo,
     chip_count, chip_env,
 };
+
+/// Helpers shared by the unit tests of several modules.
+#[cfg(test)]
+pub(crate) mod test_util {
+    use crate::labels::Labels;
+    use crate::policy::NodeView;
+    use crate::resources::ResourceSet;
+
+    /// A resource set from JSON (panics on bad input: tests only).
+    pub fn res(json: &str) -> ResourceSet {
+        ResourceSet::from_json(json).unwrap()
+    }
+
+    /// An alive node with everything available.
+    pub fn node(id: u32, total: &str, labels: &str) -> NodeView<u32> {
+        let labels = Labels::parse(labels).unwrap();
+        NodeView { id, total: res(total), available: res(total), labels, alive: true }
+    }
+}

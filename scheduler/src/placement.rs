@@ -611,17 +611,10 @@ pub fn slice_name_selector(name: &str) -> Vec<LabelConstraint> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::labels::{Labels, parse_label_selector};
+    use crate::labels::parse_label_selector;
     use crate::tpu::TpuHostInfo;
 
-    fn res(json: &str) -> ResourceSet {
-        ResourceSet::from_json(json).unwrap()
-    }
-
-    fn node(id: u32, total: &str, labels: &str) -> NodeView<u32> {
-        let labels = Labels::parse(labels).unwrap();
-        NodeView { id, total: res(total), available: res(total), labels, alive: true }
-    }
+    use crate::test_util::{node, res};
 
     fn bundle(demand: &str, sel: &[(&str, &str)]) -> Bundle {
         let map = sel.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
