@@ -59,13 +59,7 @@ pub fn actor_to_proto(a: &ActorRecord, pending_reason: Option<&str>) -> pb::Acto
         detached: a.detached,
         resources: resources_to_proto(&a.resources),
         label_selector: labels_to_proto(&a.label_selector),
-        strategy: Some(strategy_to_proto(&match (&a.affinity, a.spread) {
-            (Some((node, soft)), _) => {
-                tpuray_scheduler::Strategy::NodeAffinity { node: node.to_string(), soft: *soft }
-            }
-            (None, true) => tpuray_scheduler::Strategy::Spread,
-            (None, false) => tpuray_scheduler::Strategy::Default,
-        })),
+        strategy: Some(strategy_to_proto(&a.strategy())),
         pending_reason: pending_reason.unwrap_or_default().to_string(),
         ..Default::default()
     };

@@ -240,14 +240,7 @@ impl Head {
                 .cloned()
                 .collect();
             for a in waiting {
-                let strategy = match (&a.affinity, a.spread) {
-                    (Some((n, soft)), _) => tpuray_scheduler::Strategy::NodeAffinity {
-                        node: n.to_string(),
-                        soft: *soft,
-                    },
-                    (None, true) => tpuray_scheduler::Strategy::Spread,
-                    (None, false) => tpuray_scheduler::Strategy::Default,
-                };
+                let strategy = a.strategy();
                 let req = tpuray_scheduler::Request {
                     demand: a.placement_resources.clone(),
                     strategy,

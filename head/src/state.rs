@@ -102,6 +102,17 @@ impl ActorRecord {
     pub fn is_dead(&self) -> bool {
         matches!(self.status, ActorStatus::Dead { .. })
     }
+    /// The scheduling strategy, node ids as strings.
+    pub fn strategy(&self) -> tpuray_scheduler::Strategy<String> {
+        match (&self.affinity, self.spread) {
+            (Some((node, soft)), _) => {
+                tpuray_scheduler::Strategy::NodeAffinity { node: node.to_string(), soft: *soft }
+            }
+            (None, true) => tpuray_scheduler::Strategy::Spread,
+            (None, false) => tpuray_scheduler::Strategy::Default,
+        }
+    }
+
     pub fn restarts_left(&self) -> bool {
         self.max_restarts < 0 || i64::from(self.num_restarts) < self.max_restarts
     }
