@@ -145,6 +145,8 @@ pub enum ListKind {
     Actors,
     Jobs,
     Tasks,
+    /// Placement groups, TPU slice groups included.
+    PlacementGroups,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -54,6 +54,12 @@ fn fmt_shape(m: &std::collections::HashMap<String, f64>) -> String {
     format!("{{{}}}", parts.join(", "))
 }
 
+/// A placement group bundle's renamed resource (`CPU_group_0_<pg>`): a share of the
+/// node's own resources, not more of them.
+fn is_bundle_resource(name: &str) -> bool {
+    tpuray_scheduler::bundles::parse_bundle_resource(name).is_some()
+}
+
 fn node_state(n: &pb::NodeInfo) -> &'static str {
     if n.state == pb::NodeState::Alive as i32 { "ALIVE" } else { "DEAD" }
 }
@@ -73,7 +79,11 @@ pub fn status(address: &str) -> Result<i32> {
     println!("Nodes ({} alive, {dead} dead)", alive.len());
     for n in &st.nodes {
         let head = if n.is_head_node { " (head)" } else { "" };
-        let res: BTreeMap<_, _> = n.total.iter().filter(|(k, _)| !k.contains("memory")).collect();
+        let res: BTreeMap<_, _> = n
+            .total
+            .iter()
+            .filter(|(k, _)| !k.contains("memory") && !is_bundle_resource(k))
+            .collect();
         let res: Vec<String> = res.iter().map(|(k, v)| format!("{k}: {v}")).collect();
         print!(" {} {} {}{head} {{{}}}", node_state(n), n.node_id, n.address, res.join(", "));
         if !n.death_reason.is_empty() {
@@ -97,7 +107,11 @@ pub fn status(address: &str) -> Result<i32> {
         println!(" (no resource demands)");
     }
     for d in &st.pending {
-        println!(" {}: {}+ pending", fmt_shape(&d.shape), d.count.max(1));
+        print!(" {}: {}+ pending", fmt_shape(&d.shape), d.count.max(1));
+        if !d.reason.is_empty() {
+            print!(" -- {}", d.reason);
+        }
+        println!();
     }
     println!("Infeasible:");
     if st.infeasible.is_empty() {
@@ -139,6 +153,46 @@ pub fn list(address: &str, kind: ListKind, format: Format, limit: usize) -> Resu
                     })
                     .collect()
             }
+            ListKind::PlacementGroups => head
+                .list_placement_groups(pb::ListPlacementGroupsRequest {})
+                .await
+                .map_err(|s| call_err(address, s))?
+                .into_inner()
+                .placement_groups
+                .iter()
+                .map(|p| {
+                    let state = pb::PlacementGroupState::try_from(p.state)
+                        .map(|s| {
+                            s.as_str_name().trim_start_matches("PLACEMENT_GROUP_STATE_").to_string()
+                        })
+                        .unwrap_or_default();
+                    let bundles: Vec<String> =
+                        p.bundles.iter().map(|b| fmt_shape(&b.resources)).collect();
+                    let slice = p.slice.as_ref().map(|s| {
+                        json!({
+                            "accelerator_type": s.accelerator_type,
+                            "topology": s.topology,
+                            "num_slices": s.num_slices,
+                        })
+                    });
+                    json!({
+                        "placement_group_id": p.placement_group_id,
+                        "name": p.name,
+                        "state": state,
+                        "strategy": p.strategy,
+                        "num_bundles": p.bundles.len(),
+                        "bundles": bundles,
+                        "bundle_node_ids": p.bundle_node_ids,
+                        "job_id": p.job_id,
+                        "namespace": p.namespace,
+                        "detached": p.detached,
+                        "slice": slice,
+                        "pending_reason": p.pending_reason,
+                        "infeasible": p.infeasible,
+                        "removal_reason": p.removal_reason,
+                    })
+                })
+                .collect(),
             ListKind::Actors => head
                 .list_actors(pb::ListActorsRequest {})
                 .await
@@ -236,6 +290,9 @@ fn print_table(rows: &[serde_json::Value], kind: ListKind) {
         }
         ListKind::Jobs => &["job_id", "state", "driver_pid", "entrypoint"],
         ListKind::Tasks => &["task_id", "name", "state", "attempt", "node_id", "error"],
+        ListKind::PlacementGroups => {
+            &["placement_group_id", "name", "state", "strategy", "num_bundles", "pending_reason"]
+        }
     };
     let cell = |r: &serde_json::Value, c: &str| match &r[c] {
         serde_json::Value::String(s) => s.clone(),

@@ -59,7 +59,10 @@ pub fn actor_to_proto(a: &ActorRecord, pending_reason: Option<&str>) -> pb::Acto
         detached: a.detached,
         resources: resources_to_proto(&a.resources),
         label_selector: labels_to_proto(&a.label_selector),
-        strategy: Some(strategy_to_proto(&a.strategy())),
+        strategy: Some(match &a.placement_group {
+            Some((pg, i)) => tpuray_proto::convert::placement_group_to_proto(pg.as_str(), *i),
+            None => strategy_to_proto(&a.strategy()),
+        }),
         pending_reason: pending_reason.unwrap_or_default().to_string(),
         ..Default::default()
     };

@@ -8,6 +8,8 @@
 //! - HEAD-3: at most one live actor per (namespace, name).
 //! - HEAD-4: a node that misses heartbeats for the death timeout is declared
 //!   dead even if its TCP connection stays open (a frozen process).
+//! - HEAD-5: a placement group is recorded as placed only after every agent
+//!   involved prepared and committed its bundles (`placement_groups`).
 //! - The head is never on the task hot path: it places actors and tracks
 //!   membership; tasks go through node-agent leases.
 //!
@@ -15,6 +17,7 @@
 //! user code runs in the head process.
 
 pub mod convert;
+pub mod placement_groups;
 pub mod server;
 pub mod state;
 

@@ -16,7 +16,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 use tpuray_proto::auth::ServerAuth;
 use tpuray_proto::convert::{labels_from_proto, resources_from_proto, resources_to_proto};
-use tpuray_proto::ids::{ActorId, JobId, NodeId, WorkerId};
+use tpuray_proto::ids::{ActorId, JobId, NodeId, PlacementGroupId, WorkerId};
 use tpuray_proto::pb::head_service_server::{HeadService, HeadServiceServer};
 use tpuray_proto::{PROTOCOL_VERSION, check_protocol_version, now_ms, pb};
 use tpuray_scheduler::{Decision, Labels, NodeView, ResourceSet};
@@ -47,23 +47,29 @@ pub struct HeadConfig {
     pub node_death_timeout: Duration,
 }
 
-struct NodeSoft {
+pub(crate) struct NodeSoft {
     last_heartbeat: Instant,
     last_heartbeat_ms: u64,
-    available: ResourceSet,
+    /// Registered resources plus committed bundles' (from the agent).
+    pub(crate) total: ResourceSet,
+    pub(crate) available: ResourceSet,
     pending: Vec<pb::ResourceDemand>,
     num_workers: u32,
 }
 
-struct Inner {
-    sm: StateMachine,
-    soft: HashMap<NodeId, NodeSoft>,
+pub(crate) struct Inner {
+    pub(crate) sm: StateMachine,
+    pub(crate) soft: HashMap<NodeId, NodeSoft>,
     changes: VecDeque<pb::StateChange>,
     seq: u64,
     /// Why each unplaced actor waits (soft): (reason, infeasible).
     actor_pending: HashMap<ActorId, (String, bool)>,
     /// Actors whose worker start is in flight.
     placing: HashSet<ActorId>,
+    /// Why each unplaced placement group waits (soft): (reason, infeasible).
+    pub(crate) pg_pending: HashMap<PlacementGroupId, (String, bool)>,
+    /// Groups whose reservation is in flight (HEAD-5).
+    pub(crate) pg_placing: HashSet<PlacementGroupId>,
     /// Task summaries from task events (soft, bounded, lossy).
     tasks: HashMap<String, pb::TaskSummary>,
     task_order: VecDeque<String>,
@@ -74,11 +80,13 @@ struct Inner {
 pub struct Head {
     inner: Mutex<Inner>,
     events: broadcast::Sender<pb::StateChange>,
-    /// Wakes the actor placement loop.
-    placement_wake: Notify,
+    /// Wakes the placement loop (groups, then actors).
+    pub(crate) placement_wake: Notify,
     /// Wakes waiters for actor state (GetActor with wait).
     actor_changed: Notify,
-    config: HeadConfig,
+    /// Wakes waiters for placement group state (GetPlacementGroup with wait).
+    pub(crate) pg_changed: Notify,
+    pub(crate) config: HeadConfig,
     cluster_id: String,
     start_time_ms: u64,
 }
@@ -94,6 +102,8 @@ impl Head {
                 seq: 0,
                 actor_pending: HashMap::new(),
                 placing: HashSet::new(),
+                pg_pending: HashMap::new(),
+                pg_placing: HashSet::new(),
                 tasks: HashMap::new(),
                 task_order: VecDeque::new(),
                 tasks_dropped: 0,
@@ -101,13 +111,14 @@ impl Head {
             events,
             placement_wake: Notify::new(),
             actor_changed: Notify::new(),
+            pg_changed: Notify::new(),
             config,
             cluster_id: uuid_like(),
             start_time_ms: now_ms(),
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -116,6 +127,7 @@ impl Head {
         let mut inner = self.lock();
         let (outcome, changed) = inner.sm.apply(cmd);
         let mut actors_changed = false;
+        let mut groups_changed = false;
         for c in changed {
             let change = match &c {
                 Changed::Node(id) => inner
@@ -133,6 +145,14 @@ impl Head {
                         pb::state_change::Change::Actor(actor_to_proto(a, pending))
                     })
                 }
+                Changed::PlacementGroup(id) => {
+                    groups_changed = true;
+                    inner
+                        .sm
+                        .placement_groups
+                        .get(id)
+                        .map(|p| pb::state_change::Change::PlacementGroup(self.pg_info(&inner, p)))
+                }
             };
             if let Some(change) = change {
                 inner.seq += 1;
@@ -145,7 +165,10 @@ impl Head {
             }
         }
         drop(inner);
-        if actors_changed {
+        if groups_changed {
+            self.pg_changed.notify_waiters();
+        }
+        if actors_changed || groups_changed {
             self.actor_changed.notify_waiters();
             self.placement_wake.notify_one();
         }
@@ -157,6 +180,7 @@ impl Head {
         if let Some(s) = inner.soft.get(&n.node_id)
             && n.status == NodeStatus::Alive
         {
+            info.total = resources_to_proto(&s.total);
             info.available = resources_to_proto(&s.available);
             info.pending = s.pending.clone();
             info.num_workers = s.num_workers;
@@ -173,7 +197,11 @@ impl Head {
             .filter(|n| n.status == NodeStatus::Alive)
             .map(|n| NodeView {
                 id: n.node_id.to_string(),
-                total: n.total.clone(),
+                total: inner
+                    .soft
+                    .get(&n.node_id)
+                    .map(|s| s.total.clone())
+                    .unwrap_or_else(|| n.total.clone()),
                 available: inner
                     .soft
                     .get(&n.node_id)
@@ -220,13 +248,15 @@ impl Head {
         }
     }
 
-    /// One pass of actor placement: every actor waiting for a node gets a
-    /// decision; placed ones get a worker started on their node.
+    /// One pass of placement: every placement group, then every actor, waiting
+    /// for a node gets a decision; placed groups get reserved on their agents
+    /// (HEAD-5), placed actors get a worker started on their node.
     fn place_actors(self: &Arc<Self>) {
         let mut starts = Vec::new();
         {
             let mut inner = self.lock();
             let mut views = Self::alive_views(&inner);
+            self.place_groups(&mut inner, &mut views);
             let waiting: Vec<ActorRecord> = inner
                 .sm
                 .actors
@@ -240,6 +270,22 @@ impl Head {
                 .cloned()
                 .collect();
             for a in waiting {
+                if let Some((pg_id, index)) = &a.placement_group {
+                    // SCHED-19: the actor's resources already name the bundle; wait
+                    // until the bundle is reserved somewhere.
+                    let ready =
+                        inner.sm.placement_groups.get(pg_id).is_some_and(
+                            |p| match usize::try_from(*index) {
+                                Ok(i) => p.bundle_nodes.get(i).is_some_and(Option::is_some),
+                                Err(_) => p.bundle_nodes.iter().any(Option::is_some),
+                            },
+                        );
+                    if !ready {
+                        let reason = format!("waiting for placement group {pg_id} to be created");
+                        inner.actor_pending.insert(a.actor_id.clone(), (reason, false));
+                        continue;
+                    }
+                }
                 let strategy = a.strategy();
                 let req = tpuray_scheduler::Request {
                     demand: a.placement_resources.clone(),
@@ -387,7 +433,7 @@ fn uuid_like() -> String {
     tpuray_proto::ids::JobId::random().to_string()
 }
 
-fn rejection_status(r: Rejection) -> Status {
+pub(crate) fn rejection_status(r: Rejection) -> Status {
     match r {
         Rejection::AlreadyExists(m) => Status::already_exists(m),
         Rejection::NotFound(m) => Status::not_found(m),
@@ -460,7 +506,8 @@ impl HeadService for HeadSvc {
             NodeSoft {
                 last_heartbeat: Instant::now(),
                 last_heartbeat_ms: now_ms(),
-                available: if available.is_empty() { total } else { available },
+                available: if available.is_empty() { total.clone() } else { available },
+                total,
                 pending: vec![],
                 num_workers: 0,
             },
@@ -501,12 +548,19 @@ impl HeadService for HeadSvc {
             }
             Some(NodeStatus::Alive) => {}
         }
-        let had_pending = !inner.actor_pending.is_empty();
+        let had_pending = !inner.actor_pending.is_empty() || !inner.pg_pending.is_empty();
+        let total = if req.total.is_empty() {
+            inner.sm.nodes.get(&node_id).map(|n| n.total.clone()).unwrap_or_default()
+        } else {
+            resources_from_proto(&req.total)
+                .map_err(|e| Status::invalid_argument(format!("heartbeat total resources: {e}")))?
+        };
         inner.soft.insert(
             node_id,
             NodeSoft {
                 last_heartbeat: Instant::now(),
                 last_heartbeat_ms: now_ms(),
+                total,
                 available,
                 pending: req.pending,
                 num_workers: req.num_workers,
@@ -560,7 +614,9 @@ impl HeadService for HeadSvc {
             total.add(&n.total);
             match inner.soft.get(&n.node_id) {
                 Some(s) => {
-                    available.add(&s.available);
+                    // Bundle resources are a node's own, renamed (SCHED-19): not counted twice.
+                    available
+                        .add(&tpuray_scheduler::bundles::without_bundle_resources(&s.available));
                     for d in &s.pending {
                         if d.infeasible {
                             infeasible.push(d.clone());
@@ -579,6 +635,36 @@ impl HeadService for HeadSvc {
                     count: 1,
                     infeasible: *is_infeasible,
                     reason: format!("actor {}: {reason}", a.class_name),
+                };
+                if *is_infeasible {
+                    infeasible.push(d);
+                } else {
+                    pending.push(d);
+                }
+            }
+        }
+        for (id, (reason, is_infeasible)) in &inner.pg_pending {
+            let Some(pg) = inner.sm.placement_groups.get(id).filter(|p| p.wants_placement()) else {
+                continue;
+            };
+            // One demand per distinct bundle shape of the group.
+            let mut shapes: Vec<(ResourceSet, u32)> = Vec::new();
+            for (b, node) in pg.bundles.iter().zip(&pg.bundle_nodes) {
+                if node.is_some() {
+                    continue;
+                }
+                match shapes.iter_mut().find(|(s, _)| *s == b.demand) {
+                    Some((_, n)) => *n += 1,
+                    None => shapes.push((b.demand.clone(), 1)),
+                }
+            }
+            let label = if pg.name.is_empty() { pg.pg_id.to_string() } else { pg.name.clone() };
+            for (shape, count) in shapes {
+                let d = pb::ResourceDemand {
+                    shape: resources_to_proto(&shape),
+                    count,
+                    infeasible: *is_infeasible,
+                    reason: format!("placement group {label} ({}): {reason}", pg.strategy.name()),
                 };
                 if *is_infeasible {
                     infeasible.push(d);
@@ -687,11 +773,25 @@ impl HeadService for HeadSvc {
             return Err(Status::not_found(format!("no job {job_id}: register the job first")));
         }
         // Ray: an actor needs 1 CPU to be placed and 0 while it runs, unless
-        // `num_cpus` is given (DESIGN.md §3).
-        let placement_resources = if resources.is_empty() {
+        // it names resources itself, `num_cpus=0` included (DESIGN.md §3;
+        // Ray's `DEFAULT_ACTOR_CREATION_CPU_SIMPLE`).
+        let placement_resources = if req.resources.is_empty() {
             ResourceSet::from_json(r#"{"CPU": 1}"#).expect("static resource set")
         } else {
             resources.clone()
+        };
+        let placement_group =
+            tpuray_proto::convert::placement_group_from_proto(req.strategy.as_ref());
+        let (placement_resources, resources) = match &placement_group {
+            Some((pg, index)) => {
+                self.0.check_bundle(pg, *index)?;
+                let i = u32::try_from(*index).ok();
+                (
+                    tpuray_scheduler::bundles::demand_in_bundle(&placement_resources, pg, i),
+                    tpuray_scheduler::bundles::demand_in_bundle(&resources, pg, i),
+                )
+            }
+            None => (placement_resources, resources),
         };
         let strategy = tpuray_proto::convert::strategy_from_proto(req.strategy.as_ref());
         let (affinity, spread) = match strategy {
@@ -722,6 +822,8 @@ impl HeadService for HeadSvc {
             status: ActorStatus::PendingCreation,
             creation_task: req.creation_task,
             last_placement: None,
+            placement_group: placement_group
+                .map(|(pg, i)| (tpuray_proto::ids::PlacementGroupId::from_wire(pg), i)),
         };
         let id = match self.0.commit(Command {
             request_id: req.request_id,
@@ -863,6 +965,40 @@ impl HeadService for HeadSvc {
             return Err(rejection_status(r));
         }
         Ok(Response::new(pb::ReportActorWorkerExitReply {}))
+    }
+
+    async fn create_placement_group(
+        &self,
+        req: Request<pb::CreatePlacementGroupRequest>,
+    ) -> Result<Response<pb::CreatePlacementGroupReply>, Status> {
+        let info = self.0.create_placement_group(req.into_inner())?;
+        Ok(Response::new(pb::CreatePlacementGroupReply { placement_group: Some(info) }))
+    }
+
+    async fn remove_placement_group(
+        &self,
+        req: Request<pb::RemovePlacementGroupRequest>,
+    ) -> Result<Response<pb::RemovePlacementGroupReply>, Status> {
+        self.0.remove_placement_group(req.into_inner()).await?;
+        Ok(Response::new(pb::RemovePlacementGroupReply {}))
+    }
+
+    async fn get_placement_group(
+        &self,
+        req: Request<pb::GetPlacementGroupRequest>,
+    ) -> Result<Response<pb::GetPlacementGroupReply>, Status> {
+        let info = self.0.get_placement_group(req.into_inner()).await?;
+        Ok(Response::new(pb::GetPlacementGroupReply { placement_group: Some(info) }))
+    }
+
+    async fn list_placement_groups(
+        &self,
+        _req: Request<pb::ListPlacementGroupsRequest>,
+    ) -> Result<Response<pb::ListPlacementGroupsReply>, Status> {
+        let inner = self.0.lock();
+        let placement_groups =
+            inner.sm.placement_groups.values().map(|p| self.0.pg_info(&inner, p)).collect();
+        Ok(Response::new(pb::ListPlacementGroupsReply { placement_groups }))
     }
 
     async fn kv_put(
@@ -1037,6 +1173,14 @@ impl HeadService for HeadSvc {
                     snap.push(pb::StateChange {
                         seq,
                         change: Some(pb::state_change::Change::Actor(actor_to_proto(a, None))),
+                    });
+                }
+                for p in inner.sm.placement_groups.values() {
+                    snap.push(pb::StateChange {
+                        seq,
+                        change: Some(pb::state_change::Change::PlacementGroup(
+                            self.0.pg_info(&inner, p),
+                        )),
                     });
                 }
                 (snap, true)

@@ -10,8 +10,8 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
-use tpuray_proto::ids::{ActorId, JobId, NodeId, WorkerId};
-use tpuray_scheduler::{LabelConstraint, Labels, ResourceSet};
+use tpuray_proto::ids::{ActorId, JobId, NodeId, PlacementGroupId, WorkerId};
+use tpuray_scheduler::{Bundle, LabelConstraint, Labels, PgStrategy, ResourceSet};
 
 /// Default namespace when a client gives none (Ray uses an anonymous one per
 /// job; named actors without a namespace live here).
@@ -96,6 +96,8 @@ pub struct ActorRecord {
     pub creation_task: Vec<u8>,
     /// Where the actor last ran (node, pid), kept after it restarts or dies.
     pub last_placement: Option<(NodeId, u32)>,
+    /// The placement group bundle it runs in (index -1: any bundle).
+    pub placement_group: Option<(PlacementGroupId, i32)>,
 }
 
 impl ActorRecord {
@@ -115,6 +117,55 @@ impl ActorRecord {
 
     pub fn restarts_left(&self) -> bool {
         self.max_restarts < 0 || i64::from(self.num_restarts) < self.max_restarts
+    }
+}
+
+/// Where a placement group is in its life.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PgStatus {
+    /// No bundle reserved yet.
+    Pending,
+    /// Every bundle reserved.
+    Created,
+    /// Some bundles were lost with their node; the others stay reserved.
+    Rescheduling,
+    Removed {
+        reason: String,
+    },
+}
+
+/// A TPU slice group request (TPU.md): every host of `num_slices` intact slices.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SliceSpec {
+    pub accelerator_type: String,
+    pub topology: Option<String>,
+    pub num_slices: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlacementGroupRecord {
+    pub pg_id: PlacementGroupId,
+    pub job_id: JobId,
+    pub name: String,
+    pub namespace: String,
+    pub strategy: PgStrategy,
+    /// Bundle `i` in order; a slice group has one per host once placed.
+    pub bundles: Vec<Bundle>,
+    pub slice: Option<SliceSpec>,
+    pub detached: bool,
+    pub status: PgStatus,
+    /// The node holding each reserved bundle (same length as `bundles`).
+    pub bundle_nodes: Vec<Option<NodeId>>,
+    pub create_time_ms: u64,
+}
+
+impl PlacementGroupRecord {
+    pub fn is_removed(&self) -> bool {
+        matches!(self.status, PgStatus::Removed { .. })
+    }
+    /// Whether it still needs bundles placed.
+    pub fn wants_placement(&self) -> bool {
+        matches!(self.status, PgStatus::Pending | PgStatus::Rescheduling)
     }
 }
 
@@ -156,6 +207,19 @@ pub enum CommandKind {
         intended: bool,
         cause: String,
     },
+    CreatePlacementGroup(PlacementGroupRecord),
+    /// Bundles reserved on node agents (both phases done): `(index, node)`. A slice group
+    /// placed for the first time also fixes its bundle list (one per host).
+    PlacementGroupPlaced {
+        pg_id: PlacementGroupId,
+        bundles: Vec<(u32, NodeId)>,
+        slice_bundles: Option<Vec<Bundle>>,
+    },
+    /// Removes a group; actors inside it die with it.
+    RemovePlacementGroup {
+        pg_id: PlacementGroupId,
+        reason: String,
+    },
     KvPut {
         namespace: String,
         key: Vec<u8>,
@@ -175,6 +239,7 @@ pub enum Outcome {
     Node(NodeId),
     Job(JobId),
     Actor(ActorId),
+    PlacementGroup(PlacementGroupId),
     KvAdded(bool),
     KvDeleted(bool),
     Rejected(Rejection),
@@ -197,6 +262,7 @@ pub enum Changed {
     Node(NodeId),
     Job(JobId),
     Actor(ActorId),
+    PlacementGroup(PlacementGroupId),
 }
 
 /// Durable cluster state.
@@ -208,6 +274,9 @@ pub struct StateMachine {
     /// (namespace, name) → actor, for actors that are not dead (HEAD-3: one
     /// live actor per name and namespace).
     pub named_actors: HashMap<(String, String), ActorId>,
+    pub placement_groups: BTreeMap<PlacementGroupId, PlacementGroupRecord>,
+    /// (namespace, name) → group, for groups not removed.
+    pub named_placement_groups: HashMap<(String, String), PlacementGroupId>,
     pub kv: BTreeMap<(String, Vec<u8>), Vec<u8>>,
     applied: HashMap<String, Outcome>,
     applied_order: VecDeque<String>,
@@ -282,6 +351,20 @@ impl StateMachine {
                             changed,
                         );
                     }
+                    // Bundles on the node are lost; the group waits for them again.
+                    for pg in self.placement_groups.values_mut().filter(|p| !p.is_removed()) {
+                        let mut lost = false;
+                        for slot in pg.bundle_nodes.iter_mut() {
+                            if slot.as_ref() == Some(&node_id) {
+                                *slot = None;
+                                lost = true;
+                            }
+                        }
+                        if lost {
+                            pg.status = PgStatus::Rescheduling;
+                            changed.push(Changed::PlacementGroup(pg.pg_id.clone()));
+                        }
+                    }
                 }
                 Outcome::Done
             }
@@ -314,6 +397,16 @@ impl StateMachine {
                             format!("the actor's job {job_id} finished"),
                             changed,
                         );
+                    }
+                    // Groups die with their job unless detached (Ray's lifetime).
+                    let groups: Vec<PlacementGroupId> = self
+                        .placement_groups
+                        .values()
+                        .filter(|p| p.job_id == job_id && !p.detached && !p.is_removed())
+                        .map(|p| p.pg_id.clone())
+                        .collect();
+                    for pg_id in groups {
+                        self.remove_group(&pg_id, format!("its job {job_id} finished"), changed);
                     }
                 }
                 Outcome::Done
@@ -357,6 +450,62 @@ impl StateMachine {
                 }
                 self.actor_exited(&actor_id, worker_id.as_ref(), intended, cause, changed);
                 Outcome::Actor(actor_id)
+            }
+            CommandKind::CreatePlacementGroup(pg) => {
+                if !pg.name.is_empty() {
+                    let key = (pg.namespace.clone(), pg.name.clone());
+                    if self.named_placement_groups.contains_key(&key) {
+                        return Outcome::Rejected(Rejection::AlreadyExists(format!(
+                            "placement group named {:?} already exists in namespace {:?}",
+                            pg.name, pg.namespace
+                        )));
+                    }
+                    self.named_placement_groups.insert(key, pg.pg_id.clone());
+                }
+                let id = pg.pg_id.clone();
+                self.placement_groups.insert(id.clone(), pg);
+                changed.push(Changed::PlacementGroup(id.clone()));
+                Outcome::PlacementGroup(id)
+            }
+            CommandKind::PlacementGroupPlaced { pg_id, bundles, slice_bundles } => {
+                let Some(pg) = self.placement_groups.get_mut(&pg_id) else {
+                    return Outcome::Rejected(Rejection::NotFound(format!(
+                        "no placement group {pg_id}"
+                    )));
+                };
+                if pg.is_removed() {
+                    return Outcome::Rejected(Rejection::Invalid(format!(
+                        "placement group {pg_id} was removed"
+                    )));
+                }
+                if let Some(b) = slice_bundles {
+                    pg.bundle_nodes = vec![None; b.len()];
+                    pg.bundles = b;
+                }
+                for (i, node) in bundles {
+                    match pg.bundle_nodes.get_mut(i as usize) {
+                        Some(slot) if slot.is_none() => *slot = Some(node),
+                        _ => {
+                            return Outcome::Rejected(Rejection::Invalid(format!(
+                                "bundle {i} of placement group {pg_id} is not waiting for a node"
+                            )));
+                        }
+                    }
+                }
+                if pg.bundle_nodes.iter().all(Option::is_some) {
+                    pg.status = PgStatus::Created;
+                }
+                changed.push(Changed::PlacementGroup(pg_id.clone()));
+                Outcome::PlacementGroup(pg_id)
+            }
+            CommandKind::RemovePlacementGroup { pg_id, reason } => {
+                if !self.placement_groups.contains_key(&pg_id) {
+                    return Outcome::Rejected(Rejection::NotFound(format!(
+                        "no placement group {pg_id}"
+                    )));
+                }
+                self.remove_group(&pg_id, reason, changed);
+                Outcome::PlacementGroup(pg_id)
             }
             CommandKind::KvPut { namespace, key, value, overwrite } => {
                 let k = (namespace, key);
@@ -415,6 +564,53 @@ impl StateMachine {
         changed.push(Changed::Actor(actor_id.clone()));
     }
 
+    /// Marks a group removed (keeping where its bundles were, for the agents to give them
+    /// back) and its actors dead: what ran inside a removed group never restarts.
+    fn remove_group(
+        &mut self,
+        pg_id: &PlacementGroupId,
+        reason: String,
+        changed: &mut Vec<Changed>,
+    ) {
+        let Some(pg) = self.placement_groups.get_mut(pg_id) else {
+            return;
+        };
+        if pg.is_removed() {
+            return;
+        }
+        pg.status = PgStatus::Removed { reason: reason.clone() };
+        if !pg.name.is_empty() {
+            self.named_placement_groups.remove(&(pg.namespace.clone(), pg.name.clone()));
+        }
+        changed.push(Changed::PlacementGroup(pg_id.clone()));
+        let inside: Vec<ActorId> = self
+            .actors
+            .values()
+            .filter(|a| !a.is_dead() && a.placement_group.as_ref().is_some_and(|p| p.0 == *pg_id))
+            .map(|a| a.actor_id.clone())
+            .collect();
+        for actor_id in inside {
+            self.actor_exited(
+                &actor_id,
+                None,
+                true,
+                format!("the actor's placement group {pg_id} was removed ({reason})"),
+                changed,
+            );
+        }
+    }
+
+    /// The group with this name in this namespace, unless removed.
+    pub fn named_placement_group(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Option<&PlacementGroupRecord> {
+        self.named_placement_groups
+            .get(&(namespace.to_string(), name.to_string()))
+            .and_then(|id| self.placement_groups.get(id))
+    }
+
     /// The live actor with this name in this namespace.
     pub fn named_actor(&self, namespace: &str, name: &str) -> Option<&ActorRecord> {
         self.named_actors
@@ -461,6 +657,7 @@ mod tests {
             status: ActorStatus::PendingCreation,
             creation_task: vec![],
             last_placement: None,
+            placement_group: None,
         }
     }
 
@@ -539,6 +736,116 @@ mod tests {
         }));
         assert!(sm.actors[&id].is_dead());
         assert!(sm.named_actor(DEFAULT_NAMESPACE, "n").is_none());
+    }
+
+    fn group(name: &str, job: &JobId, n: usize) -> PlacementGroupRecord {
+        PlacementGroupRecord {
+            pg_id: PlacementGroupId::random(),
+            job_id: job.clone(),
+            name: name.into(),
+            namespace: DEFAULT_NAMESPACE.into(),
+            strategy: PgStrategy::Pack,
+            bundles: vec![
+                Bundle {
+                    demand: ResourceSet::from_json(r#"{"CPU": 1}"#).unwrap(),
+                    label_selector: vec![]
+                };
+                n
+            ],
+            slice: None,
+            detached: false,
+            status: PgStatus::Pending,
+            bundle_nodes: vec![None; n],
+            create_time_ms: 0,
+        }
+    }
+
+    fn placed(pg: &PlacementGroupId, bundles: Vec<(u32, NodeId)>) -> CommandKind {
+        CommandKind::PlacementGroupPlaced { pg_id: pg.clone(), bundles, slice_bundles: None }
+    }
+
+    #[test]
+    fn group_is_created_once_every_bundle_is_placed_and_a_retry_reserves_nothing_twice() {
+        let mut sm = StateMachine::new();
+        let (n1, n2) = (NodeId::random(), NodeId::random());
+        let pg = group("g", &JobId::random(), 2);
+        let id = pg.pg_id.clone();
+        sm.apply(cmd(CommandKind::CreatePlacementGroup(pg)));
+        sm.apply(cmd(placed(&id, vec![(0, n1.clone())])));
+        assert_eq!(sm.placement_groups[&id].status, PgStatus::Pending);
+        let c = Command { request_id: "r".into(), kind: placed(&id, vec![(1, n2.clone())]) };
+        sm.apply(c.clone());
+        assert_eq!(sm.placement_groups[&id].status, PgStatus::Created);
+        // The same request again changes nothing; a new one for a taken bundle is refused.
+        let (_, ch) = sm.apply(c);
+        assert!(ch.is_empty());
+        let (o, _) = sm.apply(cmd(placed(&id, vec![(1, n1.clone())])));
+        assert!(matches!(o, Outcome::Rejected(Rejection::Invalid(_))), "{o:?}");
+        assert_eq!(sm.placement_groups[&id].bundle_nodes, vec![Some(n1), Some(n2)]);
+    }
+
+    #[test]
+    fn node_death_sends_its_bundles_back_to_placement_keeping_the_others() {
+        let mut sm = StateMachine::new();
+        let (n1, n2) = (NodeId::random(), NodeId::random());
+        sm.apply(cmd(CommandKind::RegisterNode(node(&n1))));
+        sm.apply(cmd(CommandKind::RegisterNode(node(&n2))));
+        let pg = group("", &JobId::random(), 2);
+        let id = pg.pg_id.clone();
+        sm.apply(cmd(CommandKind::CreatePlacementGroup(pg)));
+        sm.apply(cmd(placed(&id, vec![(0, n1.clone()), (1, n2.clone())])));
+        sm.apply(cmd(CommandKind::MarkNodeDead { node_id: n2, reason: "gone".into() }));
+        let g = &sm.placement_groups[&id];
+        assert_eq!(g.status, PgStatus::Rescheduling);
+        assert_eq!(g.bundle_nodes, vec![Some(n1), None]);
+    }
+
+    #[test]
+    fn removing_a_group_kills_its_actors_frees_its_name_and_placing_it_later_is_refused() {
+        let mut sm = StateMachine::new();
+        let job = JobId::random();
+        let pg = group("g", &job, 1);
+        let id = pg.pg_id.clone();
+        sm.apply(cmd(CommandKind::CreatePlacementGroup(pg)));
+        let (o, _) = sm.apply(cmd(CommandKind::CreatePlacementGroup(group("g", &job, 1))));
+        assert!(matches!(o, Outcome::Rejected(Rejection::AlreadyExists(_))), "{o:?}");
+        let mut a = actor("", -1);
+        a.placement_group = Some((id.clone(), 0));
+        let aid = a.actor_id.clone();
+        sm.apply(cmd(CommandKind::CreateActor { actor: a, get_if_exists: false }));
+        sm.apply(cmd(CommandKind::RemovePlacementGroup { pg_id: id.clone(), reason: "x".into() }));
+        assert!(sm.actors[&aid].is_dead(), "restarts never bring back an actor of a removed group");
+        assert!(sm.named_placement_group(DEFAULT_NAMESPACE, "g").is_none());
+        let (o, _) = sm.apply(cmd(placed(&id, vec![(0, NodeId::random())])));
+        assert!(matches!(o, Outcome::Rejected(_)), "{o:?}");
+        let (o, _) = sm.apply(cmd(CommandKind::CreatePlacementGroup(group("g", &job, 1))));
+        assert!(matches!(o, Outcome::PlacementGroup(_)), "the name is free again: {o:?}");
+    }
+
+    #[test]
+    fn groups_die_with_their_job_unless_detached() {
+        let mut sm = StateMachine::new();
+        let job = JobId::random();
+        sm.apply(cmd(CommandKind::RegisterJob(JobRecord {
+            job_id: job.clone(),
+            status: JobStatus::Running,
+            driver_address: String::new(),
+            driver_pid: 1,
+            entrypoint: String::new(),
+            namespace: DEFAULT_NAMESPACE.into(),
+            start_time_ms: 0,
+            end_time_ms: 0,
+            worker_binary_hash: String::new(),
+        })));
+        let plain = group("", &job, 1);
+        let mut detached = group("", &job, 1);
+        detached.detached = true;
+        let (p, d) = (plain.pg_id.clone(), detached.pg_id.clone());
+        sm.apply(cmd(CommandKind::CreatePlacementGroup(plain)));
+        sm.apply(cmd(CommandKind::CreatePlacementGroup(detached)));
+        sm.apply(cmd(CommandKind::FinishJob { job_id: job, end_time_ms: 1 }));
+        assert!(sm.placement_groups[&p].is_removed());
+        assert!(!sm.placement_groups[&d].is_removed());
     }
 
     #[test]

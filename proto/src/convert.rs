@@ -80,6 +80,29 @@ pub fn strategy_from_proto(
     }
 }
 
+/// The placement group and bundle index (-1: any bundle) of a
+/// `PlacementGroup` strategy; `None` for every other strategy.
+pub fn placement_group_from_proto(s: Option<&pb::SchedulingStrategy>) -> Option<(String, i32)> {
+    match s.and_then(|s| s.kind.as_ref()) {
+        Some(pb::scheduling_strategy::Kind::PlacementGroup(p)) => {
+            Some((p.placement_group_id.clone(), p.bundle_index))
+        }
+        _ => None,
+    }
+}
+
+/// A `PlacementGroup` strategy as a wire message.
+pub fn placement_group_to_proto(pg: &str, bundle_index: i32) -> pb::SchedulingStrategy {
+    pb::SchedulingStrategy {
+        kind: Some(pb::scheduling_strategy::Kind::PlacementGroup(
+            pb::scheduling_strategy::PlacementGroup {
+                placement_group_id: pg.to_string(),
+                bundle_index,
+            },
+        )),
+    }
+}
+
 /// A scheduling strategy as a wire message.
 pub fn strategy_to_proto(s: &tpuray_scheduler::Strategy<String>) -> pb::SchedulingStrategy {
     use pb::scheduling_strategy::{Default, Kind, NodeAffinity, Spread};

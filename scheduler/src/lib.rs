@@ -10,6 +10,7 @@
 //!   O(log nodes) and applies the allocation.
 //! - [`placement`]: placement groups ([`place_group`], [`place_group_in`],
 //!   [`replace_lost_bundles`]) and TPU slice groups ([`place_slice_group`]).
+//! - [`bundles`]: the resource names of committed bundles (Ray's `CPU_group_<i>_<pg>`).
 //! - [`tpu`]: the TPU model of TPU.md: accelerator types, topologies, what a host advertises
 //!   ([`TpuHostInfo::from_env`]), aligned chip blocks ([`ChipAllocator`]), [`chip_env`].
 //!
@@ -43,7 +44,11 @@
 //!   bundles than nodes) is `Infeasible` at once, never left pending forever.
 //! - SCHED-17: [`ClusterView`] decisions equal [`schedule`]'s over the same nodes.
 //! - SCHED-18: allocate/release round trips restore availability exactly (fixed point).
+//! - SCHED-19: work inside a placement-group bundle asks for the bundle's renamed resources
+//!   ([`bundles`]), so it runs only where the bundle is committed and never uses more than
+//!   the bundle reserved.
 
+pub mod bundles;
 pub mod cluster;
 pub mod labels;
 pub mod placement;

@@ -20,7 +20,7 @@ use crate::resources::ResourceSet;
 use crate::tpu::{AcceleratorType, Topology};
 
 /// One bundle of a placement group: resources reserved together on one node.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Bundle {
     pub demand: ResourceSet,
     /// Every constraint must match the node's labels.
@@ -28,7 +28,9 @@ pub struct Bundle {
 }
 
 /// How a group's bundles spread over nodes (Ray's names).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
 pub enum PgStrategy {
     /// As few nodes as possible (one when it fits), else best effort.
     #[default]
@@ -268,11 +270,34 @@ fn to_ids<K: Clone>(r: Result<Vec<usize>, (bool, String)>, nodes: &[NodeView<K>]
 }
 
 fn strategy_name(s: PgStrategy) -> &'static str {
-    match s {
-        PgStrategy::Pack => "PACK",
-        PgStrategy::Spread => "SPREAD",
-        PgStrategy::StrictPack => "STRICT_PACK",
-        PgStrategy::StrictSpread => "STRICT_SPREAD",
+    s.name()
+}
+
+impl PgStrategy {
+    /// Ray's name: `PACK`, `SPREAD`, `STRICT_PACK`, `STRICT_SPREAD`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PgStrategy::Pack => "PACK",
+            PgStrategy::Spread => "SPREAD",
+            PgStrategy::StrictPack => "STRICT_PACK",
+            PgStrategy::StrictSpread => "STRICT_SPREAD",
+        }
+    }
+
+    /// Parses Ray's names (case-insensitive); empty means `PACK`, Ray's default.
+    ///
+    /// # Errors
+    /// A message naming the strategy given and the four valid ones.
+    pub fn parse(s: &str) -> Result<PgStrategy, String> {
+        match s.to_ascii_uppercase().as_str() {
+            "" | "PACK" => Ok(PgStrategy::Pack),
+            "SPREAD" => Ok(PgStrategy::Spread),
+            "STRICT_PACK" => Ok(PgStrategy::StrictPack),
+            "STRICT_SPREAD" => Ok(PgStrategy::StrictSpread),
+            _ => Err(format!(
+                "unknown placement strategy {s:?} (expected PACK, SPREAD, STRICT_PACK or STRICT_SPREAD)"
+            )),
+        }
     }
 }
 

@@ -33,6 +33,10 @@ pub enum TpuError {
         "TPU topology {topology:?} has {topology_chips} chips but {accelerator_type} has {chips}"
     )]
     TopologyMismatch { topology: String, topology_chips: u32, accelerator_type: String, chips: u32 },
+    #[error(
+        "unknown TPU version {0:?} (expected one of \"v4\", \"v5p\", \"v5e\"/\"v5litepod\", \"v6e\", \"v7x\")"
+    )]
+    UnknownGeneration(String),
     #[error("{0} is not set (needed for a TPU host)")]
     MissingEnv(&'static str),
     #[error("{name}={value:?} is not a valid {what}")]
@@ -148,6 +152,24 @@ impl AcceleratorType {
             return Err(bad());
         }
         Ok(AcceleratorType { generation, chips: n / per })
+    }
+
+    /// The slice type of `topology` on `version` (Ray's `slice_placement_group(topology,
+    /// accelerator_version)` derives it the same way): `("4x4", "v6e")` → `v6e-16`,
+    /// `("2x2x2", "v4")` → `v4-16` (v4/v5p count cores). Errors: unknown version, bad
+    /// topology, or a topology not valid for the generation (TPU.md).
+    pub fn from_topology(topology: &str, version: &str) -> Result<AcceleratorType, TpuError> {
+        let generation = TpuGeneration::parse(version)
+            .ok_or_else(|| TpuError::UnknownGeneration(version.to_string()))?;
+        let topo = Topology::parse(topology)?;
+        topo.validate_for(generation)?;
+        Ok(AcceleratorType { generation, chips: topo.chips() })
+    }
+
+    /// `TPU-<type>-head`, e.g. `TPU-v6e-16-head`: the resource only worker 0 of a slice
+    /// advertises (SCHED-11; Ray's name).
+    pub fn head_resource_name(&self) -> String {
+        format!("TPU-{self}-head")
     }
 
     /// Hosts in the slice: max(1, chips / 4), except single-host v5e/v6e types of up to 8.
@@ -362,7 +384,7 @@ impl TpuHostInfo {
 
     /// `TPU-<type>-head`, e.g. `TPU-v6e-16-head`: held by worker 0 only (SCHED-11).
     pub fn head_resource_name(&self) -> String {
-        format!("TPU-{}-head", self.accelerator_type)
+        self.accelerator_type.head_resource_name()
     }
 
     /// The resources of TPU.md: `TPU: chips`, `accelerator_type:TPU-V6E: 1`,
@@ -533,6 +555,16 @@ pub fn chip_env(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn slice_type_from_topology_and_version() {
+        let t = |topo, v| AcceleratorType::from_topology(topo, v).map(|t| t.to_string());
+        assert_eq!(t("4x4", "v6e").unwrap(), "v6e-16");
+        assert_eq!(t("2x4", "v6e").unwrap(), "v6e-8");
+        assert_eq!(t("2x2x2", "v4").unwrap(), "v4-16");
+        assert!(t("3x3", "v6e").unwrap_err().to_string().contains("not valid for v6e"));
+        assert!(t("4x4", "v9").unwrap_err().to_string().contains("unknown TPU version"));
+    }
+
     use super::*;
 
     fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {

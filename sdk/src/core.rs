@@ -32,7 +32,7 @@ use tpuray_proto::pb::task_error::Kind;
 use crate::codec::Arg;
 use crate::error::Error;
 use crate::object_ref::RawRef;
-use crate::options::TaskOptions;
+use crate::options::{Scheduling, TaskOptions};
 
 /// Results up to this size travel inline in replies; larger ones go to the
 /// executing node's object store (DESIGN.md §2).
@@ -147,6 +147,8 @@ struct Class {
     resources: HashMap<String, f64>,
     strategy: pb::SchedulingStrategy,
     labels: Vec<pb::LabelConstraint>,
+    /// The placement group and bundle index the class runs in (SCHED-19).
+    pg: Option<(String, i32)>,
     queue: Mutex<VecDeque<Queued>>,
     leases: AtomicUsize,
     warned: AtomicBool,
@@ -901,8 +903,26 @@ impl Core {
         if opts.num_gpus > 0.0 {
             resources.insert("GPU".into(), opts.num_gpus);
         }
-        tpuray_proto::convert::resources_from_proto(&resources)
+        let plain = tpuray_proto::convert::resources_from_proto(&resources)
             .map_err(|e| Error::Cluster(format!("task options: {e}")))?;
+        let pg = match &opts.scheduling {
+            Scheduling::PlacementGroup { placement_group_id, bundle_index } => {
+                if *bundle_index < -1 {
+                    return Err(Error::Cluster(format!(
+                        "bundle index {bundle_index} is invalid (expected -1 for any bundle, or 0 and up)"
+                    )));
+                }
+                // SCHED-19: ask for the bundle's renamed resources.
+                let demand = tpuray_scheduler::bundles::demand_in_bundle(
+                    &plain,
+                    placement_group_id,
+                    u32::try_from(*bundle_index).ok(),
+                );
+                resources = tpuray_proto::convert::resources_to_proto(&demand);
+                Some((placement_group_id.clone(), *bundle_index))
+            }
+            _ => None,
+        };
         let labels = tpuray_scheduler::parse_label_selector(&opts.label_selector)
             .map_err(|e| Error::Cluster(format!("label_selector: {e}")))?;
         let mut spec = self.base_spec(
@@ -921,8 +941,11 @@ impl Core {
                 GenState { items: vec![], finished: false, error: None },
             );
         }
-        let strategy = opts.scheduling.to_strategy();
-        let strategy = tpuray_proto::convert::strategy_to_proto(&strategy);
+        // Agents see work in a group as ordinary work needing the bundle's resources.
+        let strategy = match &pg {
+            Some(_) => Scheduling::Default.to_proto(),
+            None => opts.scheduling.to_proto(),
+        };
         let labels = tpuray_proto::convert::labels_to_proto(&labels);
         let mut key_res: Vec<_> = resources.iter().map(|(k, v)| format!("{k}={v}")).collect();
         key_res.sort();
@@ -934,6 +957,7 @@ impl Core {
                     resources,
                     strategy,
                     labels,
+                    pg,
                     queue: Mutex::new(VecDeque::new()),
                     leases: AtomicUsize::new(0),
                     warned: AtomicBool::new(false),
@@ -997,6 +1021,26 @@ impl Core {
         while !class.queue.lock().unwrap().is_empty() {
             let mut target = self.agent_address.clone();
             let mut grant_or_reject = false;
+            if let Some((pg, index)) = &class.pg {
+                // Ask the node that holds the bundle (an indexed bundle: only there).
+                match self.bundle_agent(pg, *index).await {
+                    Ok(Some(address)) => {
+                        target = address;
+                        grant_or_reject = *index >= 0;
+                    }
+                    Ok(None) => continue, // not created yet: asked again after a wait
+                    Err(reason) => {
+                        let drained: Vec<Queued> = class.queue.lock().unwrap().drain(..).collect();
+                        for q in drained {
+                            self.finish_failed(
+                                &q.spec,
+                                err(Kind::Infeasible, reason.clone(), &q.spec.name),
+                            );
+                        }
+                        return;
+                    }
+                }
+            }
             let outcome = loop {
                 let req = pb::RequestWorkerLeaseRequest {
                     request_id: tpuray_proto::new_request_id(),
@@ -1074,6 +1118,49 @@ impl Core {
                 }
             }
         }
+    }
+
+    /// The agent address of the node holding bundle `index` of group `pg` (-1: the local
+    /// node when it holds one, else the first placed bundle's). `Ok(None)` after waiting up
+    /// to a second for a group not created yet; `Err` when the group was removed or is
+    /// unknown.
+    async fn bundle_agent(&self, pg: &str, index: i32) -> Result<Option<String>, String> {
+        let mut head = self.head_client().map_err(|e| e.to_string())?;
+        let reply = head
+            .get_placement_group(pb::GetPlacementGroupRequest {
+                placement_group_id: pg.to_string(),
+                wait_ready_ms: 1000,
+                ..Default::default()
+            })
+            .await;
+        let info = match reply {
+            Ok(r) => r.into_inner().placement_group.unwrap_or_default(),
+            Err(s) if s.code() == tonic::Code::NotFound => return Err(s.message().to_string()),
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                return Ok(None);
+            }
+        };
+        if info.state == pb::PlacementGroupState::Removed as i32 {
+            return Err(format!("placement group {pg} was removed ({})", info.removal_reason));
+        }
+        if index >= info.bundle_node_addresses.len() as i32 {
+            return Err(format!(
+                "bundle index {index} is out of range for placement group {pg} (it has {} bundles)",
+                info.bundle_node_addresses.len()
+            ));
+        }
+        let placed = |i: usize| Some(&info.bundle_node_addresses[i]).filter(|a| !a.is_empty());
+        Ok(match usize::try_from(index) {
+            Ok(i) => placed(i).cloned(),
+            Err(_) => info
+                .bundle_node_ids
+                .iter()
+                .position(|n| *n == self.node_id)
+                .and_then(placed)
+                .or_else(|| (0..info.bundle_node_addresses.len()).find_map(placed))
+                .cloned(),
+        })
     }
 
     /// Pushes queued tasks to one leased worker, pipelined, until the queue
@@ -1359,7 +1446,6 @@ impl Core {
         }
         let labels = tpuray_scheduler::parse_label_selector(&opts.label_selector)
             .map_err(|e| Error::Cluster(format!("label_selector: {e}")))?;
-        let strategy = opts.scheduling.to_strategy();
         let mut head = self.head_client().map_err(|e| Error::Cluster(e.to_string()))?;
         let reply = head
             .create_actor(pb::CreateActorRequest {
@@ -1372,7 +1458,7 @@ impl Core {
                 max_restarts: opts.max_restarts,
                 detached: opts.detached,
                 label_selector: tpuray_proto::convert::labels_to_proto(&labels),
-                strategy: Some(tpuray_proto::convert::strategy_to_proto(&strategy)),
+                strategy: Some(opts.scheduling.to_proto()),
                 get_if_exists: opts.get_if_exists,
                 creation_task: prost::Message::encode_to_vec(&spec),
             })

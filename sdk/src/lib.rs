@@ -33,6 +33,7 @@ pub mod error;
 mod executor;
 pub mod object_ref;
 pub mod options;
+pub mod placement_group;
 pub mod registry;
 mod service;
 pub mod worker;
@@ -48,6 +49,11 @@ pub use driver::{NodeSummary, available_resources, cluster_resources, init, node
 pub use error::{Error, TaskFailure};
 pub use object_ref::{Generator, ObjectRef, ObjectRefGenerator, RawRef};
 pub use options::{ActorOptions, Scheduling, TaskOptions};
+pub use placement_group::{
+    PlacementGroup, PlacementGroupOptions, SlicePlacementGroup, get_placement_group,
+    placement_group, placement_group_table, placement_group_with, remove_placement_group,
+    slice_placement_group,
+};
 pub use tpuray_macros::{actor, remote};
 
 #[doc(hidden)]

@@ -16,16 +16,32 @@ pub enum Scheduling {
         node_id: String,
         soft: bool,
     },
+    /// Run inside bundle `bundle_index` of a placement group (-1: any of its bundles), using
+    /// the resources the bundle reserved (Ray's `PlacementGroupSchedulingStrategy`).
+    PlacementGroup {
+        placement_group_id: String,
+        bundle_index: i32,
+    },
 }
 
 impl Scheduling {
-    /// The scheduler's form, node ids as strings.
-    pub fn to_strategy(&self) -> tpuray_scheduler::Strategy<String> {
+    /// Inside `pg`, bundle `bundle_index` (-1: any bundle).
+    pub fn placement_group(pg: &crate::PlacementGroup, bundle_index: i32) -> Scheduling {
+        Scheduling::PlacementGroup { placement_group_id: pg.id().to_string(), bundle_index }
+    }
+
+    /// The wire form.
+    pub fn to_proto(&self) -> tpuray_proto::pb::SchedulingStrategy {
+        use tpuray_proto::convert::{placement_group_to_proto, strategy_to_proto};
+        use tpuray_scheduler::Strategy;
         match self {
-            Scheduling::Default => tpuray_scheduler::Strategy::Default,
-            Scheduling::Spread => tpuray_scheduler::Strategy::Spread,
+            Scheduling::Default => strategy_to_proto(&Strategy::Default),
+            Scheduling::Spread => strategy_to_proto(&Strategy::Spread),
             Scheduling::NodeAffinity { node_id, soft } => {
-                tpuray_scheduler::Strategy::NodeAffinity { node: node_id.clone(), soft: *soft }
+                strategy_to_proto(&Strategy::NodeAffinity { node: node_id.clone(), soft: *soft })
+            }
+            Scheduling::PlacementGroup { placement_group_id, bundle_index } => {
+                placement_group_to_proto(placement_group_id, *bundle_index)
             }
         }
     }
@@ -77,6 +93,10 @@ impl TaskOptions {
     }
     pub fn max_retries(mut self, n: i32) -> Self {
         self.max_retries = n;
+        self
+    }
+    pub fn scheduling(mut self, s: Scheduling) -> Self {
+        self.scheduling = s;
         self
     }
 }

@@ -16,6 +16,12 @@
 //!   listed as infeasible demand) or waits listed as pending demand; never
 //!   silently.
 //! - AGENT-5: leases whose holder stops answering are reclaimed.
+//! - AGENT-6: placement-group bundles are reserved in two phases: prepare sets
+//!   their resources aside (all of a request or none), commit adds the
+//!   group's renamed resources (SCHED-19) to the node's total; return gives
+//!   the resources back and stops every worker that used the group's
+//!   resources. A prepared bundle not committed within
+//!   [`PREPARED_BUNDLE_TTL`] is returned on its own (the head gave up).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -100,8 +106,20 @@ struct Demand {
     last_seen: Instant,
 }
 
+/// A placement-group bundle reserved on this node (AGENT-6).
+struct BundleReservation {
+    /// The bundle's plain resources, set aside from `available`.
+    demand: ResourceSet,
+    committed: bool,
+    prepared_at: Instant,
+}
+
 struct AgentState {
+    /// The node's own resources plus those of committed bundles.
+    total: ResourceSet,
     available: ResourceSet,
+    /// (group id, bundle index) → reservation.
+    bundles: HashMap<(String, u32), BundleReservation>,
     workers: HashMap<WorkerId, WorkerEntry>,
     leases: HashMap<LeaseId, Lease>,
     actor_resources: HashMap<ActorId, (WorkerId, ResourceSet)>,
@@ -127,14 +145,17 @@ pub struct Agent {
 
 /// How long an infeasible shape stays listed after its last request.
 const INFEASIBLE_TTL: Duration = Duration::from_secs(10);
+/// How long a prepared bundle waits for its commit (AGENT-6).
+pub const PREPARED_BUNDLE_TTL: Duration = Duration::from_secs(60);
 
 impl Agent {
     pub fn new(config: AgentConfig) -> Arc<Self> {
         let available = config.total.clone();
         Arc::new(Self {
-            config,
             st: Mutex::new(AgentState {
+                total: config.total.clone(),
                 available,
+                bundles: HashMap::new(),
                 workers: HashMap::new(),
                 leases: HashMap::new(),
                 actor_resources: HashMap::new(),
@@ -143,6 +164,7 @@ impl Agent {
                 job_binaries: HashMap::new(),
                 cluster: Vec::new(),
             }),
+            config,
             freed: Notify::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
             auth_required: std::sync::atomic::AtomicBool::new(true),
@@ -176,8 +198,8 @@ impl Agent {
         }
     }
 
-    /// What a heartbeat carries: available resources, demand, worker count.
-    pub fn heartbeat_snapshot(&self) -> (ResourceSet, Vec<pb::ResourceDemand>, u32) {
+    /// What a heartbeat carries: total and available resources, demand, worker count.
+    pub fn heartbeat_snapshot(&self) -> (ResourceSet, ResourceSet, Vec<pb::ResourceDemand>, u32) {
         let mut st = self.lock();
         st.demands.retain(|_, d| {
             d.waiting > 0 || (d.infeasible && d.last_seen.elapsed() < INFEASIBLE_TTL)
@@ -192,7 +214,7 @@ impl Agent {
                 reason: d.reason.clone(),
             })
             .collect();
-        (st.available.clone(), demands, st.workers.len() as u32)
+        (st.total.clone(), st.available.clone(), demands, st.workers.len() as u32)
     }
 
     /// Records the head's view of the other nodes (from a heartbeat reply).
@@ -221,7 +243,7 @@ impl Agent {
     fn local_view(&self, st: &AgentState) -> NodeView<String> {
         NodeView {
             id: self.config.node_id.to_string(),
-            total: self.config.total.clone(),
+            total: st.total.clone(),
             available: st.available.clone(),
             labels: self.config.labels.clone(),
             alive: true,
@@ -233,10 +255,153 @@ impl Agent {
         // Never above total, whatever happens (AGENT-2).
         let mut capped = ResourceSet::new();
         for (name, amt) in st.available.iter() {
-            let total = self.config.total.get(name);
+            let total = st.total.get(name);
             capped.set(name, amt.min(total));
         }
         st.available = capped;
+    }
+
+    /// The node's total and available resources now.
+    fn resources_now(&self) -> pb::NodeResourcesNow {
+        let st = self.lock();
+        pb::NodeResourcesNow {
+            total: resources_to_proto(&st.total),
+            available: resources_to_proto(&st.available),
+        }
+    }
+
+    /// AGENT-6 phase one: sets the bundles' resources aside, all or none. Bundles already
+    /// prepared here are left as they are (a retried request).
+    ///
+    /// # Errors
+    /// `RESOURCE_EXHAUSTED` naming what is missing when they do not all fit now.
+    pub fn prepare_bundles(&self, pg: &str, bundles: &[(u32, ResourceSet)]) -> Result<(), Status> {
+        let mut st = self.lock();
+        let mut need = ResourceSet::new();
+        let fresh: Vec<&(u32, ResourceSet)> = bundles
+            .iter()
+            .filter(|(i, _)| !st.bundles.contains_key(&(pg.to_string(), *i)))
+            .collect();
+        for (_, d) in &fresh {
+            need.add(d);
+        }
+        if !st.available.is_superset_of(&need) {
+            return Err(Status::resource_exhausted(format!(
+                "node {} cannot reserve {} bundle(s) of placement group {pg}: needs {need}, available {}",
+                self.config.node_id,
+                fresh.len(),
+                st.available
+            )));
+        }
+        st.available.saturating_sub(&need);
+        for (i, d) in fresh {
+            st.bundles.insert(
+                (pg.to_string(), *i),
+                BundleReservation {
+                    demand: d.clone(),
+                    committed: false,
+                    prepared_at: Instant::now(),
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// AGENT-6 phase two: the prepared bundles become the group's resources (SCHED-19).
+    ///
+    /// # Errors
+    /// `NOT_FOUND` when a bundle is not prepared here (it expired or was returned).
+    pub fn commit_bundles(&self, pg: &str, indexes: &[u32]) -> Result<(), Status> {
+        let mut st = self.lock();
+        if let Some(i) = indexes.iter().find(|i| !st.bundles.contains_key(&(pg.to_string(), **i))) {
+            return Err(Status::not_found(format!(
+                "bundle {i} of placement group {pg} is not prepared on node {} (it expired after {:?} or was returned)",
+                self.config.node_id, PREPARED_BUNDLE_TTL
+            )));
+        }
+        for i in indexes {
+            let st = &mut *st;
+            let b = st.bundles.get_mut(&(pg.to_string(), *i)).expect("checked above");
+            if !b.committed {
+                b.committed = true;
+                let added = tpuray_scheduler::bundles::bundle_resources(&b.demand, pg, *i);
+                st.total.add(&added);
+                st.available.add(&added);
+            }
+        }
+        drop(st);
+        self.freed.notify_waiters();
+        Ok(())
+    }
+
+    /// Gives back bundles of `pg` on this node (all of them when `indexes` is empty) and
+    /// stops the workers that used them (AGENT-6). Returns how many workers were stopped.
+    pub fn return_bundles(&self, pg: &str, indexes: &[u32]) -> u32 {
+        let mut kill = Vec::new();
+        {
+            let mut st = self.lock();
+            let st = &mut *st;
+            let keys: Vec<(String, u32)> = st
+                .bundles
+                .keys()
+                .filter(|(g, i)| g == pg && (indexes.is_empty() || indexes.contains(i)))
+                .cloned()
+                .collect();
+            for key in &keys {
+                let b = st.bundles.remove(key).expect("listed above");
+                if b.committed {
+                    let added = tpuray_scheduler::bundles::bundle_resources(&b.demand, pg, key.1);
+                    st.total.saturating_sub(&added);
+                    st.available.saturating_sub(&added);
+                }
+                st.available.add(&b.demand);
+            }
+            let uses = |r: &ResourceSet| {
+                r.iter().any(|(name, _)| {
+                    match tpuray_scheduler::bundles::parse_bundle_resource(name) {
+                        Some((_, idx, g)) if g == pg => {
+                            indexes.is_empty() || idx.is_some_and(|i| indexes.contains(&i))
+                        }
+                        _ => false,
+                    }
+                })
+            };
+            let mut doomed: Vec<WorkerId> = st
+                .leases
+                .values()
+                .filter(|l| uses(&l.resources))
+                .map(|l| l.worker_id.clone())
+                .collect();
+            doomed.extend(
+                st.actor_resources.values().filter(|(_, r)| uses(r)).map(|(w, _)| w.clone()),
+            );
+            for wid in doomed {
+                if let Some(w) = st.workers.get_mut(&wid) {
+                    w.exit_intended = true;
+                    kill.push(w.pid);
+                }
+            }
+        }
+        for &pid in &kill {
+            signal(pid, libc::SIGKILL);
+        }
+        self.freed.notify_waiters();
+        kill.len() as u32
+    }
+
+    /// Returns prepared bundles whose commit never came (AGENT-6).
+    pub fn expire_prepared_bundles(&self) {
+        let expired: Vec<(String, u32)> = self
+            .lock()
+            .bundles
+            .iter()
+            .filter(|(_, b)| !b.committed && b.prepared_at.elapsed() >= PREPARED_BUNDLE_TTL)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for (pg, i) in expired {
+            tracing::warn!(%pg, bundle = i, "prepared bundle was never committed; returning it");
+            self.return_bundles(&pg, &[i]);
+        }
     }
 
     /// Starts a worker process for `key` and waits until it registers.
@@ -896,7 +1061,7 @@ impl NodeAgentService for AgentSvc {
                 }
                 // Feasible here but busy: queue locally. Feasible only elsewhere: spill there.
                 if let Decision::Queue { .. } = &d {
-                    let local_fits = agent.config.total.is_superset_of(&demand)
+                    let local_fits = st.total.is_superset_of(&demand)
                         && request.label_selector.iter().all(|c| c.matches(&agent.config.labels));
                     if !local_fits && !req.grant_or_reject {
                         let best = st
@@ -1070,6 +1235,51 @@ impl NodeAgentService for AgentSvc {
             signal(pid, if req.force { libc::SIGKILL } else { libc::SIGTERM });
         }
         Ok(Response::new(pb::KillActorWorkerReply { killed: pid.is_some() }))
+    }
+
+    async fn prepare_bundles(
+        &self,
+        req: Request<pb::PrepareBundlesRequest>,
+    ) -> Result<Response<pb::PrepareBundlesReply>, Status> {
+        let req = req.into_inner();
+        if req.placement_group_id.is_empty() {
+            return Err(Status::invalid_argument("missing placement_group_id"));
+        }
+        let bundles = req
+            .bundles
+            .iter()
+            .map(|b| {
+                resources_from_proto(&b.resources)
+                    .map(|r| (b.index, r))
+                    .map_err(|e| Status::invalid_argument(format!("bundle {}: {e}", b.index)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.0.prepare_bundles(&req.placement_group_id, &bundles)?;
+        Ok(Response::new(pb::PrepareBundlesReply {}))
+    }
+
+    async fn commit_bundles(
+        &self,
+        req: Request<pb::CommitBundlesRequest>,
+    ) -> Result<Response<pb::CommitBundlesReply>, Status> {
+        let req = req.into_inner();
+        self.0.commit_bundles(&req.placement_group_id, &req.indexes)?;
+        Ok(Response::new(pb::CommitBundlesReply { resources: Some(self.0.resources_now()) }))
+    }
+
+    async fn return_bundles(
+        &self,
+        req: Request<pb::ReturnBundlesRequest>,
+    ) -> Result<Response<pb::ReturnBundlesReply>, Status> {
+        let req = req.into_inner();
+        let workers_stopped = self.0.return_bundles(&req.placement_group_id, &req.indexes);
+        if workers_stopped > 0 {
+            tracing::info!(pg = %req.placement_group_id, workers_stopped, "stopped workers of a returned placement group");
+        }
+        Ok(Response::new(pb::ReturnBundlesReply {
+            workers_stopped,
+            resources: Some(self.0.resources_now()),
+        }))
     }
 
     async fn list_workers(

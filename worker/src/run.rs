@@ -189,9 +189,10 @@ fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after
                 loop {
                     iv.tick().await;
                     seq += 1;
-                    let (available, pending, num_workers) = agent.heartbeat_snapshot();
+                    let (total, available, pending, num_workers) = agent.heartbeat_snapshot();
                     let mut req = Request::new(pb::HeartbeatRequest {
                         node_id: agent.config.node_id.to_string(),
+                        total: resources_to_proto(&total),
                         available: resources_to_proto(&available),
                         pending,
                         num_workers,
@@ -332,6 +333,7 @@ pub async fn serve_agent(
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
             reaper.reap_idle_workers();
+            reaper.expire_prepared_bundles();
             tick += 1;
             if tick.is_multiple_of(2) {
                 reaper.reclaim_orphaned_leases().await;

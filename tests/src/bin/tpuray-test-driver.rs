@@ -114,6 +114,39 @@ impl Journal {
     }
 }
 
+/// (node id, TPU_WORKER_ID, TPU_NAME) of the host running it.
+#[tpuray::remote]
+fn tpu_host() -> (String, String, String) {
+    let env = |k: &str| std::env::var(k).unwrap_or_default();
+    (tpuray::node_id().unwrap_or_default(), env("TPU_WORKER_ID"), env("TPU_NAME"))
+}
+
+/// Sleeps `ms`, then says which node it ran on.
+#[tpuray::remote]
+fn sleep_where(ms: u64) -> String {
+    std::thread::sleep(Duration::from_millis(ms));
+    tpuray::node_id().unwrap_or_default()
+}
+
+/// Runs `tpu_host` in every bundle of `pg` and prints one MEMBER line per bundle.
+fn print_members(tag: &str, pg: &tpuray::PlacementGroup) -> anyhow::Result<Vec<String>> {
+    let refs: Vec<_> = (0..pg.bundle_count())
+        .map(|i| {
+            let opts = TaskOptions::default()
+                .num_cpus(0.0)
+                .scheduling(Scheduling::placement_group(pg, i as i32));
+            tpu_host::options(opts).remote()
+        })
+        .collect();
+    let mut nodes = Vec::new();
+    for (i, r) in refs.iter().enumerate() {
+        let (node, worker, slice) = tpuray::get_timeout(r, Duration::from_secs(30))?;
+        say(&format!("MEMBER pg={tag} bundle={i} node={node} worker={worker} slice={slice}"));
+        nodes.push(node);
+    }
+    Ok(nodes)
+}
+
 fn kind(e: &Error) -> &'static str {
     match e {
         Error::Task { .. } => "Task",
@@ -250,6 +283,78 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             if let Some(go) = args.first() {
                 wait_for_file(Path::new(go), Duration::from_secs(60))?;
             }
+        }
+        // Slice groups on two v6e-16 slices (tests/placement.rs): two groups
+        // take both slices, a third waits until the go file, then the first is
+        // removed and the third takes its slice; an actor and a task inside
+        // groups die with them; CPU tasks avoid the TPU hosts.
+        "slices" => {
+            let go = arg(args, 0, "go file")?;
+            let wait = Duration::from_secs(30);
+            let s1 = tpuray::slice_placement_group("4x4", "v6e", None, 1)?;
+            anyhow::ensure!(s1.placement_group.wait(wait)?, "first slice group not created");
+            say(&format!(
+                "PG1 id={} hosts={} chips={}",
+                s1.placement_group.id(),
+                s1.num_hosts,
+                s1.chips_per_host
+            ));
+            let n1 = print_members("1", &s1.placement_group)?;
+            let s2 = tpuray::slice_placement_group("4x4", "v6e", None, 1)?;
+            anyhow::ensure!(s2.placement_group.wait(wait)?, "second slice group not created");
+            say(&format!("PG2 id={}", s2.placement_group.id()));
+            print_members("2", &s2.placement_group)?;
+            let actor = Journal::options(ActorOptions {
+                num_cpus: Some(0.0),
+                scheduling: Scheduling::placement_group(&s2.placement_group, 1),
+                ..Default::default()
+            })
+            .remote()?;
+            let (node, _) = tpuray::get_timeout(&actor.whereabouts(), wait)?;
+            say(&format!("ACTOR node={node}"));
+            let s3 = tpuray::slice_placement_group("4x4", "v6e", None, 1)?;
+            let created = s3.placement_group.wait(Duration::from_secs(2))?;
+            say(&format!("PG3_PENDING id={} created={created}", s3.placement_group.id()));
+            wait_for_file(Path::new(&go), Duration::from_secs(60))?;
+            s1.shutdown()?;
+            anyhow::ensure!(s3.placement_group.wait(wait)?, "third slice group not created");
+            let n3 = print_members("3", &s3.placement_group)?;
+            say(&format!("PG3 same_hosts_as_pg1={}", n1 == n3));
+            // Removing a group stops what runs inside it.
+            let long = sleep_where::options(
+                TaskOptions::default()
+                    .num_cpus(0.0)
+                    .max_retries(0)
+                    .scheduling(Scheduling::placement_group(&s3.placement_group, 0)),
+            )
+            .remote(60_000);
+            std::thread::sleep(Duration::from_millis(1500));
+            s3.shutdown()?;
+            s2.shutdown()?;
+            let t = Instant::now();
+            match tpuray::get_timeout(&long, wait) {
+                Ok(v) => say(&format!("TASK_AFTER_REMOVE ok={v}")),
+                Err(e) => say(&format!(
+                    "TASK_AFTER_REMOVE kind={} ms={}",
+                    kind(&e),
+                    t.elapsed().as_millis()
+                )),
+            }
+            match tpuray::get_timeout(&actor.append(1), wait) {
+                Ok(v) => say(&format!("ACTOR_AFTER_REMOVE ok={v}")),
+                Err(e) => say(&format!("ACTOR_AFTER_REMOVE kind={}", kind(&e))),
+            }
+            // More bundles than nodes, strictly spread: infeasible, reported at once.
+            let bundles =
+                vec![tpuray::placement_group::BundleSpec::from([("CPU".into(), 1.0)]); 20];
+            let big = tpuray::placement_group(&bundles, "STRICT_SPREAD")?;
+            let created = big.wait(Duration::from_secs(1))?;
+            let st = big.state()?;
+            say(&format!("BIG created={created} state={} reason={}", st.state, st.pending_reason));
+            tpuray::remove_placement_group(&big)?;
+            let cpu: Vec<_> = (0..4).map(|_| sleep_where::remote(1500)).collect();
+            let nodes = tpuray::get_all(&cpu)?;
+            say(&format!("CPU nodes={}", nodes.join(",")));
         }
         "timeout" => {
             let r = sleep_ms::remote(10_000);

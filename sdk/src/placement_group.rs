@@ -1,0 +1,350 @@
+//! Placement groups (Ray's `ray.util.placement_group`) and TPU slice groups (Ray 2.60's
+//! `ray.util.tpu.slice_placement_group`).
+//!
+//! ```ignore
+//! let pg = tpuray::placement_group(&[json!({"CPU": 1}), json!({"CPU": 1})], "STRICT_SPREAD")?;
+//! assert!(pg.wait(Duration::from_secs(10))?);
+//! let r = f::options(TaskOptions::default().scheduling(Scheduling::placement_group(&pg, 0)))
+//!     .remote();
+//! tpuray::remove_placement_group(&pg)?;
+//! ```
+//!
+//! A group is reserved by the head all or nothing (two-phase with the node agents); work
+//! scheduled into a bundle uses the resources the bundle reserved, and removing the group
+//! stops what runs inside it.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use tpuray_proto::pb;
+use tpuray_scheduler::AcceleratorType;
+
+use crate::core::core;
+use crate::error::Error;
+
+/// A placement group handle (cheap to clone; the group lives in the head).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlacementGroup {
+    id: String,
+    bundle_count: usize,
+}
+
+/// One bundle: resource name → amount, e.g. `{"CPU": 1, "TPU": 4}`.
+pub type BundleSpec = BTreeMap<String, f64>;
+
+/// Options of [`placement_group_with`] (Ray's `name`, `lifetime`, bundle label selectors).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PlacementGroupOptions {
+    /// A name makes the group findable with [`get_placement_group`].
+    pub name: Option<String>,
+    pub namespace: Option<String>,
+    /// Keep the group after its job ends (Ray's `lifetime="detached"`).
+    pub detached: bool,
+    /// One selector per bundle (Ray's `bundle_label_selector`), in Ray's syntax: `{"zone":
+    /// "a"}`, `"!a"`, `"in(a,b)"`. Empty: no constraints.
+    pub bundle_label_selector: Vec<BTreeMap<String, String>>,
+}
+
+/// A group's state as the head reports it (Ray's `placement_group_table` entry).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlacementGroupState {
+    pub id: String,
+    pub name: String,
+    /// `PENDING`, `CREATED`, `RESCHEDULING` or `REMOVED`.
+    pub state: String,
+    pub strategy: String,
+    pub bundles: Vec<BundleSpec>,
+    /// The node id of each bundle ("" while not placed).
+    pub bundle_nodes: Vec<String>,
+    /// Why it waits, when it does.
+    pub pending_reason: String,
+}
+
+impl PlacementGroup {
+    /// The group's id (hex).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// How many bundles the group has.
+    pub fn bundle_count(&self) -> usize {
+        self.bundle_count
+    }
+
+    /// Waits up to `timeout` for every bundle to be reserved (Ray's `pg.wait(timeout)`).
+    /// Returns `Ok(false)` on timeout.
+    ///
+    /// # Errors
+    /// The group was removed (the message says why), or the head cannot be reached.
+    pub fn wait(&self, timeout: Duration) -> Result<bool, Error> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let info = fetch(&self.id, left.min(Duration::from_secs(5)))?;
+            if info.state == "CREATED" {
+                return Ok(true);
+            }
+            if info.state == "REMOVED" {
+                return Err(Error::Cluster(format!("placement group {} was removed", self.id)));
+            }
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Like [`PlacementGroup::wait`], but a timeout is an error naming why the group waits
+    /// (Ray's `ray.get(pg.ready(), timeout=...)`).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] after `timeout`; as [`PlacementGroup::wait`] otherwise.
+    pub fn ready(&self, timeout: Duration) -> Result<(), Error> {
+        if self.wait(timeout)? { Ok(()) } else { Err(Error::Timeout(timeout, 1)) }
+    }
+
+    /// The group's current state.
+    ///
+    /// # Errors
+    /// The head cannot be reached or no longer knows the group.
+    pub fn state(&self) -> Result<PlacementGroupState, Error> {
+        fetch(&self.id, Duration::ZERO)
+    }
+}
+
+fn state_of(info: pb::PlacementGroupInfo) -> PlacementGroupState {
+    let state = match pb::PlacementGroupState::try_from(info.state) {
+        Ok(pb::PlacementGroupState::Created) => "CREATED",
+        Ok(pb::PlacementGroupState::Removed) => "REMOVED",
+        Ok(pb::PlacementGroupState::Rescheduling) => "RESCHEDULING",
+        _ => "PENDING",
+    };
+    PlacementGroupState {
+        id: info.placement_group_id,
+        name: info.name,
+        state: state.to_string(),
+        strategy: info.strategy,
+        bundles: info.bundles.into_iter().map(|b| b.resources.into_iter().collect()).collect(),
+        bundle_nodes: info.bundle_node_ids,
+        pending_reason: info.pending_reason,
+    }
+}
+
+fn fetch(id: &str, wait: Duration) -> Result<PlacementGroupState, Error> {
+    let core = core()?;
+    core.rt.block_on(async {
+        let mut head = core.head_client()?;
+        let info = head
+            .get_placement_group(pb::GetPlacementGroupRequest {
+                placement_group_id: id.to_string(),
+                wait_ready_ms: wait.as_millis() as u64,
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| Error::Cluster(s.message().to_string()))?
+            .into_inner()
+            .placement_group
+            .unwrap_or_default();
+        Ok(state_of(info))
+    })
+}
+
+fn create(req: pb::CreatePlacementGroupRequest) -> Result<PlacementGroup, Error> {
+    let core = core()?;
+    core.rt.block_on(async {
+        let mut head = core.head_client()?;
+        let info = head
+            .create_placement_group(req)
+            .await
+            .map_err(|s| Error::Cluster(format!("creating placement group: {}", s.message())))?
+            .into_inner()
+            .placement_group
+            .unwrap_or_default();
+        Ok(PlacementGroup { id: info.placement_group_id, bundle_count: info.bundles.len() })
+    })
+}
+
+fn bundle_to_proto(
+    b: &BundleSpec,
+    selector: Option<&BTreeMap<String, String>>,
+) -> Result<pb::Bundle, Error> {
+    let label_selector = match selector {
+        Some(s) => tpuray_scheduler::parse_label_selector(s)
+            .map_err(|e| Error::Cluster(format!("bundle_label_selector: {e}")))?,
+        None => vec![],
+    };
+    Ok(pb::Bundle {
+        resources: b.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+        label_selector: tpuray_proto::convert::labels_to_proto(&label_selector),
+    })
+}
+
+/// Creates a placement group of `bundles` with `strategy` (`PACK`, `SPREAD`,
+/// `STRICT_PACK`, `STRICT_SPREAD`; Ray's names). Returns at once; the group is reserved in
+/// the background ([`PlacementGroup::wait`]).
+///
+/// # Errors
+/// An empty list, an empty or negative bundle, an unknown strategy, a name already taken
+/// in its namespace; each message names the problem.
+pub fn placement_group(bundles: &[BundleSpec], strategy: &str) -> Result<PlacementGroup, Error> {
+    placement_group_with(bundles, strategy, &PlacementGroupOptions::default())
+}
+
+/// [`placement_group`] with a name, namespace, lifetime or bundle label selectors.
+///
+/// # Errors
+/// As [`placement_group`]; also a selector list whose length differs from the bundles'.
+pub fn placement_group_with(
+    bundles: &[BundleSpec],
+    strategy: &str,
+    opts: &PlacementGroupOptions,
+) -> Result<PlacementGroup, Error> {
+    let sel = &opts.bundle_label_selector;
+    if !sel.is_empty() && sel.len() != bundles.len() {
+        return Err(Error::Cluster(format!(
+            "bundle_label_selector has {} entries but there are {} bundles (expected one per bundle)",
+            sel.len(),
+            bundles.len()
+        )));
+    }
+    let core = core()?;
+    let bundles = bundles
+        .iter()
+        .enumerate()
+        .map(|(i, b)| bundle_to_proto(b, sel.get(i)))
+        .collect::<Result<Vec<_>, _>>()?;
+    create(pb::CreatePlacementGroupRequest {
+        request_id: tpuray_proto::new_request_id(),
+        job_id: core.job_id.clone(),
+        name: opts.name.clone().unwrap_or_default(),
+        namespace: opts.namespace.clone().unwrap_or_default(),
+        bundles,
+        strategy: strategy.to_string(),
+        detached: opts.detached,
+        slice: None,
+    })
+}
+
+/// Removes a group: its bundles are given back and the tasks and actors running inside
+/// are stopped (Ray's `remove_placement_group`). Removing twice is harmless.
+///
+/// # Errors
+/// The head cannot be reached or does not know the group.
+pub fn remove_placement_group(pg: &PlacementGroup) -> Result<(), Error> {
+    let core = core()?;
+    core.rt.block_on(async {
+        let mut head = core.head_client()?;
+        head.remove_placement_group(pb::RemovePlacementGroupRequest {
+            request_id: tpuray_proto::new_request_id(),
+            placement_group_id: pg.id.clone(),
+        })
+        .await
+        .map_err(|s| Error::Cluster(s.message().to_string()))?;
+        Ok(())
+    })
+}
+
+/// The group named `name` in `namespace` (default "default"), unless removed.
+///
+/// # Errors
+/// [`Error::Cluster`] naming the group when there is none.
+pub fn get_placement_group(name: &str, namespace: Option<&str>) -> Result<PlacementGroup, Error> {
+    let core = core()?;
+    core.rt.block_on(async {
+        let mut head = core.head_client()?;
+        let info = head
+            .get_placement_group(pb::GetPlacementGroupRequest {
+                name: name.to_string(),
+                namespace: namespace.unwrap_or_default().to_string(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| Error::Cluster(s.message().to_string()))?
+            .into_inner()
+            .placement_group
+            .unwrap_or_default();
+        Ok(PlacementGroup { id: info.placement_group_id, bundle_count: info.bundles.len() })
+    })
+}
+
+/// Every group the head knows (Ray's `placement_group_table()`), removed ones included.
+///
+/// # Errors
+/// The head cannot be reached.
+pub fn placement_group_table() -> Result<Vec<PlacementGroupState>, Error> {
+    let core = core()?;
+    core.rt.block_on(async {
+        let mut head = core.head_client()?;
+        let groups = head
+            .list_placement_groups(pb::ListPlacementGroupsRequest {})
+            .await
+            .map_err(|s| Error::Cluster(s.message().to_string()))?
+            .into_inner()
+            .placement_groups;
+        Ok(groups.into_iter().map(state_of).collect())
+    })
+}
+
+/// Every host of `num_slices` intact TPU slices, reserved together (Ray 2.60's
+/// `SlicePlacementGroup`). Bundle `i` is host `i`: slices in slice-name order, hosts in
+/// `TPU_WORKER_ID` order (TPU.md); worker 0's bundle also holds the slice's
+/// `TPU-<type>-head` resource, as Ray's `reserve_tpu_slice` does.
+#[derive(Clone, Debug)]
+pub struct SlicePlacementGroup {
+    pub placement_group: PlacementGroup,
+    pub accelerator_type: String,
+    pub num_slices: u32,
+    pub num_hosts: u32,
+    pub chips_per_host: u32,
+}
+
+impl SlicePlacementGroup {
+    /// Releases every host of the slice(s), the head reservation included.
+    ///
+    /// # Errors
+    /// As [`remove_placement_group`].
+    pub fn shutdown(&self) -> Result<(), Error> {
+        remove_placement_group(&self.placement_group)
+    }
+}
+
+/// Reserves `num_slices` intact slices of `topology` (e.g. `"4x4"`) on
+/// `accelerator_version` (e.g. `"v6e"`), each host's bundle `{"TPU": chips_per_host}` plus
+/// `resources_per_bundle` when given (Ray 2.60's `slice_placement_group`). Returns at
+/// once; call `.placement_group.wait(...)`.
+///
+/// # Errors
+/// An unknown version, a topology not valid for it (naming the valid ones), zero slices.
+pub fn slice_placement_group(
+    topology: &str,
+    accelerator_version: &str,
+    resources_per_bundle: Option<&BundleSpec>,
+    num_slices: u32,
+) -> Result<SlicePlacementGroup, Error> {
+    let ty = AcceleratorType::from_topology(topology, accelerator_version)
+        .map_err(|e| Error::Cluster(e.to_string()))?;
+    let chips_per_host = ty.chips_per_host();
+    let bundle = match resources_per_bundle {
+        Some(b) => b.clone(),
+        None => BundleSpec::from([("TPU".to_string(), f64::from(chips_per_host))]),
+    };
+    let core = core()?;
+    let pg = create(pb::CreatePlacementGroupRequest {
+        request_id: tpuray_proto::new_request_id(),
+        job_id: core.job_id.clone(),
+        bundles: vec![bundle_to_proto(&bundle, None)?],
+        strategy: "STRICT_SPREAD".into(),
+        slice: Some(pb::SliceSpec {
+            accelerator_type: ty.to_string(),
+            topology: topology.to_string(),
+            num_slices,
+        }),
+        ..Default::default()
+    })?;
+    Ok(SlicePlacementGroup {
+        num_hosts: pg.bundle_count as u32 / num_slices.max(1),
+        placement_group: pg,
+        accelerator_type: ty.to_string(),
+        num_slices,
+        chips_per_host,
+    })
+}
