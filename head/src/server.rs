@@ -760,6 +760,8 @@ impl HeadService for HeadSvc {
         require_id("job_id", &req.job_id)?;
         let resources = resources_from_proto(&req.resources)
             .map_err(|e| Status::invalid_argument(format!("actor resources: {e}")))?;
+        tpuray_scheduler::tpu::check_tpu_demand(&resources)
+            .map_err(|e| Status::invalid_argument(format!("actor resources: {e}")))?;
         let label_selector =
             labels_from_proto(&req.label_selector).map_err(Status::invalid_argument)?;
         if req.max_restarts < -1 {

@@ -451,6 +451,19 @@ pub fn chip_count(amount: Amount, host_chips: Option<u32>) -> Result<u32, ChipEr
     }
 }
 
+/// Checks the `TPU` part of a demand (directly or inside a bundle, SCHED-19): none, or a
+/// valid chip count (SCHED-13). For submission-time checks, before any host is chosen.
+///
+/// # Errors
+/// [`ChipError::InvalidCount`] naming the valid counts.
+pub fn check_tpu_demand(demand: &ResourceSet) -> Result<(), ChipError> {
+    let amount = crate::bundles::plain_amount(demand, "TPU");
+    if amount.0 == 0 {
+        return Ok(());
+    }
+    chip_count(amount, None).map(|_| ())
+}
+
 /// Hands out one host's chips as aligned blocks (SCHED-12): `{i}`, `{2k, 2k+1}`,
 /// `{4k..4k+3}`, all 8, or the whole host; the lowest free aligned block first.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -905,6 +905,8 @@ impl Core {
         }
         let plain = tpuray_proto::convert::resources_from_proto(&resources)
             .map_err(|e| Error::Cluster(format!("task options: {e}")))?;
+        tpuray_scheduler::tpu::check_tpu_demand(&plain)
+            .map_err(|e| Error::Cluster(format!("task options: {e}")))?;
         let pg = match &opts.scheduling {
             Scheduling::PlacementGroup { placement_group_id, bundle_index } => {
                 if *bundle_index < -1 {

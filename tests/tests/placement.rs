@@ -163,3 +163,34 @@ fn slice_groups_take_whole_slices_in_worker_order_and_wait_their_turn() {
         })
     });
 }
+
+/// AGENT-7 on one simulated v6e-8 host: eight one-chip actors see chips 0..7, one each,
+/// with distinct libtpu ports; a 4-chip task gets an aligned block and the bounds of
+/// TPU.md; a 3-chip request is refused naming the valid counts.
+#[test]
+fn chips_are_handed_out_as_aligned_blocks_with_their_environment() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "1"]);
+    tpu_host(&mut c, "v6e-8", "sc", "2x4", 0, 8);
+    let addr = c.head_addr();
+    let out =
+        Driver::start(&c, &driver_bin(), &["chips", &addr], &[]).finish(Duration::from_secs(90));
+    out.assert_success();
+    let holders: Vec<&String> = out.stdout.iter().filter(|l| l.starts_with("HOLDER ")).collect();
+    assert_eq!(holders.len(), 8, "{out}");
+    let mut chips: Vec<u32> =
+        holders.iter().map(|l| field(l, "chips").parse().expect("one chip index")).collect();
+    chips.sort();
+    assert_eq!(chips, (0..8).collect::<Vec<_>>(), "{out}");
+    let ports: HashSet<&str> = holders.iter().map(|l| field(l, "port")).collect();
+    assert_eq!(ports.len(), 8, "distinct libtpu ports: {out}");
+    for l in &holders {
+        assert_eq!(field(l, "bounds"), "1,1,1", "{l}");
+        assert_eq!(field(l, "process_bounds"), "1,1,1", "{l}");
+    }
+    let four = out.line("FOUR ");
+    assert!(["0,1,2,3", "4,5,6,7"].contains(&field(four, "chips")), "{four}");
+    assert_eq!(field(four, "bounds"), "2,2,1", "{four}");
+    let three = out.line("THREE ");
+    assert!(three.contains("valid counts: 1, 2, 4, 8"), "{three}");
+}

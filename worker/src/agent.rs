@@ -16,6 +16,13 @@
 //!   listed as infeasible demand) or waits listed as pending demand; never
 //!   silently.
 //! - AGENT-5: leases whose holder stops answering are reclaimed.
+//! - AGENT-7: on a TPU host, a worker that needs k chips gets the lowest
+//!   free aligned block of k (SCHED-12) and TPU.md's environment for it
+//!   (`TPU_VISIBLE_CHIPS`, bounds, a libtpu port of its own); it holds the
+//!   block until the process exits, however it exits, and is reused only for
+//!   work needing the same number of chips (the block is part of its pool
+//!   key, AGENT-3). Idle workers holding chips are stopped when a request
+//!   cannot otherwise get a block.
 //! - AGENT-6: placement-group bundles are reserved in two phases: prepare sets
 //!   their resources aside (all of a request or none), commit adds the
 //!   group's renamed resources (SCHED-19) to the node's total; return gives
@@ -35,7 +42,7 @@ use tpuray_proto::convert::{labels_from_proto, resources_from_proto, resources_t
 use tpuray_proto::ids::{ActorId, JobId, LeaseId, NodeId, WorkerId};
 use tpuray_proto::pb::node_agent_service_server::NodeAgentService;
 use tpuray_proto::{check_protocol_version, now_ms, pb};
-use tpuray_scheduler::{Decision, Labels, NodeView, ResourceSet};
+use tpuray_scheduler::{ChipAllocator, ChipError, Decision, Labels, NodeView, ResourceSet};
 
 use crate::registry;
 
@@ -129,6 +136,8 @@ struct AgentState {
     job_binaries: HashMap<String, String>,
     /// Other nodes as of the last heartbeat reply: view and agent address.
     cluster: Vec<(NodeView<String>, String)>,
+    /// This host's TPU chips, when it has any (AGENT-7).
+    chips: Option<ChipAllocator>,
 }
 
 /// The node agent's shared state.
@@ -163,6 +172,7 @@ impl Agent {
                 demands: HashMap::new(),
                 job_binaries: HashMap::new(),
                 cluster: Vec::new(),
+                chips: tpu_host_chips(&config.total).map(ChipAllocator::new),
             }),
             config,
             freed: Notify::new(),
@@ -405,9 +415,60 @@ impl Agent {
     }
 
     /// Starts a worker process for `key` and waits until it registers.
+    /// Takes the lowest free aligned block of `k` chips (AGENT-7). When none is free but
+    /// idle workers hold chips, stops them and asks the caller to retry.
+    fn allocate_chips(&self, k: u32) -> Result<Vec<u32>, Status> {
+        let mut st = self.lock();
+        let st = &mut *st;
+        let Some(alloc) = st.chips.as_mut() else {
+            return Err(Status::failed_precondition(format!(
+                "node {} has no TPU chips to hand out",
+                self.config.node_id
+            )));
+        };
+        match alloc.allocate(k) {
+            Ok(c) => Ok(c),
+            Err(e @ ChipError::InvalidCount { .. }) => Err(Status::invalid_argument(e.to_string())),
+            Err(e) => {
+                let mut stopped = 0;
+                for w in st.workers.values_mut() {
+                    if !w.key.tpu_chips.is_empty() && matches!(w.state, WorkerState::Idle { .. }) {
+                        w.exit_intended = true;
+                        w.state = WorkerState::Starting;
+                        signal(w.pid, libc::SIGKILL);
+                        stopped += 1;
+                    }
+                }
+                Err(Status::unavailable(format!(
+                    "{e}; stopped {stopped} idle worker(s) holding chips, retry shortly"
+                )))
+            }
+        }
+    }
+
+    fn release_chips(&self, chips: &[u32]) {
+        if chips.is_empty() {
+            return;
+        }
+        if let Some(a) = self.lock().chips.as_mut() {
+            a.release(chips);
+        }
+    }
+
+    /// This host's TPU generation, from its `accelerator-type` label (v6e when unknown: it
+    /// only changes the bounds of v7x).
+    fn tpu_generation(&self) -> tpuray_scheduler::TpuGeneration {
+        self.config
+            .labels
+            .get("tpuray.io/accelerator-type")
+            .and_then(tpuray_scheduler::TpuGeneration::parse)
+            .unwrap_or(tpuray_scheduler::TpuGeneration::V6e)
+    }
+
     async fn start_worker(
         self: &Arc<Self>,
         key: PoolKey,
+        chips: u32,
         state: WorkerState,
         actor: Option<(&ActorId, &[u8])>,
     ) -> Result<(WorkerId, String, u32), Status> {
@@ -465,12 +526,31 @@ impl Agent {
                 cmd.env("TPURAY_ACTOR_CREATION_FILE", &path);
             }
         }
+        let mut key = key;
+        if chips > 0 {
+            key.tpu_chips = self.allocate_chips(chips)?;
+            let port = free_local_port();
+            let port = match port {
+                Ok(p) => p,
+                Err(e) => {
+                    self.release_chips(&key.tpu_chips);
+                    return Err(e);
+                }
+            };
+            let host_chips = self.lock().chips.as_ref().map(|c| c.chips()).unwrap_or(chips);
+            for (k, v) in
+                tpuray_scheduler::chip_env(self.tpu_generation(), host_chips, &key.tpu_chips, port)
+            {
+                cmd.env(k, v);
+            }
+        }
         let (tx, rx) = oneshot::channel();
         self.lock().starting.insert(worker_id.clone(), tx);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
                 self.lock().starting.remove(&worker_id);
+                self.release_chips(&key.tpu_chips);
                 return Err(Status::internal(format!("cannot start worker process {prog:?}: {e}")));
             }
         };
@@ -606,6 +686,10 @@ impl Agent {
             let Some(entry) = st.workers.remove(worker_id) else {
                 return;
             };
+            // AGENT-7: the block comes back however the process ended.
+            if let Some(a) = st.chips.as_mut() {
+                a.release(&entry.key.tpu_chips);
+            }
             match &entry.state {
                 WorkerState::Leased(lease_id) => {
                     if let Some(lease) = st.leases.remove(lease_id) {
@@ -762,12 +846,20 @@ impl Agent {
         &self,
         st: &mut AgentState,
         key: &PoolKey,
+        chips: u32,
         lease: &LeaseId,
     ) -> Option<(WorkerId, String, u32)> {
+        // AGENT-3/7: same job, language and env, and a block of the same size.
+        let fits = |w: &WorkerEntry| {
+            w.key.job_id == key.job_id
+                && w.key.language == key.language
+                && w.key.runtime_env_hash == key.runtime_env_hash
+                && w.key.tpu_chips.len() == chips as usize
+        };
         let id = st
             .workers
             .iter()
-            .filter(|(_, w)| w.key == *key && matches!(w.state, WorkerState::Idle { .. }))
+            .filter(|(_, w)| fits(w) && matches!(w.state, WorkerState::Idle { .. }))
             .map(|(id, _)| id.clone())
             .next()?;
         let w = st.workers.get_mut(&id)?;
@@ -842,6 +934,35 @@ impl Agent {
         self.freed.notify_waiters();
     }
 
+    /// Starts the worker of a lease. When the chips it needs are held by idle workers
+    /// that are being stopped (AGENT-7), waits for them to exit and tries again (up to
+    /// 10 s) rather than failing the lease.
+    async fn start_leased_worker(
+        self: &Arc<Self>,
+        key: PoolKey,
+        chips: u32,
+        lease_id: &LeaseId,
+    ) -> Result<(WorkerId, String, u32), Status> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let freed = self.freed.notified();
+            match self
+                .start_worker(key.clone(), chips, WorkerState::Leased(lease_id.clone()), None)
+                .await
+            {
+                Err(e)
+                    if e.code() == tonic::Code::Unavailable
+                        && chips > 0
+                        && Instant::now() < deadline =>
+                {
+                    tracing::debug!(%e, "waiting for TPU chips to be freed");
+                    let _ = tokio::time::timeout(Duration::from_millis(200), freed).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// AGENT-5: returns the leases of holders that no longer answer (a
     /// driver or worker that exited without returning them). Their workers
     /// may still run the dead holder's task, so they are stopped.
@@ -884,6 +1005,7 @@ impl Agent {
         owner: String,
     ) -> Result<pb::request_worker_lease_reply::Granted, Status> {
         let lease_id = LeaseId::random();
+        let chips = chips_wanted(&demand, self.lock().chips.as_ref().map(|c| c.chips()))?;
         let reused = {
             let mut st = self.lock();
             st.available.saturating_sub(&demand);
@@ -891,7 +1013,7 @@ impl Agent {
                 lease_id.clone(),
                 Lease { worker_id: WorkerId::from_wire(""), resources: demand.clone(), owner },
             );
-            let reused = self.take_idle(&mut st, &key, &lease_id);
+            let reused = self.take_idle(&mut st, &key, chips, &lease_id);
             if let (Some((wid, _, _)), Some(l)) = (&reused, st.leases.get_mut(&lease_id)) {
                 l.worker_id = wid.clone();
             }
@@ -899,8 +1021,7 @@ impl Agent {
         };
         let (worker_id, address, pid) = match reused {
             Some(w) => w,
-            None => match self.start_worker(key, WorkerState::Leased(lease_id.clone()), None).await
-            {
+            None => match self.start_leased_worker(key, chips, &lease_id).await {
                 Ok(w) => {
                     if let Some(l) = self.lock().leases.get_mut(&lease_id) {
                         l.worker_id = w.0.clone();
@@ -943,6 +1064,36 @@ impl Drop for WaitingGuard<'_> {
             self.agent.note_demand(&mut st, &self.demand, false, "", -1);
         }
     }
+}
+
+/// Chips on this host: the whole `TPU` amount of its own resources (1..=64), if any.
+fn tpu_host_chips(total: &ResourceSet) -> Option<u32> {
+    let a = total.get("TPU");
+    let whole = a.0 / tpuray_scheduler::resources::UNITS_PER_WHOLE;
+    (a.0 > 0 && a.0 % tpuray_scheduler::resources::UNITS_PER_WHOLE == 0 && whole <= 64)
+        .then_some(whole as u32)
+}
+
+/// How many chips work needing `demand` takes (AGENT-7), directly or through a bundle.
+///
+/// # Errors
+/// `INVALID_ARGUMENT` naming the valid counts (SCHED-13) for 3, 0.5, ...
+fn chips_wanted(demand: &ResourceSet, host_chips: Option<u32>) -> Result<u32, Status> {
+    let amount = tpuray_scheduler::bundles::plain_amount(demand, "TPU");
+    if amount.0 == 0 || host_chips.is_none() {
+        return Ok(0);
+    }
+    tpuray_scheduler::chip_count(amount, host_chips)
+        .map_err(|e| Status::invalid_argument(e.to_string()))
+}
+
+/// A TCP port free on this host now, for a process's libtpu services (TPU.md: one port per
+/// process, or processes on one host collide on the default).
+fn free_local_port() -> Result<u16, Status> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| Status::internal(format!("cannot find a free port for libtpu: {e}")))
 }
 
 /// Sends a signal to a process, ignoring "no such process".
@@ -1184,10 +1335,22 @@ impl NodeAgentService for AgentSvc {
             runtime_env_hash: String::new(),
             tpu_chips: vec![],
         };
+        let chips = match chips_wanted(&resources, self.0.lock().chips.as_ref().map(|c| c.chips()))
+        {
+            Ok(c) => c,
+            Err(e) => {
+                let mut st = self.0.lock();
+                if let Some((_, r)) = st.actor_resources.remove(&actor_id) {
+                    self.0.release(&mut st, &r);
+                }
+                return Err(e);
+            }
+        };
         match self
             .0
             .start_worker(
                 key,
+                chips,
                 WorkerState::Actor(actor_id.clone()),
                 Some((&actor_id, &req.creation_task)),
             )

@@ -12,6 +12,7 @@ use tpuray_proto::convert::resources_to_proto;
 use tpuray_proto::ids::NodeId;
 use tpuray_proto::pb;
 use tpuray_proto::pb::node_agent_service_server::NodeAgentServiceServer;
+use tpuray_scheduler::labels::{RAY_PREFIX, TPURAY_PREFIX};
 use tpuray_scheduler::{Amount, Labels, ResourceSet};
 
 use crate::agent::{Agent, AgentConfig, AgentSvc};
@@ -51,8 +52,12 @@ pub struct AgentOptions {
 
 /// The node's total resources and labels from flags and detection.
 ///
-/// CPU defaults to the detected logical CPUs, GPU to 0, `memory` and
-/// `object_store_memory` to Ray's shares of available memory (bytes).
+/// CPU defaults to the detected logical CPUs; GPU to the NVIDIA GPUs found
+/// ([`detect::detect_gpus_in`], 0 without any); TPU to the chips found under
+/// the accelerator root (`TPURAY_ACCELERATOR_ROOT`, default `/`;
+/// [`detect::detect_tpus`]) unless `--resources` names `"TPU"` (a simulated
+/// host, TPU.md); `memory` and `object_store_memory` to Ray's shares of
+/// available memory (bytes).
 ///
 /// # Errors
 /// [`StartError::BadFlag`] naming the flag: unparsable `--resources` JSON,
@@ -86,8 +91,36 @@ pub fn build_resources(o: &AgentOptions) -> Result<(ResourceSet, Labels), StartE
     };
     let cpus = o.num_cpus.unwrap_or(detect::num_cpus() as f64);
     total.set("CPU", amount("--num-cpus", "CPU", cpus)?);
-    if let Some(g) = o.num_gpus {
-        total.set("GPU", amount("--num-gpus", "GPU", g)?);
+    let mut labels_from_detection: Vec<String> = Vec::new();
+    let root = std::path::PathBuf::from(
+        o.env.get("TPURAY_ACCELERATOR_ROOT").map(String::as_str).unwrap_or("/"),
+    );
+    let gpus = match o.num_gpus {
+        Some(g) => g,
+        None => f64::from(detect::detect_gpus_in(&root)),
+    };
+    if gpus > 0.0 {
+        total.set("GPU", amount("--num-gpus", "GPU", gpus)?);
+    }
+    if total.get("TPU") == Amount::ZERO {
+        let found = detect::detect_tpus(&root);
+        tracing::info!(
+            chips = found.chips,
+            source = found.source,
+            "TPU detection: {}",
+            found.reason
+        );
+        if found.chips > 0 {
+            total.set("TPU", Amount::whole(u64::from(found.chips)));
+            if let Some(g) = found.generation
+                && !o.env.contains_key("TPU_ACCELERATOR_TYPE")
+            {
+                // Without slice metadata the host still says what it is (Ray
+                // adds `accelerator_type:<type>` the same way).
+                total.set(&format!("accelerator_type:{}", g.accelerator_label()), Amount::whole(1));
+                labels_from_detection.push(g.accelerator_label());
+            }
+        }
     }
     let (_, avail_mem) = detect::memory_bytes();
     let store =
@@ -102,6 +135,10 @@ pub fn build_resources(o: &AgentOptions) -> Result<(ResourceSet, Labels), StartE
         Some(l) => Labels::parse(l).map_err(|e| bad(format!("--labels: {e}")))?,
         None => Labels::default(),
     };
+    for accelerator in labels_from_detection {
+        labels.0.insert(format!("{TPURAY_PREFIX}accelerator-type"), accelerator.clone());
+        labels.0.insert(format!("{RAY_PREFIX}accelerator-type"), accelerator);
+    }
     // A TPU host (TPU.md): the chip count from `--resources '{"TPU": N}'`,
     // the slice from the `TPU_*` environment, exactly as on Ray.
     let tpu = total.get("TPU");

@@ -147,6 +147,37 @@ fn print_members(tag: &str, pg: &tpuray::PlacementGroup) -> anyhow::Result<Vec<S
     Ok(nodes)
 }
 
+/// The TPU.md variables a process holding chips sees.
+fn chip_vars() -> String {
+    let env = |k: &str| std::env::var(k).unwrap_or_else(|_| "-".into());
+    format!(
+        "chips={} port={} bounds={} process_bounds={}",
+        env("TPU_VISIBLE_CHIPS"),
+        env("TPU_MESH_CONTROLLER_PORT"),
+        env("TPU_CHIPS_PER_PROCESS_BOUNDS"),
+        env("TPU_PROCESS_BOUNDS")
+    )
+}
+
+#[tpuray::remote]
+fn chip_task() -> String {
+    chip_vars()
+}
+
+/// An actor holding TPU chips for life.
+#[derive(Default)]
+pub struct ChipHolder;
+
+#[tpuray::actor]
+impl ChipHolder {
+    pub fn new() -> Self {
+        ChipHolder
+    }
+    pub fn vars(&self) -> String {
+        chip_vars()
+    }
+}
+
 fn kind(e: &Error) -> &'static str {
     match e {
         Error::Task { .. } => "Task",
@@ -355,6 +386,36 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             let cpu: Vec<_> = (0..4).map(|_| sleep_where::remote(1500)).collect();
             let nodes = tpuray::get_all(&cpu)?;
             say(&format!("CPU nodes={}", nodes.join(",")));
+        }
+        // Chip blocks on one v6e-8 host (tests/placement.rs): eight one-chip
+        // actors, then (once they are gone) a 4-chip task; a 3-chip request
+        // is refused at submission.
+        "chips" => {
+            let wait = Duration::from_secs(30);
+            let opts = ActorOptions {
+                num_cpus: Some(0.0),
+                resources: [("TPU".to_string(), 1.0)].into(),
+                ..Default::default()
+            };
+            let holders: Vec<_> = (0..8)
+                .map(|_| ChipHolder::options(opts.clone()).remote())
+                .collect::<Result<_, _>>()?;
+            for h in &holders {
+                say(&format!("HOLDER {}", tpuray::get_timeout(&h.vars(), wait)?));
+            }
+            for h in &holders {
+                tpuray::kill_actor(&h.handle().actor_id, true)?;
+            }
+            let four = TaskOptions::default().num_cpus(0.0).resource("TPU", 4.0);
+            say(&format!(
+                "FOUR {}",
+                tpuray::get_timeout(&chip_task::options(four).remote(), wait)?
+            ));
+            let three = TaskOptions::default().num_cpus(0.0).resource("TPU", 3.0);
+            match tpuray::get_timeout(&chip_task::options(three).remote(), wait) {
+                Ok(v) => say(&format!("THREE ok {v}")),
+                Err(e) => say(&format!("THREE kind={} msg={e}", kind(&e))),
+            }
         }
         "timeout" => {
             let r = sleep_ms::remote(10_000);
