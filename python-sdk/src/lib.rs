@@ -1,8 +1,22 @@
-//! `tpuray._tpuray`: the Python extension module. For now it exposes the
-//! command line ([`tpuray_cli::run`]), so the `tpuray` console script of the
-//! Python package runs the same Rust code as the native binary (DESIGN.md §1).
+//! `tpuray._tpuray`: the Python extension module. It exposes the command line
+//! ([`tpuray_cli::run`]) and the Rust core worker through `tpuray::raw` (DESIGN.md §1: one
+//! implementation, no second core in Python). The Python package (`python/tpuray`) builds
+//! Ray's API on these calls; values cross as bytes that Python pickles itself.
+//!
+//! Blocking calls release the GIL. In a worker process, [`run_worker`] installs a
+//! [`tpuray::foreign::ForeignRuntime`] that calls back into the Python runtime object for
+//! every task, actor constructor and method call.
 
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use tpuray::error::TaskFailure;
+use tpuray::foreign::{ForeignReturn, ForeignRuntime, TaskInfo};
+use tpuray::raw::{self, Arg, RawRef};
+use tpuray::{ActorHandle, ActorOptions, Error, Scheduling, TaskOptions};
 
 /// Runs the tpuray CLI with `argv` (program name first) and returns its exit
 /// code. The GIL is released while it runs: `start --block`, `_head`,
@@ -12,9 +26,634 @@ fn run(py: Python<'_>, argv: Vec<String>) -> i32 {
     py.detach(move || tpuray_cli::run(argv))
 }
 
+/// An object reference as the core holds it: id and owner address. Dropping the last
+/// Python reference releases it (CORE-2).
+#[pyclass(name = "RefCore", module = "tpuray._tpuray", frozen)]
+struct PyRef {
+    inner: RawRef,
+}
+
+#[pymethods]
+impl PyRef {
+    /// The object id (32 hex characters).
+    fn id(&self) -> &str {
+        self.inner.id()
+    }
+    /// The owner's address (`host:port`).
+    fn owner(&self) -> &str {
+        self.inner.owner()
+    }
+}
+
+fn wrap(r: RawRef) -> PyRef {
+    PyRef { inner: r }
+}
+
+fn cluster_err(e: Error) -> PyErr {
+    PyRuntimeError::new_err(e.to_string())
+}
+
+/// Arguments from Python: `("v", bytes, [RefCore...])` values with their nested refs, or
+/// `("r", RefCore)` top-level refs the executor resolves.
+fn args_from(items: &Bound<'_, PyList>) -> PyResult<Vec<Arg>> {
+    let mut out = Vec::with_capacity(items.len());
+    for item in items.iter() {
+        let t = item.cast::<PyTuple>()?;
+        let tag: String = t.get_item(0)?.extract()?;
+        match tag.as_str() {
+            "v" => {
+                let bytes: Vec<u8> = t.get_item(1)?.extract()?;
+                let nested: Vec<Bound<'_, PyRef>> = t.get_item(2)?.extract()?;
+                out.push(Arg::Value(bytes, nested.iter().map(|r| r.get().inner.clone()).collect()));
+            }
+            "r" => {
+                let r: Bound<'_, PyRef> = t.get_item(1)?.extract()?;
+                out.push(Arg::Ref(r.get().inner.clone()));
+            }
+            _ => return Err(PyValueError::new_err(format!("unknown argument tag {tag:?}"))),
+        }
+    }
+    Ok(out)
+}
+
+/// A scheduling strategy from Python: `None`, `"DEFAULT"`, `"SPREAD"`, `("node", id,
+/// soft)` or `("pg", id, bundle_index)`.
+fn scheduling_from(v: Option<&Bound<'_, PyAny>>) -> PyResult<Scheduling> {
+    let Some(v) = v.filter(|v| !v.is_none()) else { return Ok(Scheduling::Default) };
+    if let Ok(s) = v.extract::<String>() {
+        return match s.to_ascii_uppercase().as_str() {
+            "DEFAULT" => Ok(Scheduling::Default),
+            "SPREAD" => Ok(Scheduling::Spread),
+            _ => Err(PyValueError::new_err(format!(
+                "scheduling_strategy {s:?} is not known (expected \"DEFAULT\", \"SPREAD\", or a strategy object)"
+            ))),
+        };
+    }
+    let t = v.cast::<PyTuple>()?;
+    let kind: String = t.get_item(0)?.extract()?;
+    match kind.as_str() {
+        "node" => Ok(Scheduling::NodeAffinity {
+            node_id: t.get_item(1)?.extract()?,
+            soft: t.get_item(2)?.extract()?,
+        }),
+        "pg" => Ok(Scheduling::PlacementGroup {
+            placement_group_id: t.get_item(1)?.extract()?,
+            bundle_index: t.get_item(2)?.extract()?,
+        }),
+        _ => Err(PyValueError::new_err(format!("unknown scheduling strategy kind {kind:?}"))),
+    }
+}
+
+fn get_opt<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, k: &str) -> PyResult<Option<T>> {
+    match d.get_item(k)? {
+        Some(v) if !v.is_none() => Ok(Some(v.extract().map_err(Into::into)?)),
+        _ => Ok(None),
+    }
+}
+
+fn task_options(d: &Bound<'_, PyDict>) -> PyResult<TaskOptions> {
+    let mut o = TaskOptions::default();
+    if let Some(v) = get_opt::<f64>(d, "num_cpus")? {
+        o.num_cpus = v;
+    }
+    if let Some(v) = get_opt::<f64>(d, "num_gpus")? {
+        o.num_gpus = v;
+    }
+    if let Some(v) = get_opt::<BTreeMap<String, f64>>(d, "resources")? {
+        o.resources = v;
+    }
+    if let Some(v) = get_opt::<i32>(d, "max_retries")? {
+        o.max_retries = v;
+    }
+    if let Some(v) = get_opt::<bool>(d, "retry_exceptions")? {
+        o.retry_exceptions = v;
+    }
+    if let Some(v) = get_opt::<u32>(d, "num_returns")? {
+        o.num_returns = v;
+    }
+    if let Some(v) = get_opt::<String>(d, "name")? {
+        o.name = Some(v);
+    }
+    if let Some(v) = get_opt::<BTreeMap<String, String>>(d, "label_selector")? {
+        o.label_selector = v;
+    }
+    o.scheduling = scheduling_from(d.get_item("scheduling")?.as_ref())?;
+    Ok(o)
+}
+
+fn actor_options(d: &Bound<'_, PyDict>) -> PyResult<ActorOptions> {
+    let mut o = ActorOptions { num_cpus: get_opt(d, "num_cpus")?, ..Default::default() };
+    if let Some(v) = get_opt::<f64>(d, "num_gpus")? {
+        o.num_gpus = v;
+    }
+    if let Some(v) = get_opt::<BTreeMap<String, f64>>(d, "resources")? {
+        o.resources = v;
+    }
+    o.name = get_opt(d, "name")?;
+    o.namespace = get_opt(d, "namespace")?;
+    o.detached = get_opt(d, "detached")?.unwrap_or(false);
+    o.max_restarts = get_opt(d, "max_restarts")?.unwrap_or(0);
+    o.max_concurrency = get_opt(d, "max_concurrency")?.unwrap_or(1);
+    o.get_if_exists = get_opt(d, "get_if_exists")?.unwrap_or(false);
+    if let Some(v) = get_opt::<BTreeMap<String, String>>(d, "label_selector")? {
+        o.label_selector = v;
+    }
+    o.scheduling = scheduling_from(d.get_item("scheduling")?.as_ref())?;
+    Ok(o)
+}
+
+/// Joins the cluster as a Python driver (no binary upload: workers are Python processes).
+/// Returns this process's identity as a dict.
+#[pyfunction]
+#[pyo3(signature = (address=None, namespace=None))]
+fn init_driver(
+    py: Python<'_>,
+    address: Option<String>,
+    namespace: Option<String>,
+) -> PyResult<Py<PyDict>> {
+    tpuray::foreign::set_language("python").map_err(PyRuntimeError::new_err)?;
+    py.detach(|| {
+        tpuray::init_with(
+            address.as_deref(),
+            &tpuray::DriverOptions { upload_binary: false, namespace },
+        )
+    })
+    .map_err(cluster_err)?;
+    process_info(py)
+}
+
+/// This process's identity: job_id, node_id, worker_id, address, agent_address,
+/// head_address.
+#[pyfunction]
+fn process_info(py: Python<'_>) -> PyResult<Py<PyDict>> {
+    let i = raw::process_info().map_err(cluster_err)?;
+    let d = PyDict::new(py);
+    d.set_item("job_id", i.job_id)?;
+    d.set_item("node_id", i.node_id)?;
+    d.set_item("worker_id", i.worker_id)?;
+    d.set_item("address", i.address)?;
+    d.set_item("agent_address", i.agent_address)?;
+    d.set_item("head_address", i.head_address)?;
+    Ok(d.unbind())
+}
+
+#[pyfunction]
+fn is_initialized() -> bool {
+    raw::is_initialized()
+}
+
+/// Finishes the job (its non-detached actors and groups end with it).
+#[pyfunction]
+fn shutdown(py: Python<'_>) {
+    py.detach(tpuray::shutdown);
+}
+
+/// Submits a task of `function` (a function-table key); returns its return refs.
+#[pyfunction]
+fn submit(
+    py: Python<'_>,
+    function: String,
+    args: &Bound<'_, PyList>,
+    options: &Bound<'_, PyDict>,
+) -> PyResult<Vec<PyRef>> {
+    let args = args_from(args)?;
+    let opts = task_options(options)?;
+    let refs = py.detach(|| raw::submit(&function, args, &opts)).map_err(cluster_err)?;
+    Ok(refs.into_iter().map(wrap).collect())
+}
+
+/// Creates an actor of `class_key` (a function-table key) shown as `display`; returns
+/// `(actor_id, name)`.
+#[pyfunction]
+fn create_actor(
+    py: Python<'_>,
+    class_key: String,
+    display: String,
+    args: &Bound<'_, PyList>,
+    options: &Bound<'_, PyDict>,
+) -> PyResult<(String, String)> {
+    let args = args_from(args)?;
+    let opts = actor_options(options)?;
+    let h =
+        py.detach(|| raw::create_actor(&class_key, &display, args, &opts)).map_err(cluster_err)?;
+    Ok((h.actor_id, h.name))
+}
+
+/// Calls `method` on actor `actor_id` (class shown as `display`); returns its refs.
+#[pyfunction]
+fn call_actor(
+    py: Python<'_>,
+    actor_id: String,
+    display: String,
+    method: String,
+    args: &Bound<'_, PyList>,
+    num_returns: u32,
+) -> PyResult<Vec<PyRef>> {
+    let args = args_from(args)?;
+    let h = ActorHandle { actor_id, class: display, name: String::new() };
+    let refs =
+        py.detach(|| raw::call_actor(&h, &method, args, num_returns)).map_err(cluster_err)?;
+    Ok(refs.into_iter().map(wrap).collect())
+}
+
+/// The kind of an error as Python's exception mapping names it.
+fn error_tuple(py: Python<'_>, e: Error) -> PyResult<Py<PyAny>> {
+    let (kind, message, payload, function, node, pid) = match e {
+        Error::Task { function, message, node, pid, payload } => {
+            ("task", message, payload, function, node, pid)
+        }
+        Error::WorkerDied { function, message } => {
+            ("worker_died", message, vec![], function, String::new(), 0)
+        }
+        Error::ActorDied { actor, message } => {
+            ("actor_died", message, vec![], actor, String::new(), 0)
+        }
+        Error::Cancelled { function } => {
+            ("cancelled", String::new(), vec![], function, String::new(), 0)
+        }
+        Error::Timeout(d, n) => (
+            "timeout",
+            format!("timed out after {:.3}s waiting for {n} object(s)", d.as_secs_f64()),
+            vec![],
+            String::new(),
+            String::new(),
+            0,
+        ),
+        Error::ObjectLost { id, message } => ("object_lost", message, vec![], id, String::new(), 0),
+        Error::Infeasible(m) => ("infeasible", m, vec![], String::new(), String::new(), 0),
+        Error::Decode(m) => ("decode", m, vec![], String::new(), String::new(), 0),
+        Error::Cluster(m) => ("cluster", m, vec![], String::new(), String::new(), 0),
+    };
+    let t = (kind, message, PyBytes::new(py, &payload), function, node, pid);
+    Ok(t.into_pyobject(py)?.into_any().unbind())
+}
+
+/// The values of `refs`: per ref `(0, bytes)` or `(1, (kind, message, payload, function,
+/// node, pid))`, waiting at most `timeout` seconds for all together.
+#[pyfunction]
+#[pyo3(signature = (refs, timeout=None))]
+fn get(py: Python<'_>, refs: Vec<Bound<'_, PyRef>>, timeout: Option<f64>) -> PyResult<Py<PyList>> {
+    let raws: Vec<RawRef> = refs.iter().map(|r| r.get().inner.clone()).collect();
+    let timeout = timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
+    let results = py.detach(|| raw::get(&raws, timeout)).map_err(cluster_err)?;
+    let out = PyList::empty(py);
+    for r in results {
+        match r {
+            Ok(data) => out.append((0, PyBytes::new(py, &data)))?,
+            Err(e) => out.append((1, error_tuple(py, e)?))?,
+        }
+    }
+    Ok(out.unbind())
+}
+
+/// Stores `data` (with the refs nested in it) as an object owned by this process.
+#[pyfunction]
+fn put(py: Python<'_>, data: Vec<u8>, nested: Vec<Bound<'_, PyRef>>) -> PyResult<PyRef> {
+    let nested: Vec<RawRef> = nested.iter().map(|r| r.get().inner.clone()).collect();
+    py.detach(|| raw::put(data, nested)).map(wrap).map_err(cluster_err)
+}
+
+/// Which refs are ready, once `num_returns` are or `timeout` seconds pass.
+#[pyfunction]
+#[pyo3(signature = (refs, num_returns, timeout=None))]
+fn wait(
+    py: Python<'_>,
+    refs: Vec<Bound<'_, PyRef>>,
+    num_returns: usize,
+    timeout: Option<f64>,
+) -> PyResult<Vec<bool>> {
+    let raws: Vec<RawRef> = refs.iter().map(|r| r.get().inner.clone()).collect();
+    let timeout = timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
+    py.detach(|| raw::wait(&raws, num_returns, timeout)).map_err(cluster_err)
+}
+
+/// A ref rebuilt from a pickled value (registers this process as a borrower, CORE-2).
+#[pyfunction]
+fn deserialize_ref(id: String, owner: String) -> PyRef {
+    wrap(raw::deserialized_ref(id, owner))
+}
+
+#[pyfunction]
+fn cancel(py: Python<'_>, r: Bound<'_, PyRef>, force: bool) -> PyResult<()> {
+    let raw = r.get().inner.clone();
+    py.detach(|| raw::cancel(&raw, force)).map_err(cluster_err)
+}
+
+#[pyfunction]
+fn kv_get(py: Python<'_>, namespace: String, key: Vec<u8>) -> PyResult<Option<Py<PyBytes>>> {
+    let v = py.detach(|| raw::kv_get(&namespace, &key)).map_err(cluster_err)?;
+    Ok(v.map(|v| PyBytes::new(py, &v).unbind()))
+}
+
+#[pyfunction]
+fn kv_put(
+    py: Python<'_>,
+    namespace: String,
+    key: Vec<u8>,
+    value: Vec<u8>,
+    overwrite: bool,
+) -> PyResult<bool> {
+    py.detach(|| raw::kv_put(&namespace, &key, value, overwrite)).map_err(cluster_err)
+}
+
+#[pyfunction]
+fn kill_actor(py: Python<'_>, actor_id: String, no_restart: bool) -> PyResult<()> {
+    py.detach(|| tpuray::kill_actor(&actor_id, no_restart)).map_err(cluster_err)
+}
+
+/// `(actor_id, class, name)` of the live actor named `name`.
+#[pyfunction]
+#[pyo3(signature = (name, namespace=None))]
+fn get_actor(
+    py: Python<'_>,
+    name: String,
+    namespace: Option<String>,
+) -> PyResult<(String, String, String)> {
+    let h = py.detach(|| tpuray::get_actor(&name, namespace.as_deref())).map_err(cluster_err)?;
+    Ok((h.actor_id, h.class, h.name))
+}
+
+/// The actor's state as the head has it: `(state, death_cause, node_id, pid)`, waiting up
+/// to `wait` seconds for it to be alive or dead.
+#[pyfunction]
+fn actor_state(
+    py: Python<'_>,
+    actor_id: String,
+    wait: f64,
+) -> PyResult<(String, String, String, u32)> {
+    let a = py
+        .detach(|| raw::actor_info(&actor_id, Duration::from_secs_f64(wait.max(0.0))))
+        .map_err(cluster_err)?;
+    let state = tpuray_proto::pb::ActorState::try_from(a.state)
+        .map(|s| s.as_str_name().trim_start_matches("ACTOR_STATE_").to_string())
+        .unwrap_or_default();
+    Ok((state, a.death_cause, a.node_id, a.pid))
+}
+
+/// `ray.nodes()`: one dict per node with Ray's keys.
+#[pyfunction]
+fn nodes(py: Python<'_>) -> PyResult<Py<PyList>> {
+    let ns = py.detach(tpuray::nodes).map_err(cluster_err)?;
+    let out = PyList::empty(py);
+    for n in ns {
+        let d = PyDict::new(py);
+        d.set_item("NodeID", n.node_id)?;
+        d.set_item("Alive", n.alive)?;
+        d.set_item("NodeManagerAddress", n.address)?;
+        d.set_item("Resources", n.resources)?;
+        d.set_item("Labels", n.labels)?;
+        out.append(d)?;
+    }
+    Ok(out.unbind())
+}
+
+#[pyfunction]
+fn cluster_resources(py: Python<'_>) -> PyResult<BTreeMap<String, f64>> {
+    py.detach(tpuray::cluster_resources).map_err(cluster_err)
+}
+
+#[pyfunction]
+fn available_resources(py: Python<'_>) -> PyResult<BTreeMap<String, f64>> {
+    py.detach(tpuray::available_resources).map_err(cluster_err)
+}
+
+// ---- placement groups ----
+
+/// Creates a placement group; returns `(id, bundle_count)`.
+#[pyfunction]
+#[pyo3(signature = (bundles, strategy, name=None, namespace=None, detached=false, bundle_label_selector=None))]
+fn create_placement_group(
+    py: Python<'_>,
+    bundles: Vec<BTreeMap<String, f64>>,
+    strategy: String,
+    name: Option<String>,
+    namespace: Option<String>,
+    detached: bool,
+    bundle_label_selector: Option<Vec<BTreeMap<String, String>>>,
+) -> PyResult<(String, usize)> {
+    let opts = tpuray::PlacementGroupOptions {
+        name,
+        namespace,
+        detached,
+        bundle_label_selector: bundle_label_selector.unwrap_or_default(),
+    };
+    let pg = py
+        .detach(|| tpuray::placement_group_with(&bundles, &strategy, &opts))
+        .map_err(cluster_err)?;
+    Ok((pg.id().to_string(), pg.bundle_count()))
+}
+
+fn pg_dict(
+    py: Python<'_>,
+    s: tpuray::placement_group::PlacementGroupState,
+) -> PyResult<Py<PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("placement_group_id", s.id)?;
+    d.set_item("name", s.name)?;
+    d.set_item("state", s.state)?;
+    d.set_item("strategy", s.strategy)?;
+    let bundles: HashMap<usize, BTreeMap<String, f64>> =
+        s.bundles.into_iter().enumerate().collect();
+    d.set_item("bundles", bundles)?;
+    let nodes: HashMap<usize, String> = s.bundle_nodes.into_iter().enumerate().collect();
+    d.set_item("bundles_to_node_id", nodes)?;
+    d.set_item("pending_reason", s.pending_reason)?;
+    Ok(d.unbind())
+}
+
+/// The state of group `id` as a `placement_group_table` entry, waiting up to `wait`
+/// seconds for it to be created or removed.
+#[pyfunction]
+fn placement_group_state(py: Python<'_>, id: String, wait: f64) -> PyResult<Py<PyDict>> {
+    let s = py
+        .detach(|| {
+            tpuray::placement_group::state_of_id(&id, Duration::from_secs_f64(wait.max(0.0)))
+        })
+        .map_err(cluster_err)?;
+    pg_dict(py, s)
+}
+
+#[pyfunction]
+fn placement_group_table(py: Python<'_>) -> PyResult<Py<PyList>> {
+    let all = py.detach(tpuray::placement_group_table).map_err(cluster_err)?;
+    let out = PyList::empty(py);
+    for s in all {
+        out.append(pg_dict(py, s)?)?;
+    }
+    Ok(out.unbind())
+}
+
+#[pyfunction]
+fn remove_placement_group(py: Python<'_>, id: String) -> PyResult<()> {
+    py.detach(|| tpuray::placement_group::remove_by_id(&id)).map_err(cluster_err)
+}
+
+/// `(id, bundle_count)` of the group named `name`.
+#[pyfunction]
+#[pyo3(signature = (name, namespace=None))]
+fn get_placement_group(
+    py: Python<'_>,
+    name: String,
+    namespace: Option<String>,
+) -> PyResult<(String, usize)> {
+    let pg = py
+        .detach(|| tpuray::get_placement_group(&name, namespace.as_deref()))
+        .map_err(cluster_err)?;
+    Ok((pg.id().to_string(), pg.bundle_count()))
+}
+
+/// A TPU slice group: `(id, bundle_count, accelerator_type, num_hosts, chips_per_host)`.
+#[pyfunction]
+#[pyo3(signature = (topology, accelerator_version, resources_per_bundle=None, num_slices=1))]
+fn slice_placement_group(
+    py: Python<'_>,
+    topology: String,
+    accelerator_version: String,
+    resources_per_bundle: Option<BTreeMap<String, f64>>,
+    num_slices: u32,
+) -> PyResult<(String, usize, String, u32, u32)> {
+    let s = py
+        .detach(|| {
+            tpuray::slice_placement_group(
+                &topology,
+                &accelerator_version,
+                resources_per_bundle.as_ref(),
+                num_slices,
+            )
+        })
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok((
+        s.placement_group.id().to_string(),
+        s.placement_group.bundle_count(),
+        s.accelerator_type,
+        s.num_hosts,
+        s.chips_per_host,
+    ))
+}
+
+// ---- worker side ----
+
+/// Calls the Python runtime object for each task the executor runs.
+struct PyRuntime {
+    obj: Py<PyAny>,
+}
+
+fn info_dict<'py>(py: Python<'py>, t: &TaskInfo) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("task_id", &t.task_id)?;
+    d.set_item("job_id", &t.job_id)?;
+    d.set_item("function", &t.function)?;
+    d.set_item("class_name", &t.class_name)?;
+    d.set_item("name", &t.name)?;
+    d.set_item("actor_id", &t.actor_id)?;
+    d.set_item("attempt", t.attempt)?;
+    d.set_item("num_returns", t.num_returns)?;
+    Ok(d)
+}
+
+impl PyRuntime {
+    /// Calls `method(info, args)` on the runtime object, which answers `("ok", [bytes...],
+    /// [RefCore...])` or `("err", message, payload)`.
+    fn call(
+        &self,
+        method: &str,
+        t: &TaskInfo,
+        args: Vec<Vec<u8>>,
+    ) -> Result<ForeignReturn, TaskFailure> {
+        Python::attach(|py| {
+            let run = || -> PyResult<Result<ForeignReturn, TaskFailure>> {
+                let info = info_dict(py, t)?;
+                let args = PyList::new(py, args.iter().map(|a| PyBytes::new(py, a)))?;
+                let r = self.obj.bind(py).call_method1(method, (info, args))?;
+                let tag: String = r.get_item(0)?.extract()?;
+                if tag == "ok" {
+                    let values: Vec<Vec<u8>> = r.get_item(1)?.extract()?;
+                    let nested: Vec<Bound<'_, PyRef>> = r.get_item(2)?.extract()?;
+                    Ok(Ok(ForeignReturn {
+                        values,
+                        nested: nested.iter().map(|n| n.get().inner.clone()).collect(),
+                    }))
+                } else {
+                    let message: String = r.get_item(1)?.extract()?;
+                    let payload: Vec<u8> = r.get_item(2)?.extract()?;
+                    Ok(Err(TaskFailure::with_payload(message, payload)))
+                }
+            };
+            run().unwrap_or_else(|e| {
+                Err(TaskFailure::application(format!("tpuray's Python runtime failed: {e}")))
+            })
+        })
+    }
+}
+
+impl ForeignRuntime for PyRuntime {
+    fn run_task(&self, task: &TaskInfo, args: Vec<Vec<u8>>) -> Result<ForeignReturn, TaskFailure> {
+        self.call("run_task", task, args)
+    }
+    fn create_actor(&self, task: &TaskInfo, args: Vec<Vec<u8>>) -> Result<(), TaskFailure> {
+        self.call("create_actor", task, args).map(|_| ())
+    }
+    fn call_method(
+        &self,
+        task: &TaskInfo,
+        args: Vec<Vec<u8>>,
+    ) -> Result<ForeignReturn, TaskFailure> {
+        self.call("call_method", task, args)
+    }
+}
+
+/// The worker process's main loop: installs `runtime` (an object with `run_task`,
+/// `create_actor` and `call_method`) and serves until the node agent stops the worker.
+/// Returns the exit code.
+#[pyfunction]
+fn run_worker(py: Python<'_>, runtime: Py<PyAny>) -> PyResult<i32> {
+    tpuray::foreign::set_language("python").map_err(PyRuntimeError::new_err)?;
+    tpuray::foreign::set_runtime("python", Box::new(PyRuntime { obj: runtime }))
+        .map_err(PyRuntimeError::new_err)?;
+    Ok(py.detach(|| match tpuray::worker::run_worker() {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("tpuray worker: {e}");
+            1
+        }
+    }))
+}
+
 #[pymodule]
 fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run, m)?)?;
+    m.add_class::<PyRef>()?;
+    for f in [
+        wrap_pyfunction!(init_driver, m)?,
+        wrap_pyfunction!(process_info, m)?,
+        wrap_pyfunction!(is_initialized, m)?,
+        wrap_pyfunction!(shutdown, m)?,
+        wrap_pyfunction!(submit, m)?,
+        wrap_pyfunction!(create_actor, m)?,
+        wrap_pyfunction!(call_actor, m)?,
+        wrap_pyfunction!(get, m)?,
+        wrap_pyfunction!(put, m)?,
+        wrap_pyfunction!(wait, m)?,
+        wrap_pyfunction!(deserialize_ref, m)?,
+        wrap_pyfunction!(cancel, m)?,
+        wrap_pyfunction!(kv_get, m)?,
+        wrap_pyfunction!(kv_put, m)?,
+        wrap_pyfunction!(kill_actor, m)?,
+        wrap_pyfunction!(get_actor, m)?,
+        wrap_pyfunction!(actor_state, m)?,
+        wrap_pyfunction!(nodes, m)?,
+        wrap_pyfunction!(cluster_resources, m)?,
+        wrap_pyfunction!(available_resources, m)?,
+        wrap_pyfunction!(create_placement_group, m)?,
+        wrap_pyfunction!(placement_group_state, m)?,
+        wrap_pyfunction!(placement_group_table, m)?,
+        wrap_pyfunction!(remove_placement_group, m)?,
+        wrap_pyfunction!(get_placement_group, m)?,
+        wrap_pyfunction!(slice_placement_group, m)?,
+        wrap_pyfunction!(run_worker, m)?,
+    ] {
+        m.add_function(f)?;
+    }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -22,14 +22,14 @@ impl ActorHandle {
     #[doc(hidden)]
     pub fn call<T>(&self, method: &str, args: Vec<Arg>) -> ObjectRef<T> {
         let core = crate::core::core().expect("tpuray::init must run before calling actors");
-        let spec = core.call_actor(self, method, args, false);
+        let spec = core.call_actor(self, method, args, false, 1);
         ObjectRef::from_raw(RawRef::adopt(spec.return_ids[0].clone(), core.address.clone()))
     }
 
     #[doc(hidden)]
     pub fn call_streaming<T>(&self, method: &str, args: Vec<Arg>) -> ObjectRefGenerator<T> {
         let core = crate::core::core().expect("tpuray::init must run before calling actors");
-        let spec = core.call_actor(self, method, args, true);
+        let spec = core.call_actor(self, method, args, true, 0);
         ObjectRefGenerator {
             task_id: spec.task_id,
             function: spec.name,

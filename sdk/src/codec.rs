@@ -14,6 +14,8 @@ pub type ArgBytes = Vec<u8>;
 /// What a task produced: one value, or a stream of values (generator tasks).
 pub enum Encoded {
     Value(Vec<u8>),
+    /// Values from a foreign runtime (one per return object) and their nested refs.
+    Foreign(crate::foreign::ForeignReturn),
     Stream(Box<dyn Iterator<Item = Result<Vec<u8>, TaskFailure>> + Send>),
 }
 

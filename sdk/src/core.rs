@@ -151,6 +151,8 @@ struct Class {
     pg: Option<(String, i32)>,
     queue: Mutex<VecDeque<Queued>>,
     leases: AtomicUsize,
+    /// Tasks pushed to this class's leased workers and not answered yet.
+    in_flight: AtomicUsize,
     warned: AtomicBool,
     /// Signalled when a task is queued (a lingering lease picks it up).
     queued: Notify,
@@ -873,7 +875,7 @@ impl Core {
             task_id,
             job_id: self.job_id.clone(),
             function: Some(pb::FunctionDescriptor {
-                language: "rust".into(),
+                language: crate::foreign::language().into(),
                 name: function.into(),
                 class_name: String::new(),
             }),
@@ -930,7 +932,7 @@ impl Core {
         let mut spec = self.base_spec(
             function,
             opts.name.as_deref(),
-            if streaming { 0 } else { 1 },
+            if streaming { 0 } else { opts.num_returns },
             streaming,
         );
         spec.resources = resources.clone();
@@ -962,6 +964,7 @@ impl Core {
                     pg,
                     queue: Mutex::new(VecDeque::new()),
                     leases: AtomicUsize::new(0),
+                    in_flight: AtomicUsize::new(0),
                     warned: AtomicBool::new(false),
                     queued: Notify::new(),
                 })
@@ -996,7 +999,10 @@ impl Core {
         let queued = class.queue.lock().unwrap().len();
         loop {
             let cur = class.leases.load(Ordering::SeqCst);
-            let want = queued.div_ceil(pipeline_depth()).clamp(1, MAX_LEASES_PER_CLASS);
+            // Busy leases count too: a task queued behind a running one gets a
+            // lease of its own instead of waiting (as Ray requests one per task).
+            let busy = class.in_flight.load(Ordering::SeqCst);
+            let want = (queued + busy).div_ceil(pipeline_depth()).clamp(1, MAX_LEASES_PER_CLASS);
             if queued == 0 || cur >= want {
                 return;
             }
@@ -1047,7 +1053,7 @@ impl Core {
                 let req = pb::RequestWorkerLeaseRequest {
                     request_id: tpuray_proto::new_request_id(),
                     job_id: self.job_id.clone(),
-                    language: "rust".into(),
+                    language: crate::foreign::language().into(),
                     runtime_env_hash: String::new(),
                     resources: class.resources.clone(),
                     label_selector: class.labels.clone(),
@@ -1185,6 +1191,7 @@ impl Core {
                     Running { worker_address: g.worker_address.clone(), cancelled: false },
                 );
                 let mut c = client.clone();
+                class.in_flight.fetch_add(1, Ordering::SeqCst);
                 in_flight.spawn(async move {
                     let r = c.push_task(pb::PushTaskRequest { spec: Some(q.spec.clone()) }).await;
                     (q, r)
@@ -1206,6 +1213,7 @@ impl Core {
                 continue;
             }
             let Some(done) = in_flight.join_next().await else { break };
+            class.in_flight.fetch_sub(1, Ordering::SeqCst);
             let Ok((q, result)) = done else { continue };
             match result {
                 Ok(reply) => self.complete(class, q, reply.into_inner()),
@@ -1427,12 +1435,24 @@ impl Core {
         args: Vec<Arg>,
         opts: &crate::options::ActorOptions,
     ) -> Result<crate::actor::ActorHandle, Error> {
-        let mut spec = self.base_spec(class, None, 0, false);
+        self.create_actor_as(class, class, args, opts).await
+    }
+
+    /// Creates an actor of class `class` (the worker's key for it: a registry name, or a
+    /// function-table key for Python) shown as `display`.
+    pub(crate) async fn create_actor_as(
+        self: &Arc<Self>,
+        class: &str,
+        display: &str,
+        args: Vec<Arg>,
+        opts: &crate::options::ActorOptions,
+    ) -> Result<crate::actor::ActorHandle, Error> {
+        let mut spec = self.base_spec(class, Some(display), 0, false);
         spec.actor_creation = true;
         spec.function = Some(pb::FunctionDescriptor {
-            language: "rust".into(),
+            language: crate::foreign::language().into(),
             name: class.into(),
-            class_name: class.into(),
+            class_name: display.into(),
         });
         spec.max_concurrency = opts.max_concurrency.max(1);
         let (args, _pins) =
@@ -1455,7 +1475,7 @@ impl Core {
                 job_id: self.job_id.clone(),
                 name: opts.name.clone().unwrap_or_default(),
                 namespace: opts.namespace.clone().unwrap_or_default(),
-                class_name: class.to_string(),
+                class_name: display.to_string(),
                 resources,
                 max_restarts: opts.max_restarts,
                 detached: opts.detached,
@@ -1465,12 +1485,12 @@ impl Core {
                 creation_task: prost::Message::encode_to_vec(&spec),
             })
             .await
-            .map_err(|s| Error::Cluster(format!("creating actor {class}: {}", s.message())))?
+            .map_err(|s| Error::Cluster(format!("creating actor {display}: {}", s.message())))?
             .into_inner();
         let a = reply.actor.unwrap_or_default();
         Ok(crate::actor::ActorHandle {
             actor_id: a.actor_id,
-            class: class.to_string(),
+            class: display.to_string(),
             name: a.name,
         })
     }
@@ -1482,13 +1502,18 @@ impl Core {
         method: &str,
         args: Vec<Arg>,
         streaming: bool,
+        num_returns: u32,
     ) -> pb::TaskSpec {
         let display = format!("{}.{method}", short_class(&handle.class));
-        let mut spec =
-            self.base_spec(method, Some(&display), if streaming { 0 } else { 1 }, streaming);
+        let mut spec = self.base_spec(
+            method,
+            Some(&display),
+            if streaming { 0 } else { num_returns },
+            streaming,
+        );
         spec.actor_id = handle.actor_id.clone();
         spec.function = Some(pb::FunctionDescriptor {
-            language: "rust".into(),
+            language: crate::foreign::language().into(),
             name: method.into(),
             class_name: handle.class.clone(),
         });

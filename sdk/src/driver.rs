@@ -105,6 +105,23 @@ async fn upload_binary(
 /// # Errors
 /// [`Error::Cluster`] naming the missing address, token or head refusal.
 pub fn init(address: Option<&str>) -> Result<(), Error> {
+    init_with(address, &DriverOptions { upload_binary: true, namespace: None })
+}
+
+/// How a driver joins: [`init`] uploads the program's binary (a Rust job is its own
+/// worker); a Python driver does not (its workers are Python processes).
+#[derive(Clone, Debug, Default)]
+pub struct DriverOptions {
+    pub upload_binary: bool,
+    /// The job's namespace for named actors and groups (default "default").
+    pub namespace: Option<String>,
+}
+
+/// [`init`] with options.
+///
+/// # Errors
+/// As [`init`].
+pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Error> {
     if crate::worker::is_worker_process() {
         let code = match crate::worker::run_worker() {
             Ok(()) => 0,
@@ -154,13 +171,14 @@ pub fn init(address: Option<&str>) -> Result<(), Error> {
             })?;
         let exe = std::env::current_exe()
             .map_err(|e| Error::Cluster(format!("cannot find this program's binary: {e}")))?;
-        let hash = upload_binary(&mut head, &exe).await?;
+        let hash =
+            if opts.upload_binary { upload_binary(&mut head, &exe).await? } else { String::new() };
         let mut req = Request::new(pb::RegisterJobRequest {
             request_id: tpuray_proto::new_request_id(),
             protocol_version: tpuray_proto::PROTOCOL_VERSION,
             driver_address: String::new(),
             entrypoint: std::env::args().collect::<Vec<_>>().join(" "),
-            namespace: String::new(),
+            namespace: opts.namespace.clone().unwrap_or_default(),
             driver_pid: std::process::id(),
             worker_binary_hash: hash,
         });

@@ -9,17 +9,23 @@ use tpuray_proto::pb::task_error::Kind;
 pub struct TaskFailure {
     pub kind: Kind,
     pub message: String,
+    /// The error as its language serializes it (empty for Rust).
+    pub payload: Vec<u8>,
 }
 
 impl TaskFailure {
     pub fn application(message: impl Into<String>) -> Self {
-        Self { kind: Kind::Application, message: message.into() }
+        Self::new(Kind::Application, message)
     }
     pub fn bad_arguments(message: impl Into<String>) -> Self {
-        Self { kind: Kind::BadArguments, message: message.into() }
+        Self::new(Kind::BadArguments, message)
     }
     pub fn new(kind: Kind, message: impl Into<String>) -> Self {
-        Self { kind, message: message.into() }
+        Self { kind, message: message.into(), payload: Vec::new() }
+    }
+    /// An application error carrying its serialized exception.
+    pub fn with_payload(message: impl Into<String>, payload: Vec<u8>) -> Self {
+        Self { kind: Kind::Application, message: message.into(), payload }
     }
 }
 
@@ -28,7 +34,14 @@ impl TaskFailure {
 pub enum Error {
     /// The task's function returned an error or panicked (Ray's `RayTaskError`).
     #[error("task {function} failed on node {node} (pid {pid}): {message}")]
-    Task { function: String, message: String, node: String, pid: u32 },
+    Task {
+        function: String,
+        message: String,
+        node: String,
+        pid: u32,
+        /// The error as its language serialized it (Python: the pickled exception).
+        payload: Vec<u8>,
+    },
     /// The worker running the task died and no retries were left (`WorkerCrashedError`).
     #[error("task {function}: the worker running it died: {message}")]
     WorkerDied { function: String, message: String },
@@ -70,6 +83,7 @@ impl Error {
                 message: e.message.clone(),
                 node: e.node_id.clone(),
                 pid: e.pid,
+                payload: e.payload.clone(),
             },
         }
     }

@@ -29,7 +29,8 @@ struct CallerQueue {
 }
 
 struct ActorHost {
-    class: &'static ActorClass,
+    /// The class in this binary's registry; `None` for an actor of a foreign runtime.
+    class: Option<&'static ActorClass>,
     state: Mutex<Box<dyn std::any::Any + Send>>,
     callers: Mutex<HashMap<String, CallerQueue>>,
 }
@@ -51,8 +52,32 @@ fn failure(spec: &pb::TaskSpec, core: &Core, f: TaskFailure) -> pb::PushTaskRepl
             function_name: spec.name.clone(),
             node_id: core.node_id.clone(),
             pid: std::process::id(),
+            payload: f.payload,
         }),
         ..Default::default()
+    }
+}
+
+/// Executor threads of one actor at most (`max_concurrency` above this shares them).
+const MAX_EXECUTOR_THREADS: u32 = 256;
+
+/// The foreign runtime that runs `spec`, when its language is not Rust.
+fn foreign_of(spec: &pb::TaskSpec) -> Option<&'static dyn crate::foreign::ForeignRuntime> {
+    let lang = spec.function.as_ref().map(|f| f.language.as_str()).unwrap_or("rust");
+    if lang == "rust" || lang.is_empty() { None } else { crate::foreign::runtime_for(lang) }
+}
+
+fn task_info(spec: &pb::TaskSpec) -> crate::foreign::TaskInfo {
+    let f = spec.function.clone().unwrap_or_default();
+    crate::foreign::TaskInfo {
+        task_id: spec.task_id.clone(),
+        job_id: spec.job_id.clone(),
+        function: f.name,
+        class_name: f.class_name,
+        name: spec.name.clone(),
+        actor_id: spec.actor_id.clone(),
+        attempt: spec.attempt,
+        num_returns: spec.num_returns,
     }
 }
 
@@ -78,6 +103,20 @@ impl Executor {
     ) -> Result<Arc<Self>, String> {
         let mut threads = 1;
         let actor = match creation {
+            Some(spec) if foreign_of(&spec).is_some() => {
+                let rt = foreign_of(&spec).expect("checked");
+                let args = resolve_args(&core, &spec).map_err(|f| f.message)?;
+                let info = task_info(&spec);
+                std::panic::catch_unwind(AssertUnwindSafe(|| rt.create_actor(&info, args)))
+                    .map_err(|p| format!("{} constructor {}", info.class_name, panic_message(p)))?
+                    .map_err(|f| f.message)?;
+                threads = spec.max_concurrency.clamp(1, MAX_EXECUTOR_THREADS) as usize;
+                Some(ActorHost {
+                    class: None,
+                    state: Mutex::new(Box::new(())),
+                    callers: Mutex::new(HashMap::new()),
+                })
+            }
             Some(spec) => {
                 let class_name =
                     spec.function.as_ref().map(|f| f.class_name.clone()).unwrap_or_default();
@@ -88,9 +127,9 @@ impl Executor {
                 let state = std::panic::catch_unwind(AssertUnwindSafe(|| (class.construct)(&args)))
                     .map_err(|p| format!("{class_name} constructor {}", panic_message(p)))?
                     .map_err(|f| format!("{class_name} constructor failed: {}", f.message))?;
-                threads = spec.max_concurrency.max(1) as usize;
+                threads = spec.max_concurrency.clamp(1, MAX_EXECUTOR_THREADS) as usize;
                 Some(ActorHost {
-                    class,
+                    class: Some(class),
                     state: Mutex::new(state),
                     callers: Mutex::new(HashMap::new()),
                 })
@@ -185,6 +224,7 @@ impl Executor {
                 }
             }
             Ok(Encoded::Stream(items)) => self.stream(spec, items),
+            Ok(Encoded::Foreign(ret)) => self.store_foreign(spec, ret),
             Err(f) => failure(spec, core, f),
         };
         let mut reply = reply;
@@ -197,9 +237,51 @@ impl Executor {
         reply
     }
 
+    /// Stores a foreign runtime's return values, one per return id.
+    fn store_foreign(
+        &self,
+        spec: &pb::TaskSpec,
+        ret: crate::foreign::ForeignReturn,
+    ) -> pb::PushTaskReply {
+        if ret.values.len() != spec.return_ids.len() {
+            return failure(
+                spec,
+                &self.core,
+                TaskFailure::application(format!(
+                    "{} returned {} value(s) but num_returns is {}",
+                    spec.name,
+                    ret.values.len(),
+                    spec.return_ids.len()
+                )),
+            );
+        }
+        let mut returns = Vec::with_capacity(ret.values.len());
+        for (id, bytes) in spec.return_ids.iter().zip(ret.values) {
+            match self.store_return(id, bytes) {
+                Ok(r) => returns.push(r),
+                Err(f) => return failure(spec, &self.core, f),
+            }
+        }
+        let nested = if returns.is_empty() { vec![] } else { self.hand_over(spec, ret.nested) };
+        pb::PushTaskReply { returns, nested_in_return: nested, ..Default::default() }
+    }
+
     fn invoke(&self, spec: &pb::TaskSpec) -> Result<Encoded, TaskFailure> {
         let args = resolve_args(&self.core, spec)?;
         let f = spec.function.clone().unwrap_or_default();
+        if let Some(rt) = foreign_of(spec) {
+            let info = task_info(spec);
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                if spec.actor_id.is_empty() {
+                    rt.run_task(&info, args)
+                } else {
+                    rt.call_method(&info, args)
+                }
+            }));
+            return r
+                .map_err(|p| TaskFailure::application(panic_message(p)))?
+                .map(Encoded::Foreign);
+        }
         let result = if spec.actor_id.is_empty() {
             let invoke = registry::function(&f.name).ok_or_else(|| {
                 TaskFailure::new(
@@ -217,10 +299,13 @@ impl Executor {
                 .actor
                 .as_ref()
                 .ok_or_else(|| TaskFailure::new(Kind::ActorDied, "no actor here"))?;
-            let method = actor.class.method(&f.name).ok_or_else(|| {
+            let class = actor.class.ok_or_else(|| {
+                TaskFailure::new(Kind::FunctionNotFound, "this actor's language runtime is gone")
+            })?;
+            let method = class.method(&f.name).ok_or_else(|| {
                 TaskFailure::new(
                     Kind::FunctionNotFound,
-                    format!("actor class {} has no method {}", actor.class.name, f.name),
+                    format!("actor class {} has no method {}", class.name, f.name),
                 )
             })?;
             let mut state = actor.state.lock().unwrap_or_else(|p| p.into_inner());

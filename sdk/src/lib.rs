@@ -31,9 +31,11 @@ pub mod core;
 pub mod driver;
 pub mod error;
 mod executor;
+pub mod foreign;
 pub mod object_ref;
 pub mod options;
 pub mod placement_group;
+pub mod raw;
 pub mod registry;
 mod service;
 pub mod worker;
@@ -45,7 +47,10 @@ use serde::de::DeserializeOwned;
 
 pub use actor::ActorHandle;
 pub use codec::{Blob, IntoArg};
-pub use driver::{NodeSummary, available_resources, cluster_resources, init, nodes, shutdown};
+pub use driver::{
+    DriverOptions, NodeSummary, available_resources, cluster_resources, init, init_with, nodes,
+    shutdown,
+};
 pub use error::{Error, TaskFailure};
 pub use object_ref::{Generator, ObjectRef, ObjectRefGenerator, RawRef};
 pub use options::{ActorOptions, Scheduling, TaskOptions};

@@ -64,6 +64,8 @@ pub struct TaskOptions {
     pub label_selector: BTreeMap<String, String>,
     /// Display name (default: the function's path).
     pub name: Option<String>,
+    /// Return objects the task produces (default 1; Ray's `num_returns`).
+    pub num_returns: u32,
 }
 
 impl Default for TaskOptions {
@@ -77,6 +79,7 @@ impl Default for TaskOptions {
             scheduling: Scheduling::Default,
             label_selector: BTreeMap::new(),
             name: None,
+            num_returns: 1,
         }
     }
 }

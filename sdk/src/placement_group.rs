@@ -129,6 +129,14 @@ fn state_of(info: pb::PlacementGroupInfo) -> PlacementGroupState {
     }
 }
 
+/// The state of group `id`, waiting up to `wait` for it to be created or removed.
+///
+/// # Errors
+/// The head cannot be reached or does not know the group.
+pub fn state_of_id(id: &str, wait: Duration) -> Result<PlacementGroupState, Error> {
+    fetch(id, wait)
+}
+
 fn fetch(id: &str, wait: Duration) -> Result<PlacementGroupState, Error> {
     let core = core()?;
     core.rt.block_on(async {
@@ -230,12 +238,20 @@ pub fn placement_group_with(
 /// # Errors
 /// The head cannot be reached or does not know the group.
 pub fn remove_placement_group(pg: &PlacementGroup) -> Result<(), Error> {
+    remove_by_id(&pg.id)
+}
+
+/// [`remove_placement_group`] by group id.
+///
+/// # Errors
+/// As [`remove_placement_group`].
+pub fn remove_by_id(id: &str) -> Result<(), Error> {
     let core = core()?;
     core.rt.block_on(async {
         let mut head = core.head_client()?;
         head.remove_placement_group(pb::RemovePlacementGroupRequest {
             request_id: tpuray_proto::new_request_id(),
-            placement_group_id: pg.id.clone(),
+            placement_group_id: id.to_string(),
         })
         .await
         .map_err(|s| Error::Cluster(s.message().to_string()))?;

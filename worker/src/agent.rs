@@ -70,6 +70,18 @@ pub struct AgentConfig {
     pub store: tpuray_objectstore::LocalStore,
 }
 
+/// KV namespace of each Python job's runtime record (interpreter, `sys.path`, working
+/// directory, environment variables), keyed by job id.
+pub const JOB_RUNTIME_NAMESPACE: &str = "job_runtime";
+
+/// How to start a worker process.
+#[derive(Clone, Debug, Default)]
+struct WorkerCommand {
+    argv: Vec<String>,
+    env: Vec<(String, String)>,
+    cwd: Option<PathBuf>,
+}
+
 /// A worker pool key (AGENT-3).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct PoolKey {
@@ -486,11 +498,23 @@ impl Agent {
             })
         };
         let (out, err) = (open(&out_path)?, open(&err_path)?);
-        let command = self.worker_command_for(&key.job_id).await?;
+        let command = if key.language == "python" {
+            self.python_worker_command(&key.job_id).await?
+        } else {
+            WorkerCommand {
+                argv: self.worker_command_for(&key.job_id).await?,
+                ..Default::default()
+            }
+        };
         let (prog, args) = command
+            .argv
             .split_first()
             .ok_or_else(|| Status::internal("no worker command configured"))?;
         let mut cmd = tokio::process::Command::new(prog);
+        if let Some(dir) = &command.cwd {
+            cmd.current_dir(dir);
+        }
+        cmd.envs(command.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         cmd.args(args)
             .env("TPURAY_AGENT_ADDRESS", &self.config.advertise_address)
             .env("TPURAY_HEAD_ADDRESS", &self.config.head_address)
@@ -623,6 +647,53 @@ impl Agent {
             agent.on_worker_exit(&wid, pid, status);
         });
         Ok((worker_id, address, pid))
+    }
+
+    /// The command that starts a Python worker of `job_id`: the interpreter the driver runs
+    /// (from the job's runtime record in the KV, `job_runtime/<job id>`, written by the
+    /// Python driver at `init`) with `-m tpuray._worker`, in the driver's working directory
+    /// with its `sys.path`, when they exist on this node; `python3` otherwise.
+    async fn python_worker_command(&self, job_id: &str) -> Result<WorkerCommand, Status> {
+        let mut head =
+            tpuray_proto::client::head(&self.head_leader(), self.config.token.as_deref())
+                .map_err(|e| Status::internal(e.to_string()))?;
+        let rec = head
+            .kv_get(pb::KvGetRequest {
+                namespace: JOB_RUNTIME_NAMESPACE.into(),
+                key: job_id.as_bytes().to_vec(),
+            })
+            .await?
+            .into_inner();
+        let v: serde_json::Value = if rec.found {
+            serde_json::from_slice(&rec.value).map_err(|e| {
+                Status::failed_precondition(format!(
+                    "job {job_id}'s runtime record is not JSON: {e}"
+                ))
+            })?
+        } else {
+            serde_json::Value::Null
+        };
+        let python = v["python"]
+            .as_str()
+            .filter(|p| std::path::Path::new(p).exists())
+            .unwrap_or("python3")
+            .to_string();
+        let mut env = Vec::new();
+        if let Some(paths) = v["sys_path"].as_array() {
+            let joined: Vec<&str> =
+                paths.iter().filter_map(|p| p.as_str()).filter(|p| !p.is_empty()).collect();
+            env.push(("PYTHONPATH".to_string(), joined.join(":")));
+        }
+        if let Some(vars) = v["env_vars"].as_object() {
+            for (k, val) in vars {
+                if let Some(val) = val.as_str() {
+                    env.push((k.clone(), val.to_string()));
+                }
+            }
+        }
+        env.push(("PYTHONUNBUFFERED".to_string(), "1".to_string()));
+        let cwd = v["cwd"].as_str().filter(|d| std::path::Path::new(d).is_dir()).map(PathBuf::from);
+        Ok(WorkerCommand { argv: vec![python, "-m".into(), "tpuray._worker".into()], env, cwd })
     }
 
     /// The command that starts a worker of `job_id`: the job's own binary
@@ -1329,9 +1400,16 @@ impl NodeAgentService for AgentSvc {
             st.actor_resources
                 .insert(actor_id.clone(), (WorkerId::from_wire(""), resources.clone()));
         }
+        // The actor's language is its creation task's.
+        let language = <pb::TaskSpec as prost::Message>::decode(req.creation_task.as_slice())
+            .ok()
+            .and_then(|t| t.function)
+            .map(|f| f.language)
+            .filter(|l| !l.is_empty())
+            .unwrap_or_else(|| "rust".into());
         let key = PoolKey {
             job_id: JobId::from_wire(req.job_id).to_string(),
-            language: "rust".into(),
+            language,
             runtime_env_hash: String::new(),
             tpu_chips: vec![],
         };

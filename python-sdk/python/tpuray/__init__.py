@@ -1,15 +1,188 @@
 """tpuray: Ray-style tasks and actors with TPU slices as first-class resources.
 
-What this package holds today is the command line: the ``tpuray`` console
-script (also ``python -m tpuray``) runs the same Rust CLI as the native
-binary, through the ``tpuray._tpuray`` extension module, so ``tpuray start``,
-``status``, ``list`` and ``stop`` work after a plain ``pip install``.
-
-The Ray-Core-compatible Python API (``init``, ``remote``, ``get``, ...) is
-not here yet; it arrives with the Python SDK, as a binding over the Rust core
-worker.
+A drop-in for Ray Core's API (``import tpuray as ray``) over tpuray's Rust core worker
+(the ``tpuray._tpuray`` extension): ``init``, ``remote``, ``get``, ``put``, ``wait``,
+``kill``, ``cancel``, ``get_actor``, ``nodes``, ``cluster_resources``,
+``available_resources``, ``get_runtime_context``, ``exceptions``, and ``tpuray.util``
+(placement groups, scheduling strategies, TPU slices). The same package gives the
+``tpuray`` command (``tpuray start``, ``status``, ``list``, ``stop``).
 """
 
-from tpuray._tpuray import __version__
+from __future__ import annotations
 
-__all__ = ["__version__"]
+import inspect as _inspect
+
+from tpuray import exceptions
+from tpuray._private import worker as _worker
+from tpuray._private.serialization import ObjectRef
+from tpuray._tpuray import __version__
+from tpuray.actor import ActorClass, ActorHandle, method
+from tpuray.remote_function import RemoteFunction
+from tpuray.runtime_context import get_runtime_context
+from tpuray import util  # noqa: E402 - imports the util package after the core names
+
+ObjectID = ObjectRef
+
+
+def init(address=None, **kwargs):
+    """Connects to a cluster (Ray's ``ray.init``).
+
+    With no address: ``TPURAY_ADDRESS`` (or ``RAY_ADDRESS``), else the cluster that
+    ``tpuray start --head`` left on this machine, else a new local cluster private to this
+    driver (stopped at ``shutdown`` or exit). Keyword arguments: ``num_cpus``,
+    ``num_gpus``, ``resources`` (for a new local cluster), ``namespace``,
+    ``runtime_env`` (``env_vars`` are set in every worker of the job),
+    ``ignore_reinit_error``.
+
+    Returns:
+        A dict with the job, node and worker ids and addresses.
+
+    Raises:
+        RuntimeError: already initialised (unless ``ignore_reinit_error``).
+        tpuray.exceptions.RaySystemError: the cluster could not be reached or started.
+    """
+    return _worker.init(address, **kwargs)
+
+
+def shutdown() -> None:
+    """Disconnects this driver (Ray's ``ray.shutdown``)."""
+    _worker.shutdown()
+
+
+def is_initialized() -> bool:
+    return _worker.is_initialized()
+
+
+def remote(*args, **kwargs):
+    """Makes a function a remote function or a class an actor class (Ray's
+    ``@ray.remote``, with or without options such as ``num_cpus=2``)."""
+
+    def make(obj, options):
+        if _inspect.isclass(obj):
+            return ActorClass(obj, options)
+        if callable(obj):
+            return RemoteFunction(obj, options)
+        raise TypeError(
+            "The @tpuray.remote decorator must be applied to either a function or a class."
+        )
+
+    if len(args) == 1 and not kwargs and callable(args[0]):
+        return make(args[0], {})
+    if args:
+        raise TypeError("@tpuray.remote takes keyword options only, e.g. @tpuray.remote(num_cpus=2)")
+    return lambda obj: make(obj, kwargs)
+
+
+def get(object_refs, *, timeout=None):
+    """The value of an ``ObjectRef`` (or the values of a list of them), waiting at most
+    ``timeout`` seconds.
+
+    Raises:
+        tpuray.exceptions.RayTaskError: the task raised (also an instance of the task's
+            own exception class).
+        tpuray.exceptions.GetTimeoutError: not ready within ``timeout``.
+        tpuray.exceptions.RayActorError / WorkerCrashedError / ObjectLostError.
+    """
+    return _worker.get(object_refs, timeout)
+
+
+def put(value, **_kwargs) -> ObjectRef:
+    """Stores ``value`` in the object store; returns its ref."""
+    return _worker.put(value)
+
+
+def wait(object_refs, *, num_returns=1, timeout=None, fetch_local=True):
+    """Splits refs into (ready, not ready) once ``num_returns`` are ready or ``timeout``
+    seconds pass; order within each list is kept."""
+    return _worker.wait(
+        object_refs, num_returns=num_returns, timeout=timeout, fetch_local=fetch_local
+    )
+
+
+def kill(actor: ActorHandle, *, no_restart: bool = True) -> None:
+    """Kills an actor (Ray's ``ray.kill``); with ``no_restart=False`` it may restart."""
+    if not isinstance(actor, ActorHandle):
+        raise ValueError(f"ray.kill() only supported for actors. Got: {type(actor)}.")
+    _worker.check_connected()
+    from tpuray import _tpuray
+
+    _tpuray.kill_actor(actor._actor_id, no_restart)
+
+
+def cancel(object_ref: ObjectRef, *, force: bool = False, recursive: bool = True) -> None:
+    """Cancels the task that makes ``object_ref``; ``get`` then raises
+    ``TaskCancelledError``."""
+    from tpuray import _tpuray
+
+    _worker.check_connected()
+    _tpuray.cancel(object_ref._core, force)
+
+
+def get_actor(name: str, namespace: str | None = None) -> ActorHandle:
+    """The live actor named ``name`` (Ray's ``ray.get_actor``).
+
+    Raises:
+        ValueError: no live actor has that name in the namespace.
+    """
+    from tpuray import _tpuray
+
+    _worker.check_connected()
+    try:
+        actor_id, cls, _ = _tpuray.get_actor(name, namespace or _worker.state.namespace)
+    except RuntimeError as e:
+        raise ValueError(
+            f"Failed to look up actor with name '{name}'. This could because 1. You are "
+            "trying to look up a named actor you didn't create. 2. The named actor died. "
+            "3. You did not use a namespace matching the namespace of the actor."
+        ) from e
+    return ActorHandle(actor_id, cls)
+
+
+def nodes() -> list[dict]:
+    """Every node, alive or dead, with Ray's keys (``NodeID``, ``Alive``,
+    ``NodeManagerAddress``, ``Resources``, ``Labels``)."""
+    from tpuray import _tpuray
+
+    _worker.check_connected()
+    return _tpuray.nodes()
+
+
+def cluster_resources() -> dict:
+    from tpuray import _tpuray
+
+    _worker.check_connected()
+    return _tpuray.cluster_resources()
+
+
+def available_resources() -> dict:
+    from tpuray import _tpuray
+
+    _worker.check_connected()
+    return _tpuray.available_resources()
+
+
+__all__ = [
+    "ActorClass",
+    "ActorHandle",
+    "ObjectID",
+    "ObjectRef",
+    "RemoteFunction",
+    "__version__",
+    "available_resources",
+    "cancel",
+    "cluster_resources",
+    "exceptions",
+    "get",
+    "get_actor",
+    "get_runtime_context",
+    "init",
+    "is_initialized",
+    "kill",
+    "method",
+    "nodes",
+    "put",
+    "remote",
+    "shutdown",
+    "util",
+    "wait",
+]

@@ -1,0 +1,1 @@
+"""Internals of the tpuray Python SDK; not a public API."""

@@ -1,0 +1,115 @@
+"""Values to bytes and back: cloudpickle (protocol 5), with the object refs nested in a
+value captured while it is pickled, so the core worker keeps them alive for as long as
+the value lives (CORE-2) and a process that unpickles one registers as its borrower.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import cloudpickle
+
+from tpuray import _tpuray
+
+_capture = threading.local()
+
+
+class ObjectRef:
+    """A reference to an object in the cluster (Ray's ``ObjectRef``).
+
+    Pass it to tasks (top-level arguments are replaced by their values before the task
+    runs; refs nested in other values stay refs), ``get`` it, or ``await`` it inside an
+    async actor.
+    """
+
+    __slots__ = ("_core", "__weakref__")
+
+    def __init__(self, core):
+        self._core = core
+
+    def hex(self) -> str:
+        """The object id as 32 hex characters."""
+        return self._core.id()
+
+    def binary(self) -> bytes:
+        return bytes.fromhex(self._core.id())
+
+    def task_id(self) -> str:
+        return self._core.id()[:-8]
+
+    def owner_address(self) -> str:
+        return self._core.owner()
+
+    def __reduce__(self):
+        nested = getattr(_capture, "refs", None)
+        if nested is not None:
+            nested.append(self._core)
+        return (_rebuild_ref, (self._core.id(), self._core.owner()))
+
+    def __hash__(self) -> int:
+        return hash(self._core.id())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ObjectRef) and other._core.id() == self._core.id()
+
+    def __repr__(self) -> str:
+        return f"ObjectRef({self._core.id()})"
+
+    def future(self):
+        """A ``concurrent.futures.Future`` resolved with the value."""
+        import concurrent.futures
+
+        from tpuray._private import worker
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def resolve():
+            try:
+                fut.set_result(worker.get(self))
+            except BaseException as e:  # noqa: BLE001 - handed to the future
+                fut.set_exception(e)
+
+        threading.Thread(target=resolve, daemon=True).start()
+        return fut
+
+    def __await__(self):
+        import asyncio
+
+        return asyncio.wrap_future(self.future()).__await__()
+
+
+def _rebuild_ref(object_id: str, owner: str) -> ObjectRef:
+    return ObjectRef(_tpuray.deserialize_ref(object_id, owner))
+
+
+def serialize(value) -> tuple[bytes, list]:
+    """Pickles ``value``; returns the bytes and the refs nested in it (core handles).
+
+    Raises:
+        TypeError: the value (or something inside it) cannot be pickled; the message
+            names its type.
+    """
+    prev = getattr(_capture, "refs", None)
+    _capture.refs = []
+    try:
+        data = cloudpickle.dumps(value, protocol=5)
+        return data, _capture.refs
+    except Exception as e:  # noqa: BLE001 - re-raised with the offending object named
+        raise TypeError(
+            f"could not serialize {type(value).__name__} object {_short_repr(value)}: {e}"
+        ) from e
+    finally:
+        _capture.refs = prev
+
+
+def deserialize(data: bytes):
+    """Unpickles bytes made by :func:`serialize` (refs inside become borrowed refs)."""
+    return cloudpickle.loads(data)
+
+
+def _short_repr(value) -> str:
+    try:
+        r = repr(value)
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
+        r = object.__repr__(value)
+    return r if len(r) <= 80 else r[:77] + "..."

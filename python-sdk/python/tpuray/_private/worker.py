@@ -1,0 +1,421 @@
+"""The driver and worker state of one process, over the Rust core worker (``_tpuray``).
+
+Everything that moves values (leases, ownership, borrowing, actor ordering, object
+transfer) happens in the Rust core; this module pickles values, keeps the function
+table, turns errors into Ray's exception classes, and hosts the runtime that a Python
+worker process hands to the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import hashlib
+import inspect
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from typing import Any
+
+from tpuray import _tpuray, exceptions
+from tpuray._private.serialization import ObjectRef, deserialize, serialize
+
+#: KV namespace of pickled functions and classes, keyed by content hash.
+FUNCTION_NAMESPACE = "fn"
+#: KV namespace of each job's runtime record, read by node agents to start Python workers.
+JOB_RUNTIME_NAMESPACE = "job_runtime"
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.connected = False
+        self.mode = None  # "driver" | "worker"
+        self.info: dict = {}
+        self.exported: set[str] = set()
+        self.local_cluster: dict | None = None
+        self.namespace = None
+        self.runtime_env: dict | None = None
+
+
+state = _State()
+_task_context = threading.local()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tpuray_cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tpuray", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def _start_local_cluster(num_cpus, num_gpus, resources) -> str:
+    """Starts a private head (and its node) for this driver, stopped at shutdown (Ray's
+    ``ray.init()`` without an address)."""
+    tmp = tempfile.mkdtemp(prefix="tpuray-local-")
+    env = dict(os.environ)
+    env["TPURAY_REGISTRY_DIR"] = os.path.join(tmp, "registry")
+    env.pop("TPURAY_ADDRESS", None)
+    port = _free_port()
+    args = ["start", "--head", "--port", str(port), "--temp-dir", os.path.join(tmp, "head")]
+    if num_cpus is not None:
+        args += ["--num-cpus", str(num_cpus)]
+    if num_gpus is not None:
+        args += ["--num-gpus", str(num_gpus)]
+    if resources:
+        args += ["--resources", json.dumps(resources)]
+    out = _tpuray_cli(args, env)
+    if out.returncode != 0:
+        raise exceptions.RaySystemError(
+            f"could not start a local tpuray cluster (tpuray {' '.join(args)}):\n{out.stderr}"
+        )
+    state.local_cluster = {"env": env, "dir": tmp}
+    return f"127.0.0.1:{port}"
+
+
+def _stop_local_cluster() -> None:
+    lc = state.local_cluster
+    state.local_cluster = None
+    if lc:
+        _tpuray_cli(["stop"], lc["env"])
+
+
+def _current_cluster_address() -> str | None:
+    reg = os.environ.get("TPURAY_REGISTRY_DIR", "/tmp/tpuray/registry")
+    try:
+        with open(os.path.join(reg, "current_cluster.json")) as f:
+            addr = json.load(f).get("address")
+    except (OSError, ValueError):
+        return None
+    if not addr:
+        return None
+    host, _, port = addr.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=1):
+            return addr
+    except (OSError, ValueError):
+        return None
+
+
+def init(
+    address=None,
+    *,
+    num_cpus=None,
+    num_gpus=None,
+    resources=None,
+    namespace=None,
+    runtime_env=None,
+    ignore_reinit_error=False,
+    **_ignored,
+):
+    """Connects this process to a cluster as a driver (see :func:`tpuray.init`)."""
+    with state.lock:
+        if state.connected:
+            if ignore_reinit_error:
+                return state.info
+            raise RuntimeError(
+                "Maybe you called tpuray.init twice by accident? This error can be "
+                "suppressed by passing in 'ignore_reinit_error=True'."
+            )
+        if address in ("local",):
+            address = None
+        elif address in (None, "auto"):
+            address = os.environ.get("TPURAY_ADDRESS") or os.environ.get("RAY_ADDRESS")
+            if not address or address == "auto":
+                address = _current_cluster_address()
+        if not address:
+            address = _start_local_cluster(num_cpus, num_gpus, resources)
+        info = _tpuray.init_driver(address, namespace)
+        state.info = dict(info)
+        state.connected = True
+        state.mode = "driver"
+        state.namespace = namespace
+        state.runtime_env = runtime_env
+        record = {
+            "python": sys.executable,
+            "cwd": os.getcwd(),
+            "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
+            "env_vars": dict((runtime_env or {}).get("env_vars") or {}),
+        }
+        _tpuray.kv_put(
+            JOB_RUNTIME_NAMESPACE, info["job_id"].encode(), json.dumps(record).encode(), True
+        )
+        atexit.register(shutdown)
+        return state.info
+
+
+def shutdown() -> None:
+    """Disconnects; the job's non-detached actors and groups end (and a local cluster
+    started by ``init`` stops)."""
+    with state.lock:
+        if not state.connected:
+            return
+        state.connected = False
+        if state.mode == "driver":
+            _tpuray.shutdown()
+            _stop_local_cluster()
+
+
+def is_initialized() -> bool:
+    return state.connected
+
+
+def check_connected() -> None:
+    if not state.connected:
+        raise exceptions.RaySystemError(
+            "tpuray is not initialized: call tpuray.init() first"
+        )
+
+
+def auto_init() -> None:
+    if not state.connected:
+        init()
+
+
+# ---- the function table ----
+
+_local_functions: dict[str, Any] = {}
+
+
+def export(obj) -> str:
+    """Pickles a function or class once, stores it in the head's KV under its content hash
+    and returns that key (what workers look it up by)."""
+    data = serialize(obj)[0]
+    key = hashlib.sha256(data).hexdigest()
+    if key not in state.exported:
+        _tpuray.kv_put(FUNCTION_NAMESPACE, key.encode(), data, False)
+        state.exported.add(key)
+        _local_functions[key] = obj
+    return key
+
+
+def load_function(key: str):
+    f = _local_functions.get(key)
+    if f is None:
+        data = _tpuray.kv_get(FUNCTION_NAMESPACE, key.encode())
+        if data is None:
+            raise RuntimeError(f"function {key} is not in the cluster's function table")
+        f = deserialize(data)
+        _local_functions[key] = f
+    return f
+
+
+# ---- arguments and values ----
+
+
+def encode_args(args, kwargs) -> list:
+    """The core's argument list: first ``(len(args), kwarg names)``, then every value;
+    top-level refs travel as refs (resolved to values before the function runs)."""
+    kw_names = list(kwargs)
+    out = [("v", serialize((len(args), kw_names))[0], [])]
+    for v in list(args) + [kwargs[k] for k in kw_names]:
+        if isinstance(v, ObjectRef):
+            out.append(("r", v._core))
+        else:
+            data, nested = serialize(v)
+            out.append(("v", data, nested))
+    return out
+
+
+def decode_args(raw: list[bytes]):
+    n, kw_names = deserialize(raw[0])
+    values = [deserialize(b) for b in raw[1:]]
+    return values[:n], dict(zip(kw_names, values[n:]))
+
+
+def _raise(err) -> None:
+    kind, message, payload, function, node, pid = err
+    if kind == "task":
+        cause = None
+        if payload:
+            try:
+                cause = deserialize(payload)
+            except Exception:  # noqa: BLE001 - the class may not exist here
+                cause = None
+        if isinstance(cause, exceptions.RayTaskError):
+            raise cause
+        e = exceptions.RayTaskError(function, message, cause, pid=pid, ip=node)
+        raise e.as_instanceof_cause()
+    if kind == "worker_died":
+        raise exceptions.WorkerCrashedError(f"task {function}: the worker running it died: {message}")
+    if kind == "actor_died":
+        raise exceptions.ActorDiedError(f"The actor died: {message}")
+    if kind == "cancelled":
+        raise exceptions.TaskCancelledError(f"task {function} was cancelled")
+    if kind == "timeout":
+        raise exceptions.GetTimeoutError(f"Get timed out: {message}")
+    if kind == "object_lost":
+        raise exceptions.ObjectLostError(f"object {function} was lost: {message}")
+    if kind == "infeasible":
+        raise exceptions.RaySchedulingError(message)
+    raise exceptions.RaySystemError(message)
+
+
+def get(refs, timeout=None):
+    check_connected()
+    single = isinstance(refs, ObjectRef)
+    items = [refs] if single else list(refs)
+    for r in items:
+        if not isinstance(r, ObjectRef):
+            raise TypeError(
+                f"get() expects an ObjectRef or a list of ObjectRefs, got {type(r).__name__}"
+            )
+    if timeout is not None and timeout < 0:
+        raise ValueError(f"timeout must be >= 0 or None (got {timeout})")
+    results = _tpuray.get([r._core for r in items], timeout)
+    values = []
+    for tag, v in results:
+        if tag == 1:
+            _raise(v)
+        values.append(deserialize(v))
+    return values[0] if single else values
+
+
+def put(value) -> ObjectRef:
+    check_connected()
+    if isinstance(value, ObjectRef):
+        raise TypeError("Calling 'put' on an ObjectRef is not allowed")
+    data, nested = serialize(value)
+    return ObjectRef(_tpuray.put(data, nested))
+
+
+def wait(refs, *, num_returns=1, timeout=None, fetch_local=True):
+    check_connected()
+    if isinstance(refs, ObjectRef):
+        raise TypeError("wait() expected a list of ObjectRef, got a single ObjectRef")
+    refs = list(refs)
+    if len(set(refs)) != len(refs):
+        raise ValueError("Wait requires a list of unique object refs.")
+    if num_returns <= 0:
+        raise ValueError("Invalid number of objects to return %d." % num_returns)
+    if num_returns > len(refs):
+        raise ValueError("num_returns cannot be greater than the number of objects provided.")
+    ready_flags = _tpuray.wait([r._core for r in refs], num_returns, timeout)
+    ready = [r for r, f in zip(refs, ready_flags) if f]
+    not_ready = [r for r, f in zip(refs, ready_flags) if not f]
+    return ready, not_ready
+
+
+# ---- the worker side ----
+
+
+def current_task_id():
+    return getattr(_task_context, "task_id", None)
+
+
+class WorkerRuntime:
+    """What a Python worker process hands the core: runs tasks, the actor's constructor
+    and its methods. Answers ``("ok", [bytes...], [refs...])`` or ``("err", message,
+    pickled exception)``."""
+
+    def __init__(self):
+        self.actor = None
+        self.actor_id = ""
+        self.loop = None
+        self.loop_lock = threading.Lock()
+
+    def _event_loop(self):
+        with self.loop_lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                threading.Thread(target=self.loop.run_forever, daemon=True, name="tpuray-async").start()
+            return self.loop
+
+    def _run(self, info, fn, raw_args):
+        _task_context.task_id = info["task_id"]
+        try:
+            args, kwargs = decode_args(raw_args)
+            result = fn(*args, **kwargs)
+            if inspect.iscoroutine(result):
+                result = asyncio.run_coroutine_threadsafe(result, self._event_loop()).result()
+            n = info["num_returns"]
+            if n == 1:
+                values = [result]
+            else:
+                if not isinstance(result, (tuple, list)) or len(result) != n:
+                    raise ValueError(
+                        f"Task returned {type(result).__name__} but num_returns={n} "
+                        "expects a tuple or list of that many values"
+                    )
+                values = list(result)
+            out, nested = [], []
+            for v in values:
+                data, refs = serialize(v)
+                out.append(data)
+                nested.extend(refs)
+            return ("ok", out, nested)
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            return self._failure(info, e)
+        finally:
+            _task_context.task_id = None
+
+    @staticmethod
+    def _failure(info, e):
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        try:
+            payload = serialize(e)[0]
+        except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
+            payload = b""
+        return ("err", tb, payload)
+
+    def run_task(self, info, raw_args):
+        try:
+            fn = load_function(info["function"])
+        except BaseException as e:  # noqa: BLE001
+            return self._failure(info, e)
+        return self._run(info, fn, raw_args)
+
+    def create_actor(self, info, raw_args):
+        _task_context.task_id = info["task_id"]
+        try:
+            cls = load_function(info["function"])
+            args, kwargs = decode_args(raw_args)
+            self.actor = cls.__new__(cls)
+            self.actor_id = os.environ.get("TPURAY_ACTOR_ID", "")
+            init_result = self.actor.__init__(*args, **kwargs)
+            if inspect.iscoroutine(init_result):
+                asyncio.run_coroutine_threadsafe(init_result, self._event_loop()).result()
+            return ("ok", [], [])
+        except BaseException as e:  # noqa: BLE001
+            return self._failure(info, e)
+        finally:
+            _task_context.task_id = None
+
+    def call_method(self, info, raw_args):
+        name = info["function"]
+        if name == "__tpuray_terminate__":
+            threading.Timer(0.05, lambda: os._exit(0)).start()
+            return ("ok", [serialize(None)[0]], [])
+        method = getattr(self.actor, name, None)
+        if method is None:
+            return self._failure(
+                info, AttributeError(f"'{type(self.actor).__name__}' object has no attribute '{name}'")
+            )
+        return self._run(info, method, raw_args)
+
+
+def worker_main() -> int:
+    """Entry point of a Python worker process (``python -m tpuray._worker``)."""
+    state.mode = "worker"
+    state.connected = True
+    return _tpuray.run_worker(WorkerRuntime())
+
+
+def process_info() -> dict:
+    if not state.info:
+        state.info = dict(_tpuray.process_info())
+    return state.info

@@ -1,0 +1,139 @@
+"""``@tpuray.remote`` classes (Ray's ``ActorClass`` and ``ActorHandle``)."""
+
+from __future__ import annotations
+
+import inspect
+
+from tpuray import _tpuray
+from tpuray._private import options as _options
+from tpuray._private import worker
+from tpuray._private.serialization import ObjectRef
+
+
+def method(*args, **kwargs):
+    """Annotates an actor method with options (Ray's ``@ray.method(num_returns=2)``)."""
+
+    def decorate(m):
+        if "num_returns" in kwargs:
+            m.__tpuray_num_returns__ = kwargs["num_returns"]
+        return m
+
+    if len(args) == 1 and callable(args[0]) and not kwargs:
+        return args[0]
+    return decorate
+
+
+def _is_async_class(cls) -> bool:
+    return any(
+        inspect.iscoroutinefunction(m) or inspect.isasyncgenfunction(m)
+        for _, m in inspect.getmembers(cls, predicate=inspect.isfunction)
+    )
+
+
+class ActorClass:
+    """A class whose instances live in their own worker process: ``C.remote(...)``
+    creates one and returns an :class:`ActorHandle`."""
+
+    def __init__(self, cls, options: dict):
+        _options.check(options, actor=True)
+        self._cls = cls
+        self._options = dict(options)
+        self._key = None
+        self.__name__ = cls.__name__
+        self.__qualname__ = cls.__qualname__
+        self.__doc__ = cls.__doc__
+        self.__module__ = cls.__module__
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(
+            f"Actors cannot be instantiated directly. Instead of '{self.__name__}()', use "
+            f"'{self.__name__}.remote()'."
+        )
+
+    def options(self, **options) -> "ActorClass":
+        _options.check(options, actor=True)
+        a = ActorClass.__new__(ActorClass)
+        a.__dict__.update(self.__dict__)
+        a._options = {**self._options, **options}
+        return a
+
+    def remote(self, *args, **kwargs) -> "ActorHandle":
+        worker.auto_init()
+        if self._key is None:
+            self._key = worker.export(self._cls)
+        opts = _options.actor_core_options(self._options, _is_async_class(self._cls))
+        if opts["get_if_exists"] and not opts["name"]:
+            raise ValueError("The actor name must be specified to use `get_if_exists`.")
+        actor_id, _ = _tpuray.create_actor(
+            self._key, self._cls.__name__, worker.encode_args(args, kwargs), opts
+        )
+        return ActorHandle(actor_id, self._cls.__name__, _method_returns(self._cls))
+
+    def bind(self, *args, **kwargs):
+        raise NotImplementedError("DAG building (bind) is not supported by tpuray yet")
+
+
+def _method_returns(cls) -> dict:
+    out = {}
+    for name, m in inspect.getmembers(cls, predicate=inspect.isfunction):
+        n = getattr(m, "__tpuray_num_returns__", None)
+        if n is not None:
+            out[name] = n
+    return out
+
+
+class ActorMethod:
+    def __init__(self, handle: "ActorHandle", name: str, num_returns: int = 1):
+        self._handle = handle
+        self._name = name
+        self._num_returns = num_returns
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(
+            f"Actor methods cannot be called directly. Instead of running "
+            f"'object.{self._name}()', try 'object.{self._name}.remote()'."
+        )
+
+    def options(self, **options) -> "ActorMethod":
+        return ActorMethod(self._handle, self._name, options.get("num_returns", self._num_returns))
+
+    def remote(self, *args, **kwargs):
+        h = self._handle
+        refs = _tpuray.call_actor(
+            h._actor_id, h._class_name, self._name, worker.encode_args(args, kwargs), self._num_returns
+        )
+        refs = [ObjectRef(r) for r in refs]
+        if self._num_returns == 1:
+            return refs[0]
+        return refs if self._num_returns != 0 else None
+
+
+class ActorHandle:
+    """A handle to an actor: ``handle.method.remote(...)``. Picklable, so it can be
+    passed to tasks and other actors; calls from one caller run in order."""
+
+    def __init__(self, actor_id: str, class_name: str, method_returns: dict | None = None):
+        self._actor_id = actor_id
+        self._class_name = class_name
+        self._method_returns = method_returns or {}
+
+    def __getattr__(self, name: str) -> ActorMethod:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return ActorMethod(self, name, self._method_returns.get(name, 1))
+
+    def __reduce__(self):
+        return (ActorHandle, (self._actor_id, self._class_name, self._method_returns))
+
+    def __repr__(self) -> str:
+        return f"Actor({self._class_name}, {self._actor_id})"
+
+    def __hash__(self) -> int:
+        return hash(self._actor_id)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ActorHandle) and other._actor_id == self._actor_id
+
+    @property
+    def _ray_actor_id(self):
+        return self._actor_id

@@ -1,0 +1,159 @@
+"""Exceptions raised by tpuray, with Ray's class names (``ray.exceptions``).
+
+A task that raised re-raises at ``get`` as an instance of both :class:`RayTaskError`
+and the user's own exception class (Ray's ``RayTaskError.as_instanceof_cause``), with
+the remote traceback in its message.
+"""
+
+from __future__ import annotations
+
+
+class RayError(Exception):
+    """Base class of every tpuray error (Ray's ``RayError``)."""
+
+
+class RaySystemError(RayError):
+    """The cluster could not be reached or refused a call."""
+
+
+class RayTaskError(RayError):
+    """A task or actor method raised (Ray's ``RayTaskError``).
+
+    Attributes:
+        function_name: The remote function or method, e.g. ``f`` or ``Counter.incr``.
+        traceback_str: The remote traceback, as formatted where it ran.
+        cause: The original exception when it could be unpickled, else ``None``.
+        pid: The worker process id; ``ip``: its node.
+    """
+
+    def __init__(self, function_name="", traceback_str="", cause=None, proctitle="", pid=0, ip=""):
+        self.function_name = function_name
+        self.traceback_str = traceback_str
+        self.cause = cause
+        self.proctitle = proctitle or f"ray::{function_name}()"
+        self.pid = pid
+        self.ip = ip
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        head = f"{self.proctitle} (pid={self.pid}, ip={self.ip})"
+        body = self.traceback_str.rstrip()
+        return f"{head}\n{body}" if body else head
+
+    def __str__(self) -> str:
+        return self._message()
+
+    def as_instanceof_cause(self):
+        """This error as an instance of a class deriving from both ``RayTaskError`` and
+        the cause's class, so ``except ZeroDivisionError`` catches it."""
+        cause = self.cause
+        if cause is None or isinstance(cause, RayTaskError):
+            return self
+        cause_cls = type(cause)
+        try:
+            name = f"RayTaskError({cause_cls.__name__})"
+            cls = type(name, (RayTaskError, cause_cls), {"__init__": _dual_init, "__str__": RayTaskError.__str__})
+            cls.__module__ = __name__
+            err = cls.__new__(cls)
+            err.__dict__.update(getattr(cause, "__dict__", {}))
+            _dual_init(err, self, cause)
+            return err
+        except TypeError:
+            return self
+
+
+def _dual_init(err, task_error=None, cause=None):
+    if task_error is None:
+        return
+    err.function_name = task_error.function_name
+    err.traceback_str = task_error.traceback_str
+    err.cause = cause
+    err.proctitle = task_error.proctitle
+    err.pid = task_error.pid
+    err.ip = task_error.ip
+    err.args = cause.args if cause is not None else ()
+
+
+class WorkerCrashedError(RayError):
+    """The worker running the task died and no retries were left."""
+
+
+class RayActorError(RayError):
+    """The actor died before or while running the call (Ray's ``RayActorError``)."""
+
+    def __init__(self, message: str = "The actor died unexpectedly before finishing this task."):
+        super().__init__(message)
+
+
+class ActorDiedError(RayActorError):
+    """The actor is dead (Ray 2.x subclass of ``RayActorError``)."""
+
+
+class ActorUnavailableError(RayActorError):
+    """The actor cannot be reached right now."""
+
+
+class TaskCancelledError(RayError):
+    """The task was cancelled with ``cancel``."""
+
+
+class GetTimeoutError(RayError, TimeoutError):
+    """``get`` ran out of time."""
+
+
+class ObjectLostError(RayError):
+    """Every copy of the object was lost."""
+
+
+class OwnerDiedError(ObjectLostError):
+    """The object's owner died."""
+
+
+class ObjectStoreFullError(RayError):
+    """The object store cannot take the object."""
+
+
+class OutOfMemoryError(RayError):
+    """A worker was killed for using too much memory."""
+
+
+class RuntimeEnvSetupError(RayError):
+    """The task's runtime environment could not be set up."""
+
+
+class PendingCallsLimitExceeded(RayError):
+    """Too many calls are queued for an actor."""
+
+
+class TaskPlacementGroupRemoved(RayError):
+    """The placement group the task was to run in was removed."""
+
+
+class ActorPlacementGroupRemoved(RayError):
+    """The placement group the actor was to run in was removed."""
+
+
+class RaySchedulingError(RayError):
+    """No node can run the request."""
+
+
+__all__ = [
+    "RayError",
+    "RaySystemError",
+    "RayTaskError",
+    "WorkerCrashedError",
+    "RayActorError",
+    "ActorDiedError",
+    "ActorUnavailableError",
+    "TaskCancelledError",
+    "GetTimeoutError",
+    "ObjectLostError",
+    "OwnerDiedError",
+    "ObjectStoreFullError",
+    "OutOfMemoryError",
+    "RuntimeEnvSetupError",
+    "PendingCallsLimitExceeded",
+    "TaskPlacementGroupRemoved",
+    "ActorPlacementGroupRemoved",
+    "RaySchedulingError",
+]

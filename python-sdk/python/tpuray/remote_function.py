@@ -1,0 +1,52 @@
+"""``@tpuray.remote`` functions (Ray's ``RemoteFunction``)."""
+
+from __future__ import annotations
+
+import functools
+
+from tpuray import _tpuray
+from tpuray._private import options as _options
+from tpuray._private import worker
+from tpuray._private.serialization import ObjectRef
+
+
+class RemoteFunction:
+    """A function that runs as a task: ``f.remote(*args)`` returns an ``ObjectRef``
+    (or a list of ``num_returns`` refs); ``f.options(...)`` overrides options per call."""
+
+    def __init__(self, function, options: dict):
+        _options.check(options, actor=False)
+        self._function = function
+        self._options = dict(options)
+        self._key = None
+        self._name = getattr(function, "__qualname__", getattr(function, "__name__", "f"))
+        functools.update_wrapper(self, function)
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(
+            f"Remote functions cannot be called directly. Instead of running '{self._name}()', "
+            f"try '{self._name}.remote()'."
+        )
+
+    def options(self, **options) -> "RemoteFunction":
+        _options.check(options, actor=False)
+        merged = {**self._options, **options}
+        f = RemoteFunction.__new__(RemoteFunction)
+        f.__dict__.update(self.__dict__)
+        f._options = merged
+        return f
+
+    def remote(self, *args, **kwargs):
+        worker.auto_init()
+        if self._key is None:
+            self._key = worker.export(self._function)
+        opts = _options.task_core_options(self._options, self._name)
+        refs = _tpuray.submit(self._key, worker.encode_args(args, kwargs), opts)
+        refs = [ObjectRef(r) for r in refs]
+        n = opts["num_returns"]
+        if n == 1:
+            return refs[0]
+        return refs if n != 0 else None
+
+    def bind(self, *args, **kwargs):
+        raise NotImplementedError("DAG building (bind) is not supported by tpuray yet")

@@ -1,0 +1,71 @@
+"""Scheduling strategies (Ray's ``ray.util.scheduling_strategies``)."""
+
+from __future__ import annotations
+
+
+class PlacementGroupSchedulingStrategy:
+    """Run inside bundle ``placement_group_bundle_index`` (-1: any) of a group."""
+
+    def __init__(self, placement_group, placement_group_bundle_index: int = -1,
+                 placement_group_capture_child_tasks=None):
+        self.placement_group = placement_group
+        self.placement_group_bundle_index = placement_group_bundle_index
+        self.placement_group_capture_child_tasks = placement_group_capture_child_tasks
+
+
+class NodeAffinitySchedulingStrategy:
+    """Run on node ``node_id`` (``soft``: elsewhere when it cannot)."""
+
+    def __init__(self, node_id: str, soft: bool, _spill_on_unavailable=False, _fail_on_unavailable=False):
+        self.node_id = node_id
+        self.soft = soft
+
+
+class In:
+    def __init__(self, *values):
+        self.values = list(values)
+
+
+class NotIn:
+    def __init__(self, *values):
+        self.values = list(values)
+
+
+class Exists:
+    pass
+
+
+class DoesNotExist:
+    pass
+
+
+def _selector(expr) -> str:
+    if isinstance(expr, In):
+        return "in(" + ",".join(expr.values) + ")"
+    if isinstance(expr, NotIn):
+        return "!in(" + ",".join(expr.values) + ")"
+    if isinstance(expr, Exists):
+        return ""
+    if isinstance(expr, DoesNotExist):
+        return "!"
+    return str(expr)
+
+
+class NodeLabelSchedulingStrategy:
+    """Run on a node whose labels match ``hard`` (``soft`` is a preference, not enforced
+    yet by tpuray)."""
+
+    def __init__(self, hard: dict, *, soft: dict | None = None):
+        self.hard = {k: _selector(v) for k, v in (hard or {}).items()}
+        self.soft = {k: _selector(v) for k, v in (soft or {}).items()}
+
+
+__all__ = [
+    "PlacementGroupSchedulingStrategy",
+    "NodeAffinitySchedulingStrategy",
+    "NodeLabelSchedulingStrategy",
+    "In",
+    "NotIn",
+    "Exists",
+    "DoesNotExist",
+]

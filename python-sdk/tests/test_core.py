@@ -1,0 +1,266 @@
+"""The Ray Core API of the Python package (``import tpuray as ray``) on a real local
+cluster that ``tpuray.init()`` starts: tasks, actors, objects, errors, placement groups.
+
+One cluster serves the whole module (``init`` is once per process, as on Ray); each
+test uses its own functions and actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import tpuray as ray
+from tpuray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from tpuray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    old = {k: os.environ.get(k) for k in ("HOME", "TPURAY_REGISTRY_DIR", "TPURAY_ADDRESS")}
+    os.environ["HOME"] = str(home)
+    os.environ["TPURAY_REGISTRY_DIR"] = str(home / "registry")
+    os.environ.pop("TPURAY_ADDRESS", None)
+    info = ray.init(num_cpus=4)
+    yield info
+    ray.shutdown()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@ray.remote
+def double(x):
+    return x * 2
+
+
+@ray.remote
+def add(a, b=0, *, c=0):
+    return a + b + c
+
+
+@ray.remote
+def divide(a, b):
+    return a / b
+
+
+class MyError(Exception):
+    pass
+
+
+@ray.remote
+def raise_mine(msg):
+    raise MyError(msg)
+
+
+def test_tasks_run_remotely_and_refs_pass_into_tasks():
+    assert ray.get(double.remote(21)) == 42
+    assert ray.get([double.remote(i) for i in range(10)]) == [i * 2 for i in range(10)]
+    x = double.remote(1)
+    assert ray.get(add.remote(x, double.remote(x), c=10)) == 2 + 4 + 10
+    pid = ray.get(ray.remote(os.getpid).remote())
+    assert pid != os.getpid()
+
+
+def test_put_get_and_nested_refs_stay_refs():
+    r = ray.put({"a": [1, 2, 3]})
+    assert ray.get(r) == {"a": [1, 2, 3]}
+    inner = ray.put(7)
+
+    @ray.remote
+    def unwrap(box):
+        (ref,) = box
+        assert isinstance(ref, ray.ObjectRef)
+        return ray.get(ref) + 1
+
+    assert ray.get(unwrap.remote([inner])) == 8
+    with pytest.raises(TypeError):
+        ray.put(r)
+
+
+def test_task_error_is_both_ray_task_error_and_the_user_exception():
+    with pytest.raises(ZeroDivisionError) as ei:
+        ray.get(divide.remote(1, 0))
+    assert isinstance(ei.value, ray.exceptions.RayTaskError)
+    assert "division by zero" in str(ei.value)
+    with pytest.raises(MyError) as ei:
+        ray.get(raise_mine.remote("custom"))
+    assert isinstance(ei.value, ray.exceptions.RayTaskError)
+    assert "custom" in str(ei.value) and "raise_mine" in str(ei.value)
+
+
+def test_unpicklable_argument_fails_at_the_call_naming_it():
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="lock"):
+        double.remote(lock)
+
+
+def test_get_timeout_and_wait():
+    @ray.remote
+    def sleepy(s):
+        time.sleep(s)
+        return s
+
+    slow = sleepy.remote(5)
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        ray.get(slow, timeout=0.2)
+    fast = sleepy.remote(0)
+    ready, not_ready = ray.wait([slow, fast], num_returns=1, timeout=10)
+    assert ready == [fast] and not_ready == [slow]
+    ray.cancel(slow, force=True)
+
+
+def test_num_returns():
+    @ray.remote(num_returns=2)
+    def pair():
+        return 1, 2
+
+    a, b = pair.remote()
+    assert ray.get([a, b]) == [1, 2]
+
+
+@ray.remote
+class Counter:
+    def __init__(self, start=0):
+        self.n = start
+
+    def incr(self, by=1):
+        self.n += by
+        return self.n
+
+    def pid(self):
+        return os.getpid()
+
+    @ray.method(num_returns=2)
+    def two(self):
+        return self.n, -self.n
+
+
+def test_actor_calls_run_in_order_and_keep_state():
+    c = Counter.remote(10)
+    assert ray.get([c.incr.remote() for _ in range(20)]) == list(range(11, 31))
+    assert ray.get(c.incr.remote(by=5)) == 35
+    x, y = c.two.remote()
+    assert ray.get([x, y]) == [35, -35]
+
+    @ray.remote
+    def use(handle):
+        return ray.get(handle.incr.remote())
+
+    assert ray.get(use.remote(c)) == 36
+
+
+def test_named_actor_lookup_and_kill():
+    c = Counter.options(name="the-counter").remote()
+    found = ray.get_actor("the-counter")
+    assert ray.get(found.incr.remote()) == 1
+    with pytest.raises(ValueError):
+        ray.get_actor("no-such-actor")
+    ray.kill(c)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(c.incr.remote(), timeout=30)
+
+
+def test_actor_restarts_after_its_process_is_killed():
+    c = Counter.options(max_restarts=1).remote(100)
+    pid = ray.get(c.pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.time() + 30
+    while True:
+        try:
+            # The constructor ran again: state is back to its start.
+            assert ray.get(c.incr.remote(), timeout=30) == 101
+            break
+        except ray.exceptions.RayActorError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.2)
+    assert ray.get(c.pid.remote()) != pid
+
+
+def test_killed_worker_mid_task_is_retried(tmp_path):
+    marker = tmp_path / "attempts"
+
+    @ray.remote(max_retries=2)
+    def die_once(path):
+        n = int(open(path).read()) if os.path.exists(path) else 0
+        with open(path, "w") as f:
+            f.write(str(n + 1))
+        if n == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return n + 1
+
+    assert ray.get(die_once.remote(str(marker)), timeout=60) == 2
+
+
+@ray.remote
+class AsyncActor:
+    async def slow(self, i):
+        await asyncio.sleep(0.5)
+        return i
+
+
+def test_async_actor_runs_calls_concurrently():
+    a = AsyncActor.remote()
+    ray.get(a.slow.remote(-1))
+    t = time.time()
+    assert ray.get([a.slow.remote(i) for i in range(8)]) == list(range(8))
+    assert time.time() - t < 3.5, "eight 0.5 s calls should overlap"
+
+
+@ray.remote(max_concurrency=4)
+class Threaded:
+    def slow(self, i):
+        time.sleep(0.5)
+        return threading.get_ident()
+
+
+def test_threaded_actor_uses_several_threads():
+    a = Threaded.remote()
+    idents = ray.get([a.slow.remote(i) for i in range(4)])
+    assert len(set(idents)) > 1
+
+
+def test_runtime_context_and_cluster_views():
+    ctx = ray.get_runtime_context()
+    assert len(ctx.get_job_id()) == 32
+    assert ctx.get_node_id() in {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert ray.cluster_resources()["CPU"] == 4
+
+    @ray.remote
+    def inner_ctx():
+        c = ray.get_runtime_context()
+        return c.get_job_id(), c.get_task_id()
+
+    job, task = ray.get(inner_ctx.remote())
+    assert job == ctx.get_job_id() and task
+
+
+def test_placement_group_reserves_bundles_and_runs_tasks_inside():
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK", name="pg-test")
+    assert ray.get(pg.ready(), timeout=30)
+    assert pg.wait(10)
+    table = placement_group_table(pg)
+    assert table["state"] == "CREATED" and len(table["bundles"]) == 2
+
+    @ray.remote(num_cpus=1)
+    def where():
+        return ray.get_runtime_context().get_node_id()
+
+    s = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1)
+    assert ray.get(where.options(scheduling_strategy=s).remote(), timeout=30)
+    c = Counter.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote()
+    assert ray.get(c.incr.remote(), timeout=30) == 1
+    remove_placement_group(pg)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(c.incr.remote(), timeout=30)
+    with pytest.raises(ValueError, match="strategy"):
+        placement_group([{"CPU": 1}], strategy="NOPE")

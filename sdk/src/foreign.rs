@@ -1,0 +1,101 @@
+//! The seam for other languages (the Python SDK): a language runtime embedded in a worker
+//! process runs the tasks and actor calls whose function descriptor names its language,
+//! while the Rust core worker does everything else (leases, ownership, objects, ordering).
+//!
+//! Arguments reach the runtime as bytes, one entry per argument, object refs already
+//! resolved to their values' bytes (Ray resolves top-level refs the same way); results go
+//! back as bytes, one per return object, with the refs nested inside them (CORE-2 hands
+//! those over to the caller).
+
+use std::sync::OnceLock;
+
+use crate::error::TaskFailure;
+use crate::object_ref::RawRef;
+
+/// What a runtime gets to know about the task it runs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TaskInfo {
+    pub task_id: String,
+    pub job_id: String,
+    /// The function (or actor class, or method) as the submitter named it: a function-table
+    /// key for Python.
+    pub function: String,
+    /// The actor class's display name ("" for plain tasks).
+    pub class_name: String,
+    /// Display name (`module.f`, `Class.method`).
+    pub name: String,
+    /// The actor this call is for ("" for plain tasks).
+    pub actor_id: String,
+    pub attempt: u32,
+    pub num_returns: u32,
+}
+
+/// The values a task produced, one per return object, and the refs nested in them.
+#[derive(Clone, Debug, Default)]
+pub struct ForeignReturn {
+    pub values: Vec<Vec<u8>>,
+    pub nested: Vec<RawRef>,
+}
+
+/// A language runtime hosted by this worker process.
+pub trait ForeignRuntime: Send + Sync + 'static {
+    /// Runs a plain task.
+    ///
+    /// # Errors
+    /// The task's failure (with the serialized exception as payload).
+    fn run_task(&self, task: &TaskInfo, args: Vec<Vec<u8>>) -> Result<ForeignReturn, TaskFailure>;
+    /// Constructs this process's actor (runs once per incarnation, before any call).
+    ///
+    /// # Errors
+    /// The constructor's failure.
+    fn create_actor(&self, task: &TaskInfo, args: Vec<Vec<u8>>) -> Result<(), TaskFailure>;
+    /// Calls a method of this process's actor; may be called from several threads at once
+    /// when the actor's `max_concurrency` is above 1.
+    ///
+    /// # Errors
+    /// The method's failure.
+    fn call_method(
+        &self,
+        task: &TaskInfo,
+        args: Vec<Vec<u8>>,
+    ) -> Result<ForeignReturn, TaskFailure>;
+}
+
+static RUNTIME: OnceLock<(String, Box<dyn ForeignRuntime>)> = OnceLock::new();
+
+/// Installs the runtime for `language` (once per process, before `worker::run_worker`).
+///
+/// # Errors
+/// A runtime is already installed.
+pub fn set_runtime(language: &str, rt: Box<dyn ForeignRuntime>) -> Result<(), String> {
+    RUNTIME
+        .set((language.to_string(), rt))
+        .map_err(|_| "a language runtime is already installed in this process".to_string())
+}
+
+/// The runtime for `language`, if this process hosts one.
+pub(crate) fn runtime_for(language: &str) -> Option<&'static dyn ForeignRuntime> {
+    RUNTIME.get().filter(|(l, _)| l == language).map(|(_, rt)| rt.as_ref())
+}
+
+/// Which language this process submits work in (`rust` unless set before `init`).
+static LANGUAGE: OnceLock<String> = OnceLock::new();
+
+/// Sets the language of the functions this process submits (once, before `init`): node
+/// agents start workers of that language for its tasks.
+///
+/// # Errors
+/// It was already set to another language.
+pub fn set_language(language: &str) -> Result<(), String> {
+    let got = LANGUAGE.get_or_init(|| language.to_string());
+    if got == language {
+        Ok(())
+    } else {
+        Err(format!("this process already submits {got} functions"))
+    }
+}
+
+/// This process's submission language.
+pub fn language() -> &'static str {
+    LANGUAGE.get().map(String::as_str).unwrap_or("rust")
+}

@@ -1,0 +1,235 @@
+//! The language-binding layer: untyped calls over the core worker, for SDKs of other
+//! languages (the Python SDK's extension module). Values are bytes the binding encodes
+//! itself; refs are [`RawRef`]s; everything else (leases, ownership, borrowing, actor
+//! ordering, placement groups) is the same core the Rust SDK uses.
+//!
+//! Blocking: every function blocks the calling thread on the SDK's runtime; bindings
+//! release their interpreter lock around them.
+
+use std::time::{Duration, Instant};
+
+use tpuray_proto::pb;
+
+pub use crate::codec::Arg;
+pub use crate::core::Data;
+pub use crate::object_ref::RawRef;
+
+use crate::actor::ActorHandle;
+use crate::core::core;
+use crate::error::Error;
+use crate::options::{ActorOptions, TaskOptions};
+
+/// Who this process is in the cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessInfo {
+    pub job_id: String,
+    pub node_id: String,
+    pub worker_id: String,
+    /// This process's `WorkerService` address (the owner address of its objects).
+    pub address: String,
+    /// The local node agent's address.
+    pub agent_address: String,
+    pub head_address: String,
+}
+
+/// This process's identity.
+///
+/// # Errors
+/// [`Error::Cluster`] when not initialised.
+pub fn process_info() -> Result<ProcessInfo, Error> {
+    let c = core()?;
+    Ok(ProcessInfo {
+        job_id: c.job_id.clone(),
+        node_id: c.node_id.clone(),
+        worker_id: c.worker_id.clone(),
+        address: c.address.clone(),
+        agent_address: c.agent_address.clone(),
+        head_address: c.head_address.clone(),
+    })
+}
+
+/// Whether the core worker is running in this process.
+pub fn is_initialized() -> bool {
+    crate::core::try_core().is_some()
+}
+
+/// Submits a task of `function` (the worker's key for it); returns its return refs.
+///
+/// # Errors
+/// Bad options (resources, label selector, bundle index), naming the problem.
+pub fn submit(function: &str, args: Vec<Arg>, opts: &TaskOptions) -> Result<Vec<RawRef>, Error> {
+    let c = core()?;
+    let spec = c.submit(function, args, opts, false)?;
+    Ok(spec.return_ids.into_iter().map(|id| RawRef::adopt(id, c.address.clone())).collect())
+}
+
+/// Creates an actor of `class` (the worker's key for it) shown as `display`.
+///
+/// # Errors
+/// Bad options, a name already taken, the head unreachable.
+pub fn create_actor(
+    class: &str,
+    display: &str,
+    args: Vec<Arg>,
+    opts: &ActorOptions,
+) -> Result<ActorHandle, Error> {
+    let c = core()?;
+    c.rt.block_on(c.create_actor_as(class, display, args, opts))
+}
+
+/// Calls `method` on an actor through this process's ordered sender (CORE-4); returns the
+/// call's `num_returns` refs.
+///
+/// # Errors
+/// [`Error::Cluster`] when not initialised.
+pub fn call_actor(
+    handle: &ActorHandle,
+    method: &str,
+    args: Vec<Arg>,
+    num_returns: u32,
+) -> Result<Vec<RawRef>, Error> {
+    let c = core()?;
+    let spec = c.call_actor(handle, method, args, false, num_returns);
+    Ok(spec.return_ids.into_iter().map(|id| RawRef::adopt(id, c.address.clone())).collect())
+}
+
+/// The bytes of each ref, in order, waiting at most `timeout` for all of them together.
+/// A failed object yields its error; refs not ready by the deadline yield
+/// [`Error::Timeout`].
+///
+/// # Errors
+/// [`Error::Cluster`] when not initialised.
+pub fn get(refs: &[RawRef], timeout: Option<Duration>) -> Result<Vec<Result<Data, Error>>, Error> {
+    let c = core()?;
+    let deadline = timeout.map(|t| Instant::now() + t);
+    Ok(c.rt.block_on(async {
+        let mut out = Vec::with_capacity(refs.len());
+        for r in refs {
+            out.push(c.get_data(r, deadline).await.map_err(|e| match e {
+                Error::Timeout(..) => Error::Timeout(timeout.unwrap_or_default(), refs.len()),
+                e => e,
+            }));
+        }
+        out
+    }))
+}
+
+/// Stores `bytes` as an object owned by this process; `nested` are the refs inside it
+/// (kept alive as long as it lives, CORE-2).
+///
+/// # Errors
+/// The node's object store cannot take it.
+pub fn put(bytes: Vec<u8>, nested: Vec<RawRef>) -> Result<RawRef, Error> {
+    core()?.put_bytes(bytes, nested)
+}
+
+/// Which refs are ready once `num_returns` of them are or `timeout` passes (Ray's `wait`).
+///
+/// # Errors
+/// [`Error::Cluster`] when not initialised.
+pub fn wait(
+    refs: &[RawRef],
+    num_returns: usize,
+    timeout: Option<Duration>,
+) -> Result<Vec<bool>, Error> {
+    let c = core()?;
+    let deadline = timeout.map(|t| Instant::now() + t);
+    let want = num_returns.min(refs.len());
+    Ok(c.rt.block_on(async {
+        loop {
+            let mut ready = vec![false; refs.len()];
+            let mut n = 0;
+            for (i, r) in refs.iter().enumerate() {
+                if n >= want {
+                    break;
+                }
+                if c.is_ready(r).await {
+                    ready[i] = true;
+                    n += 1;
+                }
+            }
+            if n >= want || deadline.is_some_and(|d| Instant::now() >= d) {
+                return ready;
+            }
+            c.changed(Duration::from_millis(20)).await;
+        }
+    }))
+}
+
+/// A ref to an object named in a serialized value (the binding's unpickling): counted,
+/// and registered with its owner as borrowed when this process is not the owner (CORE-2).
+pub fn deserialized_ref(id: String, owner: String) -> RawRef {
+    RawRef::new(id, owner)
+}
+
+/// Cancels the task that makes `r` (Ray's `cancel`; `force` kills its worker).
+///
+/// # Errors
+/// The worker running it cannot be reached.
+pub fn cancel(r: &RawRef, force: bool) -> Result<(), Error> {
+    let c = core()?;
+    c.rt.block_on(c.cancel(r.id(), force))
+}
+
+/// A value from the head's KV store.
+///
+/// # Errors
+/// The head cannot be reached.
+pub fn kv_get(namespace: &str, key: &[u8]) -> Result<Option<Vec<u8>>, Error> {
+    let c = core()?;
+    c.rt.block_on(async {
+        let r = c
+            .head_client()?
+            .kv_get(pb::KvGetRequest { namespace: namespace.into(), key: key.to_vec() })
+            .await
+            .map_err(|s| Error::Cluster(s.message().to_string()))?
+            .into_inner();
+        Ok(r.found.then_some(r.value))
+    })
+}
+
+/// Stores a value in the head's KV store; returns whether it was added (false when the key
+/// existed and `overwrite` is false).
+///
+/// # Errors
+/// The head cannot be reached.
+pub fn kv_put(namespace: &str, key: &[u8], value: Vec<u8>, overwrite: bool) -> Result<bool, Error> {
+    let c = core()?;
+    c.rt.block_on(async {
+        let r = c
+            .head_client()?
+            .kv_put(pb::KvPutRequest {
+                request_id: tpuray_proto::new_request_id(),
+                namespace: namespace.into(),
+                key: key.to_vec(),
+                value,
+                overwrite,
+            })
+            .await
+            .map_err(|s| Error::Cluster(s.message().to_string()))?
+            .into_inner();
+        Ok(r.added)
+    })
+}
+
+/// The actor's current state from the head (`GetActor`), waiting up to `wait` for it to be
+/// alive or dead.
+///
+/// # Errors
+/// The head cannot be reached or does not know the actor.
+pub fn actor_info(actor_id: &str, wait: Duration) -> Result<pb::ActorInfo, Error> {
+    let c = core()?;
+    c.rt.block_on(async {
+        Ok(c.head_client()?
+            .get_actor(pb::GetActorRequest {
+                actor_id: actor_id.into(),
+                wait_alive_ms: wait.as_millis() as u64,
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| Error::Cluster(s.message().to_string()))?
+            .into_inner()
+            .actor
+            .unwrap_or_default())
+    })
+}
