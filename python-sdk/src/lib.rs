@@ -8,7 +8,7 @@
 //! every task, actor constructor and method call.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -137,6 +137,7 @@ fn task_options(d: &Bound<'_, PyDict>) -> PyResult<TaskOptions> {
     if let Some(v) = get_opt::<BTreeMap<String, String>>(d, "label_selector")? {
         o.label_selector = v;
     }
+    o.runtime_env_hash = get_opt(d, "runtime_env_hash")?.unwrap_or_default();
     o.scheduling = scheduling_from(d.get_item("scheduling")?.as_ref())?;
     Ok(o)
 }
@@ -155,6 +156,7 @@ fn actor_options(d: &Bound<'_, PyDict>) -> PyResult<ActorOptions> {
     o.max_restarts = get_opt(d, "max_restarts")?.unwrap_or(0);
     o.max_concurrency = get_opt(d, "max_concurrency")?.unwrap_or(1);
     o.get_if_exists = get_opt(d, "get_if_exists")?.unwrap_or(false);
+    o.runtime_env_hash = get_opt(d, "runtime_env_hash")?.unwrap_or_default();
     if let Some(v) = get_opt::<BTreeMap<String, String>>(d, "label_selector")? {
         o.label_selector = v;
     }
@@ -290,12 +292,25 @@ fn error_tuple(py: Python<'_>, e: Error) -> PyResult<Py<PyAny>> {
 
 /// The values of `refs`: per ref `(0, bytes)` or `(1, (kind, message, payload, function,
 /// node, pid))`, waiting at most `timeout` seconds for all together.
+///
+/// Waits in slices of 100 ms, checking for signals between them, so Ctrl-C interrupts a
+/// blocked `get` at once (`KeyboardInterrupt`).
 #[pyfunction]
 #[pyo3(signature = (refs, timeout=None))]
 fn get(py: Python<'_>, refs: Vec<Bound<'_, PyRef>>, timeout: Option<f64>) -> PyResult<Py<PyList>> {
     let raws: Vec<RawRef> = refs.iter().map(|r| r.get().inner.clone()).collect();
-    let timeout = timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
-    let results = py.detach(|| raw::get(&raws, timeout)).map_err(cluster_err)?;
+    let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+    loop {
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let slice = left.unwrap_or(SIGNAL_SLICE).min(SIGNAL_SLICE);
+        let ready = py.detach(|| raw::wait(&raws, raws.len(), Some(slice))).map_err(cluster_err)?;
+        if ready.iter().all(|r| *r) || left.is_some_and(|l| l.is_zero()) {
+            break;
+        }
+        py.check_signals()?;
+    }
+    let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    let results = py.detach(|| raw::get(&raws, left)).map_err(cluster_err)?;
     let out = PyList::empty(py);
     for r in results {
         match r {
@@ -323,8 +338,33 @@ fn wait(
     timeout: Option<f64>,
 ) -> PyResult<Vec<bool>> {
     let raws: Vec<RawRef> = refs.iter().map(|r| r.get().inner.clone()).collect();
-    let timeout = timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
-    py.detach(|| raw::wait(&raws, num_returns, timeout)).map_err(cluster_err)
+    let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+    let want = num_returns.min(raws.len());
+    loop {
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let slice = left.unwrap_or(SIGNAL_SLICE).min(SIGNAL_SLICE);
+        let ready =
+            py.detach(|| raw::wait(&raws, num_returns, Some(slice))).map_err(cluster_err)?;
+        if ready.iter().filter(|r| **r).count() >= want || left.is_some_and(|l| l.is_zero()) {
+            return Ok(ready);
+        }
+        py.check_signals()?;
+    }
+}
+
+/// How long a blocking call waits between checks for Ctrl-C.
+const SIGNAL_SLICE: Duration = Duration::from_millis(100);
+
+/// Sends a worker's output lines to the job's driver.
+#[pyfunction]
+fn report_logs(py: Python<'_>, driver: String, lines: Vec<String>, is_err: bool) -> PyResult<()> {
+    py.detach(|| raw::report_logs(&driver, lines, is_err)).map_err(cluster_err)
+}
+
+/// Asks the local node agent to pre-start `count` idle workers for this job.
+#[pyfunction]
+fn prestart_workers(py: Python<'_>, count: u32) -> PyResult<u32> {
+    py.detach(|| raw::prestart_workers(count)).map_err(cluster_err)
 }
 
 /// A ref rebuilt from a pickled value (registers this process as a borrower, CORE-2).
@@ -651,6 +691,8 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(get_placement_group, m)?,
         wrap_pyfunction!(slice_placement_group, m)?,
         wrap_pyfunction!(run_worker, m)?,
+        wrap_pyfunction!(report_logs, m)?,
+        wrap_pyfunction!(prestart_workers, m)?,
     ] {
         m.add_function(f)?;
     }

@@ -149,6 +149,7 @@ struct Class {
     labels: Vec<pb::LabelConstraint>,
     /// The placement group and bundle index the class runs in (SCHED-19).
     pg: Option<(String, i32)>,
+    runtime_env_hash: String,
     queue: Mutex<VecDeque<Queued>>,
     leases: AtomicUsize,
     /// Tasks pushed to this class's leased workers and not answered yet.
@@ -953,7 +954,8 @@ impl Core {
         let labels = tpuray_proto::convert::labels_to_proto(&labels);
         let mut key_res: Vec<_> = resources.iter().map(|(k, v)| format!("{k}={v}")).collect();
         key_res.sort();
-        let key = format!("{}|{:?}|{:?}", key_res.join(","), strategy, labels);
+        let key =
+            format!("{}|{:?}|{:?}|{}", key_res.join(","), strategy, labels, opts.runtime_env_hash);
         let class = {
             let mut classes = self.classes.lock().unwrap();
             Arc::clone(classes.entry(key).or_insert_with(|| {
@@ -962,6 +964,7 @@ impl Core {
                     strategy,
                     labels,
                     pg,
+                    runtime_env_hash: opts.runtime_env_hash.clone(),
                     queue: Mutex::new(VecDeque::new()),
                     leases: AtomicUsize::new(0),
                     in_flight: AtomicUsize::new(0),
@@ -1054,7 +1057,7 @@ impl Core {
                     request_id: tpuray_proto::new_request_id(),
                     job_id: self.job_id.clone(),
                     language: crate::foreign::language().into(),
-                    runtime_env_hash: String::new(),
+                    runtime_env_hash: class.runtime_env_hash.clone(),
                     resources: class.resources.clone(),
                     label_selector: class.labels.clone(),
                     strategy: Some(class.strategy.clone()),
@@ -1455,6 +1458,7 @@ impl Core {
             class_name: display.into(),
         });
         spec.max_concurrency = opts.max_concurrency.max(1);
+        spec.runtime_env_hash = opts.runtime_env_hash.clone();
         let (args, _pins) =
             self.resolve_args(args, class).await.map_err(|e| Error::from_wire(&e, class))?;
         spec.args = args;

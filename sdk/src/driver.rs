@@ -138,7 +138,7 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
             Error::Cluster("no cluster address: pass one to init(), set TPURAY_ADDRESS, or start a cluster with `tpuray start --head`".into())
         })?,
     };
-    let head_address = address.split(',').next().unwrap_or_default().to_string();
+    let head_address = address.clone(); // every head: the client follows the leader
     let token = tpuray_proto::auth::load_token().map_err(|e| Error::Cluster(e.to_string()))?;
     let fail_on_infeasible =
         matches!(std::env::var("TPURAY_FAIL_ON_INFEASIBLE").as_deref(), Ok("1") | Ok("true"));
@@ -173,10 +173,19 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
             .map_err(|e| Error::Cluster(format!("cannot find this program's binary: {e}")))?;
         let hash =
             if opts.upload_binary { upload_binary(&mut head, &exe).await? } else { String::new() };
+        // Listen first: the job record carries the driver's address (workers send
+        // their output there).
+        let host =
+            node.address.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or("127.0.0.1".into());
+        let listener = tokio::net::TcpListener::bind((host.as_str(), 0))
+            .await
+            .map_err(|e| Error::Cluster(format!("cannot listen on {host}: {e}")))?;
+        let driver_address =
+            listener.local_addr().map_err(|e| Error::Cluster(e.to_string()))?.to_string();
         let mut req = Request::new(pb::RegisterJobRequest {
             request_id: tpuray_proto::new_request_id(),
             protocol_version: tpuray_proto::PROTOCOL_VERSION,
-            driver_address: String::new(),
+            driver_address,
             entrypoint: std::env::args().collect::<Vec<_>>().join(" "),
             namespace: opts.namespace.clone().unwrap_or_default(),
             driver_pid: std::process::id(),
@@ -190,11 +199,6 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
             .into_inner()
             .job
             .unwrap_or_default();
-        let host =
-            node.address.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or("127.0.0.1".into());
-        let listener = tokio::net::TcpListener::bind((host.as_str(), 0))
-            .await
-            .map_err(|e| Error::Cluster(format!("cannot listen on {host}: {e}")))?;
         Ok::<_, Error>((job.job_id, node, listener))
     })?;
     let own = listener.local_addr().map_err(|e| Error::Cluster(e.to_string()))?.to_string();

@@ -66,6 +66,9 @@ pub struct TaskOptions {
     pub name: Option<String>,
     /// Return objects the task produces (default 1; Ray's `num_returns`).
     pub num_returns: u32,
+    /// The runtime environment's key in the KV namespace `runtime_env` ("" for none): the
+    /// node agent starts the task's worker with it (environment variables, working dir).
+    pub runtime_env_hash: String,
 }
 
 impl Default for TaskOptions {
@@ -80,6 +83,7 @@ impl Default for TaskOptions {
             label_selector: BTreeMap::new(),
             name: None,
             num_returns: 1,
+            runtime_env_hash: String::new(),
         }
     }
 }
@@ -124,6 +128,8 @@ pub struct ActorOptions {
     pub label_selector: BTreeMap<String, String>,
     /// Return the existing actor with this name instead of failing.
     pub get_if_exists: bool,
+    /// As [`TaskOptions::runtime_env_hash`].
+    pub runtime_env_hash: String,
 }
 
 impl Default for ActorOptions {
@@ -140,6 +146,7 @@ impl Default for ActorOptions {
             scheduling: Scheduling::Default,
             label_selector: BTreeMap::new(),
             get_if_exists: false,
+            runtime_env_hash: String::new(),
         }
     }
 }

@@ -171,6 +171,44 @@ pub fn cancel(r: &RawRef, force: bool) -> Result<(), Error> {
     c.rt.block_on(c.cancel(r.id(), force))
 }
 
+/// Sends output lines to a driver's `ReportLogs` (a worker's stdout or stderr).
+///
+/// # Errors
+/// The driver cannot be reached.
+pub fn report_logs(driver: &str, lines: Vec<String>, is_err: bool) -> Result<(), Error> {
+    let c = core()?;
+    c.rt.block_on(async {
+        let mut w = c.worker_client(driver)?;
+        w.report_logs(pb::ReportLogsRequest { lines, is_err })
+            .await
+            .map_err(|s| Error::Cluster(s.message().to_string()))?;
+        Ok(())
+    })
+}
+
+/// Asks the local node agent to start `count` idle workers of this job (at most its
+/// CPUs), so the first tasks do not wait for processes to boot. Returns how many it
+/// starts.
+///
+/// # Errors
+/// The agent cannot be reached.
+pub fn prestart_workers(count: u32) -> Result<u32, Error> {
+    let c = core()?;
+    c.rt.block_on(async {
+        let mut a = c.agent_client(&c.agent_address)?;
+        let r = a
+            .prestart_workers(pb::PrestartWorkersRequest {
+                job_id: c.job_id.clone(),
+                language: crate::foreign::language().to_string(),
+                runtime_env_hash: String::new(),
+                count,
+            })
+            .await
+            .map_err(|s| Error::Cluster(s.message().to_string()))?;
+        Ok(r.into_inner().started)
+    })
+}
+
 /// A value from the head's KV store.
 ///
 /// # Errors

@@ -37,6 +37,27 @@ impl WorkerService for SvcRef {
         }))
     }
 
+    async fn report_logs(
+        &self,
+        req: Request<pb::ReportLogsRequest>,
+    ) -> Result<Response<pb::ReportLogsReply>, Status> {
+        use std::io::Write;
+        let req = req.into_inner();
+        let mut text = String::new();
+        for l in &req.lines {
+            text.push_str(l);
+            text.push('\n');
+        }
+        // Straight to the process's descriptors, as Ray's log monitor prints.
+        let _ = if req.is_err {
+            std::io::stderr().lock().write_all(text.as_bytes())
+        } else {
+            std::io::stdout().lock().write_all(text.as_bytes())
+        };
+        let _ = std::io::stdout().flush();
+        Ok(Response::new(pb::ReportLogsReply {}))
+    }
+
     async fn exit(&self, req: Request<pb::ExitRequest>) -> Result<Response<pb::ExitReply>, Status> {
         if req.into_inner().force {
             std::process::exit(0);

@@ -73,6 +73,8 @@ pub struct AgentConfig {
 /// KV namespace of each Python job's runtime record (interpreter, `sys.path`, working
 /// directory, environment variables), keyed by job id.
 pub const JOB_RUNTIME_NAMESPACE: &str = "job_runtime";
+/// KV namespace of runtime environments (JSON), keyed by their hash.
+pub const RUNTIME_ENV_NAMESPACE: &str = "runtime_env";
 
 /// How to start a worker process.
 #[derive(Clone, Debug, Default)]
@@ -144,8 +146,8 @@ struct AgentState {
     actor_resources: HashMap<ActorId, (WorkerId, ResourceSet)>,
     starting: HashMap<WorkerId, oneshot::Sender<(String, u32)>>,
     demands: HashMap<String, Demand>,
-    /// Worker binary hash per job ("" for jobs without one), from the head.
-    job_binaries: HashMap<String, String>,
+    /// Per job, from the head: (worker binary hash, "" without one; driver address).
+    job_binaries: HashMap<String, (String, String)>,
     /// Other nodes as of the last heartbeat reply: view and agent address.
     cluster: Vec<(NodeView<String>, String)>,
     /// This host's TPU chips, when it has any (AGENT-7).
@@ -511,10 +513,21 @@ impl Agent {
             .split_first()
             .ok_or_else(|| Status::internal("no worker command configured"))?;
         let mut cmd = tokio::process::Command::new(prog);
+        // Where the worker sends its output (Python workers; Ray prints it at the driver).
+        if let Ok((_, driver)) = self.job_record(&key.job_id).await
+            && !driver.is_empty()
+        {
+            cmd.env("TPURAY_DRIVER_ADDRESS", driver);
+        }
         if let Some(dir) = &command.cwd {
             cmd.current_dir(dir);
         }
         cmd.envs(command.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        if !key.runtime_env_hash.is_empty() {
+            for (k, v) in self.runtime_env_vars(&key.runtime_env_hash).await? {
+                cmd.env(k, v);
+            }
+        }
         cmd.args(args)
             .env("TPURAY_AGENT_ADDRESS", &self.config.advertise_address)
             .env("TPURAY_HEAD_ADDRESS", &self.config.head_address)
@@ -691,31 +704,77 @@ impl Agent {
                 }
             }
         }
+        if let Some(rt) = v.get("runtime_env").filter(|r| r.is_object()) {
+            env.push(("TPURAY_JOB_RUNTIME_ENV".to_string(), rt.to_string()));
+        }
         env.push(("PYTHONUNBUFFERED".to_string(), "1".to_string()));
         let cwd = v["cwd"].as_str().filter(|d| std::path::Path::new(d).is_dir()).map(PathBuf::from);
         Ok(WorkerCommand { argv: vec![python, "-m".into(), "tpuray._worker".into()], env, cwd })
     }
 
+    /// The environment of a worker started for runtime environment `hash` (KV namespace
+    /// `runtime_env`, JSON written by the submitting SDK): its `env_vars`, and the whole
+    /// record as `TPURAY_RUNTIME_ENV` for the worker's language runtime (Python unpacks
+    /// `working_dir` from it before the first task).
+    ///
+    /// # Errors
+    /// `FAILED_PRECONDITION` when the record is missing or not a JSON object.
+    async fn runtime_env_vars(&self, hash: &str) -> Result<Vec<(String, String)>, Status> {
+        let mut head =
+            tpuray_proto::client::head(&self.head_leader(), self.config.token.as_deref())
+                .map_err(|e| Status::internal(e.to_string()))?;
+        let rec = head
+            .kv_get(pb::KvGetRequest {
+                namespace: RUNTIME_ENV_NAMESPACE.into(),
+                key: hash.as_bytes().to_vec(),
+            })
+            .await?
+            .into_inner();
+        if !rec.found {
+            return Err(Status::failed_precondition(format!(
+                "runtime environment {hash} is not in the cluster's KV (namespace {RUNTIME_ENV_NAMESPACE:?})"
+            )));
+        }
+        let v: serde_json::Value = serde_json::from_slice(&rec.value).map_err(|e| {
+            Status::failed_precondition(format!("runtime environment {hash} is not JSON: {e}"))
+        })?;
+        let mut out = Vec::new();
+        if let Some(vars) = v.get("env_vars").and_then(|e| e.as_object()) {
+            for (k, val) in vars {
+                let val = match val {
+                    serde_json::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                out.push((k.clone(), val));
+            }
+        }
+        out.push(("TPURAY_RUNTIME_ENV".to_string(), v.to_string()));
+        Ok(out)
+    }
+
     /// The command that starts a worker of `job_id`: the job's own binary
     /// (fetched through the cluster, BIN-1) or the default worker.
+    /// The job's worker binary hash ("" without one) and its driver's address, asked of
+    /// the head once per job.
+    async fn job_record(&self, job_id: &str) -> Result<(String, String), Status> {
+        if let Some(r) = self.lock().job_binaries.get(job_id).cloned() {
+            return Ok(r);
+        }
+        let mut head =
+            tpuray_proto::client::head(&self.head_leader(), self.config.token.as_deref())
+                .map_err(|e| Status::internal(e.to_string()))?;
+        let jobs = head.list_jobs(pb::ListJobsRequest {}).await?.into_inner().jobs;
+        let r = jobs
+            .iter()
+            .find(|j| j.job_id == job_id)
+            .map(|j| (j.worker_binary_hash.clone(), j.driver_address.clone()))
+            .unwrap_or_default();
+        self.lock().job_binaries.insert(job_id.to_string(), r.clone());
+        Ok(r)
+    }
+
     async fn worker_command_for(&self, job_id: &str) -> Result<Vec<String>, Status> {
-        let known = self.lock().job_binaries.get(job_id).cloned();
-        let hash = match known {
-            Some(h) => h,
-            None => {
-                let mut head =
-                    tpuray_proto::client::head(&self.head_leader(), self.config.token.as_deref())
-                        .map_err(|e| Status::internal(e.to_string()))?;
-                let jobs = head.list_jobs(pb::ListJobsRequest {}).await?.into_inner().jobs;
-                let h = jobs
-                    .iter()
-                    .find(|j| j.job_id == job_id)
-                    .map(|j| j.worker_binary_hash.clone())
-                    .unwrap_or_default();
-                self.lock().job_binaries.insert(job_id.to_string(), h.clone());
-                h
-            }
-        };
+        let (hash, _) = self.job_record(job_id).await?;
         if hash.is_empty() {
             return Ok(self.config.worker_command.clone());
         }
@@ -822,8 +881,8 @@ impl Agent {
     }
 
     fn head_leader(&self) -> String {
-        // One head for now; the Raft issue makes this follow the leader.
-        self.config.head_address.split(',').next().unwrap_or_default().to_string()
+        // Every head's address: the head client follows the leader (CLIENT-1).
+        self.config.head_address.clone()
     }
 
     /// Stops idle workers beyond the pool's soft limit once they have been
@@ -1400,17 +1459,18 @@ impl NodeAgentService for AgentSvc {
             st.actor_resources
                 .insert(actor_id.clone(), (WorkerId::from_wire(""), resources.clone()));
         }
-        // The actor's language is its creation task's.
-        let language = <pb::TaskSpec as prost::Message>::decode(req.creation_task.as_slice())
-            .ok()
-            .and_then(|t| t.function)
-            .map(|f| f.language)
+        // The actor's language and runtime environment are its creation task's.
+        let creation = <pb::TaskSpec as prost::Message>::decode(req.creation_task.as_slice()).ok();
+        let language = creation
+            .as_ref()
+            .and_then(|t| t.function.as_ref())
+            .map(|f| f.language.clone())
             .filter(|l| !l.is_empty())
             .unwrap_or_else(|| "rust".into());
         let key = PoolKey {
             job_id: JobId::from_wire(req.job_id).to_string(),
             language,
-            runtime_env_hash: String::new(),
+            runtime_env_hash: creation.map(|t| t.runtime_env_hash).unwrap_or_default(),
             tpu_chips: vec![],
         };
         let chips = match chips_wanted(&resources, self.0.lock().chips.as_ref().map(|c| c.chips()))
@@ -1521,6 +1581,38 @@ impl NodeAgentService for AgentSvc {
             workers_stopped,
             resources: Some(self.0.resources_now()),
         }))
+    }
+
+    async fn prestart_workers(
+        &self,
+        req: Request<pb::PrestartWorkersRequest>,
+    ) -> Result<Response<pb::PrestartWorkersReply>, Status> {
+        let req = req.into_inner();
+        if req.job_id.is_empty() {
+            return Err(Status::invalid_argument("missing job_id"));
+        }
+        let key = PoolKey {
+            job_id: req.job_id,
+            language: if req.language.is_empty() { "rust".into() } else { req.language },
+            runtime_env_hash: req.runtime_env_hash,
+            tpu_chips: vec![],
+        };
+        // Up to the node's CPUs, counting workers this job already has here.
+        let cpus = (self.0.lock().total.get("CPU").0 / tpuray_scheduler::resources::UNITS_PER_WHOLE)
+            .max(1) as u32;
+        let have = self.0.lock().workers.values().filter(|w| w.key == key).count() as u32;
+        let n = req.count.min(cpus).saturating_sub(have);
+        for _ in 0..n {
+            let agent = Arc::clone(&self.0);
+            let key = key.clone();
+            tokio::spawn(async move {
+                let idle = WorkerState::Idle { since: Instant::now() };
+                if let Err(e) = agent.start_worker(key, 0, idle, None).await {
+                    tracing::warn!(%e, "pre-starting a worker failed");
+                }
+            });
+        }
+        Ok(Response::new(pb::PrestartWorkersReply { started: n }))
     }
 
     async fn list_workers(

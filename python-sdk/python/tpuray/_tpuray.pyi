@@ -1,20 +1,104 @@
-"""Type stubs for ``tpuray._tpuray``, the Rust extension module."""
+"""Type stubs for ``tpuray._tpuray``, the Rust extension module.
+
+It exposes the tpuray command line and the Rust core worker (``tpuray::raw``): the
+Python package builds Ray's API on these calls. Values cross as bytes that Python
+pickles itself; blocking calls release the GIL; ``get`` and ``wait`` check for signals
+every 100 ms, so Ctrl-C interrupts them.
+"""
+
+from typing import Any, Optional
 
 __version__: str
 """The version of the tpuray Rust crates this module was built from."""
 
 def run(argv: list[str]) -> int:
-    """Runs the tpuray command line.
+    """Runs the tpuray command line (program name first, e.g. ``["tpuray", "status"]``).
 
-    The GIL is released while the command runs; long-running verbs
-    (``start --block`` and the internal ``_head``, ``_agent`` and
-    ``_worker``) return only when their process is asked to stop.
-
-    Args:
-        argv: The command line, program name first, e.g.
-            ``["tpuray", "status"]``.
-
-    Returns:
-        The exit code: 0 on success, 1 on an error (printed to stderr as
-        ``tpuray: <message>``), 2 on a usage error.
+    Returns the exit code: 0 on success, 1 on an error (printed to stderr as
+    ``tpuray: <message>``), 2 on a usage error. Long-running verbs (``start --block``,
+    ``_head``, ``_agent``, ``_worker``) return only when their process is asked to stop.
     """
+
+class RefCore:
+    """An object reference held by the core: id and owner. Dropping the last Python
+    reference releases it."""
+
+    def id(self) -> str:
+        """The object id, 32 hex characters."""
+    def owner(self) -> str:
+        """The owner's ``host:port``."""
+
+Arg = tuple[str, bytes, list[RefCore]] | tuple[str, RefCore]
+"""``("v", pickled value, nested refs)`` or ``("r", ref)`` (resolved before the call)."""
+
+Scheduling = Optional[str | tuple[str, str, bool] | tuple[str, str, int]]
+"""``None``/``"DEFAULT"``, ``"SPREAD"``, ``("node", node_id, soft)`` or
+``("pg", group_id, bundle_index)``."""
+
+def init_driver(address: Optional[str] = None, namespace: Optional[str] = None) -> dict[str, str]:
+    """Joins the cluster at ``address`` as a Python driver; returns ``job_id``,
+    ``node_id``, ``worker_id``, ``address``, ``agent_address``, ``head_address``.
+
+    Raises RuntimeError naming the missing address, token or head refusal."""
+def process_info() -> dict[str, str]: ...
+def is_initialized() -> bool: ...
+def shutdown() -> None:
+    """Finishes the job: its non-detached actors and placement groups end."""
+def submit(function: str, args: list[Arg], options: dict[str, Any]) -> list[RefCore]:
+    """Submits a task of function-table key ``function``; options: ``num_cpus``,
+    ``num_gpus``, ``resources``, ``max_retries``, ``retry_exceptions``, ``num_returns``,
+    ``name``, ``label_selector``, ``scheduling``. Raises RuntimeError on bad options."""
+def create_actor(class_key: str, display: str, args: list[Arg], options: dict[str, Any]) -> tuple[str, str]:
+    """Creates an actor; returns ``(actor_id, name)``. Options: ``num_cpus`` (None: 1 to
+    place, 0 to run), ``num_gpus``, ``resources``, ``name``, ``namespace``, ``detached``,
+    ``max_restarts``, ``max_concurrency``, ``get_if_exists``, ``label_selector``,
+    ``scheduling``."""
+def call_actor(actor_id: str, display: str, method: str, args: list[Arg], num_returns: int) -> list[RefCore]: ...
+def get(refs: list[RefCore], timeout: Optional[float] = None) -> list[tuple[int, Any]]:
+    """Per ref ``(0, bytes)`` or ``(1, (kind, message, payload, function, node, pid))``
+    where kind is one of ``task``, ``worker_died``, ``actor_died``, ``cancelled``,
+    ``timeout``, ``object_lost``, ``infeasible``, ``decode``, ``cluster``."""
+def put(data: bytes, nested: list[RefCore]) -> RefCore: ...
+def wait(refs: list[RefCore], num_returns: int, timeout: Optional[float] = None) -> list[bool]: ...
+def deserialize_ref(id: str, owner: str) -> RefCore:
+    """A ref rebuilt while unpickling; registers this process as a borrower."""
+def cancel(ref: RefCore, force: bool) -> None: ...
+def kv_get(namespace: str, key: bytes) -> Optional[bytes]: ...
+def kv_put(namespace: str, key: bytes, value: bytes, overwrite: bool) -> bool: ...
+def kill_actor(actor_id: str, no_restart: bool) -> None: ...
+def get_actor(name: str, namespace: Optional[str] = None) -> tuple[str, str, str]:
+    """``(actor_id, class, name)``; RuntimeError when no live actor has the name."""
+def actor_state(actor_id: str, wait: float) -> tuple[str, str, str, int]:
+    """``(state, death_cause, node_id, pid)``."""
+def nodes() -> list[dict[str, Any]]:
+    """Ray's keys: ``NodeID``, ``Alive``, ``NodeManagerAddress``, ``Resources``, ``Labels``."""
+def cluster_resources() -> dict[str, float]: ...
+def available_resources() -> dict[str, float]: ...
+def create_placement_group(
+    bundles: list[dict[str, float]],
+    strategy: str,
+    name: Optional[str] = None,
+    namespace: Optional[str] = None,
+    detached: bool = False,
+    bundle_label_selector: Optional[list[dict[str, str]]] = None,
+) -> tuple[str, int]:
+    """Returns ``(group_id, bundle_count)``."""
+def placement_group_state(id: str, wait: float) -> dict[str, Any]:
+    """A ``placement_group_table`` entry, waiting up to ``wait`` seconds for CREATED or
+    REMOVED."""
+def placement_group_table() -> list[dict[str, Any]]: ...
+def remove_placement_group(id: str) -> None: ...
+def get_placement_group(name: str, namespace: Optional[str] = None) -> tuple[str, int]: ...
+def slice_placement_group(
+    topology: str,
+    accelerator_version: str,
+    resources_per_bundle: Optional[dict[str, float]] = None,
+    num_slices: int = 1,
+) -> tuple[str, int, str, int, int]:
+    """``(group_id, bundle_count, accelerator_type, num_hosts, chips_per_host)``;
+    ValueError for an unknown version or a topology not valid for it."""
+def run_worker(runtime: Any) -> int:
+    """A worker process's main loop; ``runtime`` has ``run_task``, ``create_actor`` and
+    ``call_method``, each taking ``(info: dict, args: list[bytes])``."""
+def report_logs(driver: str, lines: list[str], is_err: bool) -> None: ...
+def prestart_workers(count: int) -> int: ...

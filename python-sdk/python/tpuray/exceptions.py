@@ -71,7 +71,8 @@ def _dual_init(err, task_error=None, cause=None):
     err.proctitle = task_error.proctitle
     err.pid = task_error.pid
     err.ip = task_error.ip
-    err.args = cause.args if cause is not None else ()
+    # Ray's dual exception carries the cause as its only argument.
+    err.args = (cause,) if cause is not None else ()
 
 
 class WorkerCrashedError(RayError):

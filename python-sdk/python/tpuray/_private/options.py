@@ -83,6 +83,19 @@ def scheduling(o: dict):
     raise ValueError(f"unknown scheduling_strategy {s!r}")
 
 
+def runtime_env_hash(o: dict) -> str:
+    """The KV key of this call's runtime environment (the job's merged with the
+    call's), or "" when the call names none (the job's then comes with every worker)."""
+    env = o.get("runtime_env")
+    if not env:
+        return ""
+    from tpuray._private import runtime_env as _rt
+    from tpuray._private import worker
+
+    task_env = _rt.upload(_rt.validate(env))
+    return _rt.register(_rt.merge(worker.state.runtime_env or {}, task_env))
+
+
 def task_core_options(o: dict, default_name: str) -> dict:
     sched, labels = scheduling(o)
     label_selector = dict(o.get("label_selector") or {})
@@ -100,6 +113,7 @@ def task_core_options(o: dict, default_name: str) -> dict:
         "name": o.get("name") or default_name,
         "label_selector": label_selector,
         "scheduling": sched,
+        "runtime_env_hash": runtime_env_hash(o),
     }
 
 
@@ -130,4 +144,5 @@ def actor_core_options(o: dict, is_async: bool) -> dict:
         "get_if_exists": bool(o.get("get_if_exists", False)),
         "label_selector": label_selector,
         "scheduling": sched,
+        "runtime_env_hash": runtime_env_hash(o),
     }

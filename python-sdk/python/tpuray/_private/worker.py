@@ -144,16 +144,25 @@ def init(
         state.connected = True
         state.mode = "driver"
         state.namespace = namespace
-        state.runtime_env = runtime_env
+        from tpuray._private import runtime_env as _rt
+
+        job_env = _rt.upload(_rt.validate(runtime_env))
+        state.runtime_env = job_env
         record = {
             "python": sys.executable,
             "cwd": os.getcwd(),
             "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
-            "env_vars": dict((runtime_env or {}).get("env_vars") or {}),
+            "env_vars": dict(job_env.get("env_vars") or {}),
+            "runtime_env": job_env,
         }
         _tpuray.kv_put(
             JOB_RUNTIME_NAMESPACE, info["job_id"].encode(), json.dumps(record).encode(), True
         )
+        # A pre-started pool (as Ray's): the first tasks find interpreters already up.
+        try:
+            _tpuray.prestart_workers(os.cpu_count() or 1)
+        except RuntimeError:
+            pass
         atexit.register(shutdown)
         return state.info
 
@@ -275,7 +284,7 @@ def get(refs, timeout=None):
                 f"get() expects an ObjectRef or a list of ObjectRefs, got {type(r).__name__}"
             )
     if timeout is not None and timeout < 0:
-        raise ValueError(f"timeout must be >= 0 or None (got {timeout})")
+        timeout = 0
     results = _tpuray.get([r._core for r in items], timeout)
     values = []
     for tag, v in results:
@@ -337,6 +346,7 @@ class WorkerRuntime:
 
     def _run(self, info, fn, raw_args):
         _task_context.task_id = info["task_id"]
+        _task_context.label = info["class_name"] or info["name"]
         try:
             args, kwargs = decode_args(raw_args)
             result = fn(*args, **kwargs)
@@ -362,6 +372,7 @@ class WorkerRuntime:
             return self._failure(info, e)
         finally:
             _task_context.task_id = None
+            _flush_output()
 
     @staticmethod
     def _failure(info, e):
@@ -374,6 +385,9 @@ class WorkerRuntime:
 
     def run_task(self, info, raw_args):
         try:
+            from tpuray._private import runtime_env as _rt
+
+            _rt.apply_in_worker()
             fn = load_function(info["function"])
         except BaseException as e:  # noqa: BLE001
             return self._failure(info, e)
@@ -381,7 +395,12 @@ class WorkerRuntime:
 
     def create_actor(self, info, raw_args):
         _task_context.task_id = info["task_id"]
+        _task_context.label = info["class_name"]
+        _ActorLabel.name = info["class_name"]
         try:
+            from tpuray._private import runtime_env as _rt
+
+            _rt.apply_in_worker()
             cls = load_function(info["function"])
             args, kwargs = decode_args(raw_args)
             self.actor = cls.__new__(cls)
@@ -394,6 +413,7 @@ class WorkerRuntime:
             return self._failure(info, e)
         finally:
             _task_context.task_id = None
+            _flush_output()
 
     def call_method(self, info, raw_args):
         name = info["function"]
@@ -408,10 +428,85 @@ class WorkerRuntime:
         return self._run(info, method, raw_args)
 
 
+class _ActorLabel:
+    name = ""
+
+
+class _Forwarder:
+    """A worker's ``sys.stdout``/``sys.stderr``: writes to the worker's log file as before
+    and sends each complete line to the job's driver, prefixed as Ray prefixes it:
+    ``(f pid=123)``, or ``(f pid=123, ip=10.0.0.2)`` from another host."""
+
+    def __init__(self, inner, driver: str, is_err: bool):
+        self._inner = inner
+        self._driver = driver
+        self._is_err = is_err
+        self._partial = ""
+        self._lines: list[str] = []
+        self._lock = threading.Lock()
+        host = driver.rpartition(":")[0]
+        agent = os.environ.get("TPURAY_AGENT_ADDRESS", "").rpartition(":")[0]
+        self._ip = "" if not agent or agent == host else f", ip={agent}"
+
+    def write(self, s: str) -> int:
+        self._inner.write(s)
+        with self._lock:
+            text = self._partial + s
+            *done, self._partial = text.split("\n")
+            if done:
+                label = getattr(_task_context, "label", None) or _ActorLabel.name or "worker"
+                prefix = f"({label} pid={os.getpid()}{self._ip}) "
+                self._lines.extend(prefix + line for line in done)
+        return len(s)
+
+    def flush(self) -> None:
+        self._inner.flush()
+        with self._lock:
+            lines, self._lines = self._lines, []
+        if lines:
+            try:
+                _tpuray.report_logs(self._driver, lines, self._is_err)
+            except RuntimeError:
+                pass  # the driver is gone; the log file still has the lines
+
+    def fileno(self) -> int:
+        return self._inner.fileno()
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _flush_output() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, _Forwarder):
+            stream.flush()
+
+
+def _forward_output() -> None:
+    driver = os.environ.get("TPURAY_DRIVER_ADDRESS")
+    if not driver:
+        return
+    sys.stdout = _Forwarder(sys.stdout, driver, False)
+    sys.stderr = _Forwarder(sys.stderr, driver, True)
+
+    def pump():
+        import time
+
+        while True:
+            time.sleep(0.1)
+            _flush_output()
+
+    threading.Thread(target=pump, daemon=True, name="tpuray-logs").start()
+
+
 def worker_main() -> int:
     """Entry point of a Python worker process (``python -m tpuray._worker``)."""
     state.mode = "worker"
     state.connected = True
+    _forward_output()
     return _tpuray.run_worker(WorkerRuntime())
 
 
