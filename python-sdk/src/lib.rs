@@ -300,19 +300,34 @@ fn error_tuple(py: Python<'_>, e: Error) -> PyResult<Py<PyAny>> {
 fn get(py: Python<'_>, refs: Vec<Bound<'_, PyRef>>, timeout: Option<f64>) -> PyResult<Py<PyList>> {
     let raws: Vec<RawRef> = refs.iter().map(|r| r.get().inner.clone()).collect();
     let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+    let mut results: Vec<Option<Result<raw::Data, Error>>> =
+        (0..raws.len()).map(|_| None).collect();
     loop {
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let slice = left.unwrap_or(SIGNAL_SLICE).min(SIGNAL_SLICE);
-        let ready = py.detach(|| raw::wait(&raws, raws.len(), Some(slice))).map_err(cluster_err)?;
-        if ready.iter().all(|r| *r) || left.is_some_and(|l| l.is_zero()) {
+        let todo: Vec<usize> = (0..raws.len()).filter(|&i| results[i].is_none()).collect();
+        let batch: Vec<RawRef> = todo.iter().map(|&i| raws[i].clone()).collect();
+        let got = py.detach(|| raw::get(&batch, Some(slice))).map_err(cluster_err)?;
+        for (i, r) in todo.into_iter().zip(got) {
+            if !matches!(r, Err(Error::Timeout(..))) {
+                results[i] = Some(r);
+            }
+        }
+        if results.iter().all(Option::is_some) {
+            break;
+        }
+        if left.is_some_and(|l| l <= slice) {
+            let waited = timeout.map(Duration::from_secs_f64).unwrap_or_default();
+            let missing = results.iter().filter(|r| r.is_none()).count();
+            for r in results.iter_mut().filter(|r| r.is_none()) {
+                *r = Some(Err(Error::Timeout(waited, missing)));
+            }
             break;
         }
         py.check_signals()?;
     }
-    let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-    let results = py.detach(|| raw::get(&raws, left)).map_err(cluster_err)?;
     let out = PyList::empty(py);
-    for r in results {
+    for r in results.into_iter().flatten() {
         match r {
             Ok(data) => out.append((0, PyBytes::new(py, &data)))?,
             Err(e) => out.append((1, error_tuple(py, e)?))?,

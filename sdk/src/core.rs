@@ -758,8 +758,10 @@ impl Core {
         }
     }
 
-    pub(crate) async fn changed(&self, within: Duration) {
-        let _ = tokio::time::timeout(within, self.objects_changed.notified()).await;
+    /// Resolves when any owned object changes state. Create it before checking states,
+    /// so a change between the check and the wait is not missed.
+    pub(crate) fn objects_changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.objects_changed.notified()
     }
 
     /// Owner side of `GetObject`.

@@ -141,6 +141,9 @@ pub fn wait<T>(
     let want = num_returns.min(refs.len());
     core.rt.block_on(async {
         loop {
+            let changed = core.objects_changed();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
             let mut ready = vec![false; refs.len()];
             let mut n = 0;
             for (i, r) in refs.iter().enumerate() {
@@ -160,7 +163,8 @@ pub fn wait<T>(
                     b.into_iter().map(|x| x.0).collect(),
                 ));
             }
-            core.changed(Duration::from_millis(20)).await;
+            // Borrowed refs change state elsewhere: look again at least every 20 ms.
+            let _ = tokio::time::timeout(Duration::from_millis(20), changed).await;
         }
     })
 }

@@ -137,6 +137,9 @@ pub fn wait(
     let want = num_returns.min(refs.len());
     Ok(c.rt.block_on(async {
         loop {
+            let changed = c.objects_changed();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
             let mut ready = vec![false; refs.len()];
             let mut n = 0;
             for (i, r) in refs.iter().enumerate() {
@@ -151,7 +154,8 @@ pub fn wait(
             if n >= want || deadline.is_some_and(|d| Instant::now() >= d) {
                 return ready;
             }
-            c.changed(Duration::from_millis(20)).await;
+            // Borrowed refs change state elsewhere: look again at least every 20 ms.
+            let _ = tokio::time::timeout(Duration::from_millis(20), changed).await;
         }
     }))
 }

@@ -23,6 +23,11 @@
 //!   work needing the same number of chips (the block is part of its pool
 //!   key, AGENT-3). Idle workers holding chips are stopped when a request
 //!   cannot otherwise get a block.
+//! - AGENT-8: at most the node's CPU count of worker processes start at once
+//!   (Ray's `maximum_startup_concurrency`); a lease waiting for a start slot
+//!   takes an idle worker instead when one frees up. Python jobs' workers run
+//!   the driver's interpreter (`python -m tpuray._worker`) with its `sys.path`
+//!   and working directory, from the job's runtime record in the KV.
 //! - AGENT-6: placement-group bundles are reserved in two phases: prepare sets
 //!   their resources aside (all of a request or none), commit adds the
 //!   group's renamed resources (SCHED-19) to the node's total; return gives
@@ -158,8 +163,12 @@ struct AgentState {
 pub struct Agent {
     pub config: AgentConfig,
     st: Mutex<AgentState>,
-    /// Signalled whenever resources are given back.
+    /// Signalled whenever resources are given back or a worker becomes idle.
     freed: Notify,
+    /// Worker processes starting at once, at most the node's CPUs (Ray's
+    /// `maximum_startup_concurrency`): interpreters booting in parallel on a
+    /// small machine only slow each other down (AGENT-8).
+    starts: Arc<tokio::sync::Semaphore>,
     /// Set once the agent is shutting down: no new workers.
     stopping: std::sync::atomic::AtomicBool,
     /// Whether the cluster checks tokens (AUTH-1), as the head said at registration.
@@ -188,6 +197,7 @@ impl Agent {
                 cluster: Vec::new(),
                 chips: tpu_host_chips(&config.total).map(ChipAllocator::new),
             }),
+            starts: Arc::new(tokio::sync::Semaphore::new(startup_concurrency(&config.total))),
             config,
             freed: Notify::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
@@ -652,6 +662,8 @@ impl Agent {
                 w.state = state;
             }
         }
+        // A pre-started worker is idle now: a waiting lease may take it.
+        self.freed.notify_waiters();
         // Reap the process whenever it exits (AGENT-2).
         let agent = Arc::clone(self);
         let wid = worker_id.clone();
@@ -1149,6 +1161,28 @@ impl Agent {
             }
             reused
         };
+        // AGENT-8: wait for a start slot, taking an idle worker instead if one frees up.
+        let mut permit = None;
+        let mut reused = reused;
+        while reused.is_none() && permit.is_none() {
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            reused = {
+                let mut st = self.lock();
+                let r = self.take_idle(&mut st, &key, chips, &lease_id);
+                if let (Some((wid, _, _)), Some(l)) = (&r, st.leases.get_mut(&lease_id)) {
+                    l.worker_id = wid.clone();
+                }
+                r
+            };
+            if reused.is_none() {
+                tokio::select! {
+                    p = Arc::clone(&self.starts).acquire_owned() => permit = Some(p),
+                    _ = freed => {}
+                }
+            }
+        }
         let (worker_id, address, pid) = match reused {
             Some(w) => w,
             None => match self.start_leased_worker(key, chips, &lease_id).await {
@@ -1194,6 +1228,13 @@ impl Drop for WaitingGuard<'_> {
             self.agent.note_demand(&mut st, &self.demand, false, "", -1);
         }
     }
+}
+
+/// AGENT-8: worker processes started at once on a node with `total` resources: its
+/// CPUs, at least 1 (Ray's `maximum_startup_concurrency` default).
+fn startup_concurrency(total: &ResourceSet) -> usize {
+    let cpus = total.get("CPU").0 / tpuray_scheduler::resources::UNITS_PER_WHOLE;
+    usize::try_from(cpus).unwrap_or(1).max(1)
 }
 
 /// Chips on this host: the whole `TPU` amount of its own resources (1..=64), if any.
@@ -1606,6 +1647,7 @@ impl NodeAgentService for AgentSvc {
             let agent = Arc::clone(&self.0);
             let key = key.clone();
             tokio::spawn(async move {
+                let _permit = Arc::clone(&agent.starts).acquire_owned().await;
                 let idle = WorkerState::Idle { since: Instant::now() };
                 if let Err(e) = agent.start_worker(key, 0, idle, None).await {
                     tracing::warn!(%e, "pre-starting a worker failed");
