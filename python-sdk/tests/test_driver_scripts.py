@@ -134,3 +134,64 @@ def test_ctrl_c_interrupts_a_driver_blocked_in_get(tmp_path, env):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_slice_placement_group_on_simulated_tpu_hosts(tmp_path, env):
+    """tpuray.util.tpu.slice_placement_group reserves every host of one v6e-16 slice
+    (4 simulated hosts, TPU.md's line); bundle i runs on TPU_WORKER_ID i with its chips."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    addr = f"127.0.0.1:{port}"
+    cli = [sys.executable, "-m", "tpuray"]
+
+    def start(args, extra_env=None):
+        e = dict(env)
+        e.update(extra_env or {})
+        r = subprocess.run(cli + ["start", *args], env=e, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+
+    try:
+        start(["--head", "--port", str(port), "--num-cpus", "1", "--temp-dir", str(tmp_path / "head")])
+        for w in range(4):
+            start(
+                ["--address", addr, "--num-cpus", "1", "--resources", '{"TPU": 4}',
+                 "--temp-dir", str(tmp_path / f"host{w}")],
+                {"TPU_ACCELERATOR_TYPE": "v6e-16", "TPU_NAME": "sa", "TPU_TOPOLOGY": "4x4",
+                 "TPU_WORKER_ID": str(w)},
+            )
+        r = run_script(tmp_path, env, f"""
+            import os
+            import tpuray as ray
+            from tpuray.util.tpu import slice_placement_group
+            from tpuray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            ray.init({addr!r})
+            slice_pg = slice_placement_group("4x4", "v6e")
+            print("hosts", slice_pg.num_hosts, "chips", slice_pg.chips_per_host)
+            ray.get(slice_pg.placement_group.ready(), timeout=60)
+
+            @ray.remote(num_cpus=0, resources={{"TPU": 4}})
+            def member():
+                return os.environ["TPU_WORKER_ID"], os.environ["TPU_VISIBLE_CHIPS"], os.environ["TPU_NAME"]
+
+            for i in range(slice_pg.num_hosts):
+                s = PlacementGroupSchedulingStrategy(slice_pg.placement_group, i)
+                print("bundle", i, ray.get(member.options(scheduling_strategy=s).remote(), timeout=60))
+            slice_pg.shutdown()
+            try:
+                slice_placement_group("3x3", "v6e")
+            except ValueError as e:
+                print("refused:", e)
+            ray.shutdown()
+        """)
+        assert r.returncode == 0, r.stderr
+        out = r.stdout.splitlines()
+        assert "hosts 4 chips 4" in out, r.stdout
+        for i in range(4):
+            assert f"bundle {i} ('{i}', '0,1,2,3', 'sa')" in out, r.stdout
+        assert any(l.startswith("refused:") and "3x3" in l for l in out), r.stdout
+    finally:
+        subprocess.run(cli + ["stop"], env=env, capture_output=True, timeout=120)
