@@ -25,6 +25,10 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// the size and this limit (PROTO-2).
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
+/// Largest Raft message between head replicas, in bytes (1 GiB): a snapshot carries
+/// the whole durable state, KV values included.
+pub const MAX_PEER_MESSAGE_BYTES: usize = 1024 * 1024 * 1024;
+
 /// Checks a peer's protocol version against [`PROTOCOL_VERSION`].
 ///
 /// # Errors
