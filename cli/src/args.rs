@@ -128,6 +128,18 @@ pub struct StartArgs {
     /// Cluster token auth (with --head): on by default.
     #[arg(long, value_enum, default_value_t = AuthMode::Token)]
     pub auth_mode: AuthMode,
+    /// Every head of a replicated head, HOST:PORT,HOST:PORT,... (with --head and
+    /// --head-id). This head listens on the port of its own entry; start the heads
+    /// together (a majority must be up before the cluster serves).
+    #[arg(long, requires = "head_id")]
+    pub head_peers: Option<String>,
+    /// This head's 1-based position in --head-peers.
+    #[arg(long, requires = "head_peers")]
+    pub head_id: Option<u64>,
+    /// Where the head keeps its Raft log and snapshots (default: a folder in the
+    /// session folder). A head restarted with the same folder recovers its state.
+    #[arg(long)]
+    pub head_data_dir: Option<PathBuf>,
     #[command(flatten)]
     pub resources: ResourceFlags,
 }
@@ -184,6 +196,14 @@ pub struct HeadArgs {
     pub ready_file: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = AuthMode::Token)]
     pub auth_mode: AuthMode,
+    /// Every head's address, comma-separated (empty: a lone head).
+    #[arg(long, default_value = "")]
+    pub head_peers: String,
+    #[arg(long, default_value_t = 1)]
+    pub head_id: u64,
+    /// The Raft log's folder.
+    #[arg(long)]
+    pub data_dir: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -210,12 +230,30 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             show::list(&resolve_address(a.address.address)?, a.kind, a.format, a.limit)
         }
         Command::Stop(a) => procs::stop(a.force),
-        Command::Head(a) => procs::run_head(a),
-        Command::Agent(a) => procs::run_agent(a),
+        Command::Head(a) => {
+            ignore_sigpipe();
+            procs::run_head(a)
+        }
+        Command::Agent(a) => {
+            ignore_sigpipe();
+            procs::run_agent(a)
+        }
         Command::Worker => {
+            ignore_sigpipe();
             tpuray::worker::run_worker().context("worker process")?;
             Ok(0)
         }
+    }
+}
+
+/// Long-running processes ignore SIGPIPE (the binary's `main` restores the default for
+/// the short commands): a vectored write to a peer that hung up would otherwise kill a
+/// head or agent instead of failing that one connection.
+fn ignore_sigpipe() {
+    // SAFETY: setting a signal disposition has no memory-safety preconditions; it runs
+    // before the process starts its runtimes.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
 }
 

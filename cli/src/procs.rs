@@ -64,6 +64,7 @@ fn spawn_and_wait(
     kind: &'static str,
     args: Vec<String>,
     detach: bool,
+    waiting: &str,
 ) -> Result<Spawned> {
     let ready_file = session.join(format!("{name}.ready"));
     let _ = std::fs::remove_file(&ready_file);
@@ -97,7 +98,7 @@ fn spawn_and_wait(
     loop {
         if !told && kind == "agent" && started.elapsed() > Duration::from_secs(2) {
             told = true;
-            eprintln!("tpuray: waiting for the head to answer (retrying for up to 30 s)...");
+            eprintln!("tpuray: {waiting}");
         }
         if let Ok(s) = std::fs::read_to_string(&ready_file)
             && let Ok(v) = serde_json::from_str::<serde_json::Value>(&s)
@@ -147,6 +148,31 @@ fn tail(path: &Path, max: usize) -> String {
     s[start..].to_string()
 }
 
+/// A head's listen address, its peer list (empty for a lone head) and replica id. With
+/// `--head-peers`, the head listens on the port of its own entry.
+fn head_listen(a: &StartArgs) -> Result<(String, String, u64)> {
+    let Some(peers) = &a.head_peers else {
+        return Ok((format!("{}:{}", a.node_ip_address, a.port), String::new(), 1));
+    };
+    let list: Vec<&str> = peers.split(',').map(str::trim).filter(|p| !p.is_empty()).collect();
+    for p in &list {
+        tpuray_proto::client::check_address(p).map_err(|e| anyhow!("--head-peers: {e}"))?;
+    }
+    let id = a.head_id.unwrap_or(1);
+    let own = usize::try_from(id)
+        .ok()
+        .and_then(|i| i.checked_sub(1))
+        .and_then(|i| list.get(i))
+        .ok_or_else(|| {
+            anyhow!(
+                "--head-id {id} is not a position in --head-peers (expected 1 to {})",
+                list.len()
+            )
+        })?;
+    let port = own.rsplit_once(':').map(|(_, p)| p).unwrap_or_default();
+    Ok((format!("{}:{port}", a.node_ip_address), list.join(","), id))
+}
+
 pub fn start(a: StartArgs) -> Result<i32> {
     // Check every flag before anything starts, so bad input fails fast.
     tpuray_worker::build_resources(&a.resources.options())?;
@@ -158,15 +184,22 @@ pub fn start(a: StartArgs) -> Result<i32> {
     let session = new_session_dir(&a.temp_dir)?;
     let detach = !a.block;
     let mut spawned = Vec::new();
+    let waiting = if a.head_peers.is_some() {
+        "waiting for a majority of the heads to be up and elect a leader..."
+    } else {
+        "waiting for the head to answer (retrying for up to 30 s)..."
+    };
     let head_address = if a.head {
         if a.auth_mode == AuthMode::Token {
             tpuray_proto::auth::load_or_create_token()?;
         }
-        let listen = format!("{}:{}", a.node_ip_address, a.port);
+        let (listen, peers, id) = head_listen(&a)?;
         let auth = match a.auth_mode {
             AuthMode::Token => "token",
             AuthMode::Disabled => "disabled",
         };
+        let data_dir =
+            a.head_data_dir.clone().unwrap_or_else(|| session.join(format!("head-data-{id}")));
         let args = vec![
             "_head".into(),
             "--listen".into(),
@@ -175,11 +208,17 @@ pub fn start(a: StartArgs) -> Result<i32> {
             session.display().to_string(),
             "--auth-mode".into(),
             auth.into(),
+            "--head-peers".into(),
+            peers.clone(),
+            "--head-id".into(),
+            id.to_string(),
+            "--data-dir".into(),
+            data_dir.display().to_string(),
         ];
-        let s = spawn_and_wait(&session, "head", "head", args, detach)?;
+        let s = spawn_and_wait(&session, "head", "head", args, detach, "")?;
         let addr = s.ready["address"].as_str().unwrap_or_default().to_string();
         spawned.push(s);
-        addr
+        if peers.is_empty() { addr } else { peers }
     } else {
         a.address.clone().ok_or_else(|| anyhow!("--address is required without --head"))?
     };
@@ -196,7 +235,7 @@ pub fn start(a: StartArgs) -> Result<i32> {
         args.push("--head-node".into());
     }
     args.extend(a.resources.to_args());
-    let agent = match spawn_and_wait(&session, "agent", "agent", args, detach) {
+    let agent = match spawn_and_wait(&session, "agent", "agent", args, detach, waiting) {
         Ok(s) => s,
         Err(e) => {
             for mut s in spawned {
@@ -368,12 +407,26 @@ pub fn run_head(a: HeadArgs) -> Result<i32> {
         AuthMode::Token => Some(tpuray_proto::auth::load_or_create_token()?),
         AuthMode::Disabled => tpuray_proto::auth::load_token().ok().flatten(),
     };
+    let peers: Vec<String> = a
+        .head_peers
+        .split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| p.trim().to_string())
+        .collect();
     let config = tpuray_head::HeadConfig {
         listen,
         token,
         auth_required: a.auth_mode == AuthMode::Token,
         heartbeat_interval: env_ms("TPURAY_HEARTBEAT_INTERVAL_MS", 1000),
         node_death_timeout: env_ms("TPURAY_NODE_DEATH_TIMEOUT_MS", 10_000),
+        replica_id: a.head_id,
+        peers,
+        data_dir: Some(a.data_dir.clone()),
+        raft_tick: env_ms("TPURAY_RAFT_TICK_MS", 50),
+        snapshot_every: std::env::var("TPURAY_HEAD_SNAPSHOT_EVERY")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(10_000),
     };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let ready = a.ready_file.clone();

@@ -19,8 +19,81 @@ fn head_client(
     address: &str,
 ) -> Result<pb::head_service_client::HeadServiceClient<tpuray_proto::client::AuthChannel>> {
     let token = tpuray_proto::auth::load_token()?;
-    let first = address.split(',').next().unwrap_or_default();
-    Ok(tpuray_proto::client::head(first, token.as_deref())?)
+    Ok(tpuray_proto::client::head(address, token.as_deref())?)
+}
+
+/// Each head replica's Raft status, asked of each replica itself: the addresses given,
+/// then any other replica the answers name. Unreachable replicas are listed with why.
+async fn replica_statuses(
+    address: &str,
+) -> Vec<(String, Result<pb::GetReplicaStatusReply, String>)> {
+    let token = tpuray_proto::auth::load_token().ok().flatten();
+    let mut todo: Vec<String> = address.split(',').map(|a| a.trim().to_string()).collect();
+    let mut out: Vec<(String, Result<pb::GetReplicaStatusReply, String>)> = Vec::new();
+    while let Some(addr) = todo.first().cloned() {
+        todo.remove(0);
+        if out.iter().any(|(a, _)| *a == addr) {
+            continue;
+        }
+        let r = async {
+            let mut c = tpuray_proto::client::head_replica(&addr, token.as_deref())
+                .map_err(|e| e.to_string())?;
+            let mut req = Request::new(pb::GetReplicaStatusRequest {});
+            req.set_timeout(Duration::from_secs(3));
+            c.get_replica_status(req)
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| s.message().to_string())
+        }
+        .await;
+        if let Ok(st) = &r {
+            for other in &st.replicas {
+                if !out.iter().any(|(a, _)| a == other) && !todo.contains(other) && *other != addr {
+                    todo.push(other.clone());
+                }
+            }
+        }
+        out.push((addr, r));
+    }
+    out.sort_by_key(|(a, r)| (r.as_ref().map(|s| s.id).unwrap_or(u64::MAX), a.clone()));
+    out
+}
+
+fn print_replicas(replicas: &[(String, Result<pb::GetReplicaStatusReply, String>)]) {
+    let leader = replicas.iter().find_map(|(_, r)| r.as_ref().ok().filter(|s| s.role == "leader"));
+    match leader {
+        Some(l) => println!("Head replicas (leader: {} at {}, term {})", l.id, l.address, l.term),
+        None => println!("Head replicas (no leader)"),
+    }
+    for (addr, r) in replicas {
+        match r {
+            Ok(s) => {
+                let serving = if s.leader_ready { ", serving" } else { "" };
+                println!(
+                    " {} {addr} {}{serving} -- term {}, commit {}, applied {}, log {}..{}, snapshot {}",
+                    s.id,
+                    s.role,
+                    s.term,
+                    s.commit_index,
+                    s.applied_index,
+                    s.first_index,
+                    s.last_index,
+                    s.snapshot_index
+                );
+            }
+            Err(e) => println!(" ? {addr} unreachable -- {e}"),
+        }
+    }
+    if let Some(l) = leader {
+        let matched: Vec<String> =
+            l.peers.iter().map(|p| format!("{}: {}", p.id, p.matched_index)).collect();
+        if !matched.is_empty() {
+            println!(
+                " replicated up to (per replica, as the leader knows): {}",
+                matched.join(", ")
+            );
+        }
+    }
 }
 
 fn call_err(address: &str, s: tonic::Status) -> anyhow::Error {
@@ -66,6 +139,7 @@ fn node_state(n: &pb::NodeInfo) -> &'static str {
 
 pub fn status(address: &str) -> Result<i32> {
     let rt = runtime()?;
+    let replicas = rt.block_on(replica_statuses(address));
     let st = rt.block_on(async {
         let mut head = head_client(address)?;
         let mut req = Request::new(pb::GetClusterStatusRequest {});
@@ -120,6 +194,8 @@ pub fn status(address: &str) -> Result<i32> {
     for d in &st.infeasible {
         println!(" {}: {}+ infeasible -- {}", fmt_shape(&d.shape), d.count.max(1), d.reason);
     }
+    println!();
+    print_replicas(&replicas);
     Ok(0)
 }
 

@@ -18,7 +18,8 @@
 
 pub mod convert;
 pub mod placement_groups;
+pub mod replication;
 pub mod server;
 pub mod state;
 
-pub use server::{Head, HeadConfig, serve};
+pub use server::{Head, HeadConfig, ServeError, serve};

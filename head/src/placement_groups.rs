@@ -168,16 +168,27 @@ impl Head {
         let outcome = match result {
             Ok(()) => {
                 let placed = todo.iter().map(|a| (a.index, a.node_id.clone())).collect();
-                match self.commit(Command {
-                    request_id: String::new(),
-                    kind: CommandKind::PlacementGroupPlaced {
-                        pg_id: pg_id.clone(),
-                        bundles: placed,
-                        slice_bundles,
-                    },
-                }) {
-                    Outcome::Rejected(r) => Err(r.to_string()),
-                    _ => Ok(()),
+                let r = self
+                    .commit(Command {
+                        request_id: String::new(),
+                        kind: CommandKind::PlacementGroupPlaced {
+                            pg_id: pg_id.clone(),
+                            bundles: placed,
+                            slice_bundles,
+                        },
+                    })
+                    .await;
+                match r {
+                    Ok(Outcome::Rejected(r)) => Err(r.to_string()),
+                    Ok(_) => Ok(()),
+                    Err(s) => {
+                        // The outcome is unknown (leadership changed): the bundles stay
+                        // where they are; the next leader gives back any that no record
+                        // names (HEAD-8).
+                        tracing::warn!(pg = %pg_id, %s, "recording a placement group's bundles failed");
+                        self.lock().pg_placing.remove(&pg_id);
+                        return;
+                    }
                 }
             }
             Err(e) => Err(e),
@@ -276,7 +287,7 @@ impl Head {
     /// Returns bundles of `pg_id` on one node (all when `indexes` is empty); a node that
     /// cannot be reached is left alone (its prepared bundles expire, AGENT-6; a dead
     /// node's resources are gone anyway).
-    async fn return_bundles_on(
+    pub(crate) async fn return_bundles_on(
         &self,
         node_id: &NodeId,
         address: &str,
@@ -318,7 +329,7 @@ impl Head {
     }
 
     /// `CreatePlacementGroup`: validates, records the group and wakes placement.
-    pub(crate) fn create_placement_group(
+    pub(crate) async fn create_placement_group(
         &self,
         req: pb::CreatePlacementGroupRequest,
     ) -> Result<pb::PlacementGroupInfo, Status> {
@@ -396,10 +407,13 @@ impl Head {
             bundle_nodes: vec![None; n],
             create_time_ms: now_ms(),
         };
-        let id = match self.commit(Command {
-            request_id: req.request_id,
-            kind: CommandKind::CreatePlacementGroup(pg),
-        }) {
+        let id = match self
+            .commit(Command {
+                request_id: req.request_id,
+                kind: CommandKind::CreatePlacementGroup(pg),
+            })
+            .await?
+        {
             Outcome::PlacementGroup(id) => id,
             Outcome::Rejected(r) => return Err(crate::server::rejection_status(r)),
             o => return Err(Status::internal(format!("unexpected outcome {o:?}"))),
@@ -488,13 +502,16 @@ impl Head {
             return Err(Status::invalid_argument("missing placement_group_id"));
         }
         let pg_id = PlacementGroupId::from_wire(req.placement_group_id);
-        if let Outcome::Rejected(r) = self.commit(Command {
-            request_id: req.request_id,
-            kind: CommandKind::RemovePlacementGroup {
-                pg_id: pg_id.clone(),
-                reason: "removed by remove_placement_group()".into(),
-            },
-        }) {
+        if let Outcome::Rejected(r) = self
+            .commit(Command {
+                request_id: req.request_id,
+                kind: CommandKind::RemovePlacementGroup {
+                    pg_id: pg_id.clone(),
+                    reason: "removed by remove_placement_group()".into(),
+                },
+            })
+            .await?
+        {
             return Err(crate::server::rejection_status(r));
         }
         self.lock().pg_pending.remove(&pg_id);

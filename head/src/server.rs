@@ -1,13 +1,22 @@
 //! `HeadService`: the gRPC face of the head, the node-death monitor and the
 //! actor placement loop.
 //!
+//! Durable changes go through [`Head::commit`]: the command is proposed to the Raft log
+//! (`replication.rs`) and the call returns once the log applied it, on this head and on
+//! a majority's logs (HEAD-6). Every head applies every command ([`Head::apply_committed`],
+//! on the Raft thread); only the leader serves clients, places actors and groups, and
+//! watches heartbeats (HEAD-7). Soft state is the leader's alone and is rebuilt from node
+//! reports when a head becomes leader (HEAD-8).
+//!
 //! One `std::sync::Mutex` guards the state machine and soft state; it is held
 //! only for in-memory work, never across an `.await`.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, broadcast};
@@ -19,18 +28,21 @@ use tpuray_proto::convert::{labels_from_proto, resources_from_proto, resources_t
 use tpuray_proto::ids::{ActorId, JobId, NodeId, PlacementGroupId, WorkerId};
 use tpuray_proto::pb::head_service_server::{HeadService, HeadServiceServer};
 use tpuray_proto::{PROTOCOL_VERSION, check_protocol_version, now_ms, pb};
+use tpuray_replica::{NodeStatus, ProposeError, Replica, Role};
 use tpuray_scheduler::{Decision, Labels, NodeView, ResourceSet};
 
 use crate::convert::{actor_to_proto, job_to_proto, node_to_proto};
 use crate::state::{
     ActorRecord, ActorStatus, Changed, Command, CommandKind, DEFAULT_NAMESPACE, JobRecord,
-    JobStatus, NodeRecord, NodeStatus, Outcome, Rejection, StateMachine,
+    JobStatus, NodeRecord, NodeStatus as NodeLife, Outcome, Rejection, StateMachine,
 };
 
 /// How many state changes are kept for subscribers that resume.
 const CHANGE_LOG_CAPACITY: usize = 10_000;
 /// How many tasks `list tasks` remembers (oldest dropped first).
 const MAX_TASKS_KEPT: usize = 100_000;
+/// How often the leader compares a node agent's actor workers with the durable state.
+const RECONCILE_EVERY: Duration = Duration::from_secs(30);
 
 /// Head settings.
 #[derive(Clone, Debug)]
@@ -45,6 +57,46 @@ pub struct HeadConfig {
     pub heartbeat_interval: Duration,
     /// A node that sent no heartbeat for this long is declared dead (HEAD-4).
     pub node_death_timeout: Duration,
+    /// This head's replica id: its 1-based position in `peers` (1 for a lone head).
+    pub replica_id: u64,
+    /// Every head's address (`host:port`, by replica id); empty for a lone head.
+    pub peers: Vec<String>,
+    /// Where the Raft log and snapshots live (`sled`); `None` keeps them in memory.
+    pub data_dir: Option<PathBuf>,
+    /// Raft's clock: elections start after 10 to 20 ticks without a leader, a leader
+    /// sends heartbeats every 2.
+    pub raft_tick: Duration,
+    /// Applied commands between two snapshots; the log keeps about this many entries.
+    pub snapshot_every: u64,
+}
+
+impl HeadConfig {
+    /// A lone head on `listen` with defaults for the rest.
+    pub fn single(listen: SocketAddr) -> Self {
+        Self {
+            listen,
+            token: None,
+            auth_required: false,
+            heartbeat_interval: Duration::from_secs(1),
+            node_death_timeout: Duration::from_secs(10),
+            replica_id: 1,
+            peers: Vec::new(),
+            data_dir: None,
+            raft_tick: Duration::from_millis(50),
+            snapshot_every: 10_000,
+        }
+    }
+
+    /// Every replica's address by id (this head's own listen address for a lone head).
+    pub fn replicas(&self) -> Vec<String> {
+        if self.peers.is_empty() { vec![self.listen.to_string()] } else { self.peers.clone() }
+    }
+
+    /// The address of replica `id`, if there is one.
+    pub fn replica_address(&self, id: u64) -> Option<String> {
+        let i = usize::try_from(id).ok()?.checked_sub(1)?;
+        self.replicas().get(i).cloned()
+    }
 }
 
 pub(crate) struct NodeSoft {
@@ -55,12 +107,34 @@ pub(crate) struct NodeSoft {
     pub(crate) available: ResourceSet,
     pending: Vec<pb::ResourceDemand>,
     num_workers: u32,
+    /// Whether the node reported since this head became leader (its resources are known).
+    reported: bool,
+    /// When this leader last compared the node's actor workers with the state (HEAD-8).
+    reconciled_at: Option<Instant>,
+}
+
+impl NodeSoft {
+    /// A node this head has not heard from yet: its death clock starts now.
+    fn unheard(rec: &NodeRecord) -> Self {
+        Self {
+            last_heartbeat: Instant::now(),
+            last_heartbeat_ms: 0,
+            total: rec.total.clone(),
+            available: ResourceSet::new(),
+            pending: vec![],
+            num_workers: 0,
+            reported: false,
+            reconciled_at: None,
+        }
+    }
 }
 
 pub(crate) struct Inner {
     pub(crate) sm: StateMachine,
     pub(crate) soft: HashMap<NodeId, NodeSoft>,
     changes: VecDeque<pb::StateChange>,
+    /// Sequence number of the last state change; every head counts the same way, so a
+    /// subscriber resumes on a new leader (it travels in snapshots).
     seq: u64,
     /// Why each unplaced actor waits (soft): (reason, infeasible).
     actor_pending: HashMap<ActorId, (String, bool)>,
@@ -70,10 +144,24 @@ pub(crate) struct Inner {
     pub(crate) pg_pending: HashMap<PlacementGroupId, (String, bool)>,
     /// Groups whose reservation is in flight (HEAD-5).
     pub(crate) pg_placing: HashSet<PlacementGroupId>,
+    /// Bundles being given back because no record holds them (HEAD-8).
+    pub(crate) returning: HashSet<(PlacementGroupId, NodeId)>,
     /// Task summaries from task events (soft, bounded, lossy).
     tasks: HashMap<String, pb::TaskSummary>,
     task_order: VecDeque<String>,
     tasks_dropped: u64,
+}
+
+impl Inner {
+    /// Forgets the soft state of a leadership term.
+    fn reset_soft(&mut self) {
+        self.soft.clear();
+        self.actor_pending.clear();
+        self.placing.clear();
+        self.pg_pending.clear();
+        self.pg_placing.clear();
+        self.returning.clear();
+    }
 }
 
 /// The head's shared state; cheap to clone through `Arc`.
@@ -87,11 +175,17 @@ pub struct Head {
     /// Wakes waiters for placement group state (GetPlacementGroup with wait).
     pub(crate) pg_changed: Notify,
     pub(crate) config: HeadConfig,
-    cluster_id: String,
     start_time_ms: u64,
+    /// The Raft replica (set once at start).
+    replica: OnceLock<Arc<Replica<Outcome>>>,
+    /// Whether this head is the leader and applied everything before its term (HEAD-7).
+    leading: AtomicBool,
+    /// The runtime the head's tasks run on (callbacks from the Raft thread spawn here).
+    rt: tokio::runtime::Handle,
 }
 
 impl Head {
+    /// A head with no replica yet; needs a tokio runtime (it keeps its handle).
     pub fn new(config: HeadConfig) -> Arc<Self> {
         let (events, _) = broadcast::channel(4096);
         Arc::new(Self {
@@ -104,6 +198,7 @@ impl Head {
                 placing: HashSet::new(),
                 pg_pending: HashMap::new(),
                 pg_placing: HashSet::new(),
+                returning: HashSet::new(),
                 tasks: HashMap::new(),
                 task_order: VecDeque::new(),
                 tasks_dropped: 0,
@@ -113,8 +208,10 @@ impl Head {
             actor_changed: Notify::new(),
             pg_changed: Notify::new(),
             config,
-            cluster_id: uuid_like(),
             start_time_ms: now_ms(),
+            replica: OnceLock::new(),
+            leading: AtomicBool::new(false),
+            rt: tokio::runtime::Handle::current(),
         })
     }
 
@@ -122,8 +219,85 @@ impl Head {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Applies a durable command and publishes what changed (HEAD-1).
-    pub fn commit(&self, cmd: Command) -> Outcome {
+    /// The Raft replica, once started.
+    pub(crate) fn replica(&self) -> Option<&Arc<Replica<Outcome>>> {
+        self.replica.get()
+    }
+
+    /// The cluster's id (set by its first leader; "" before).
+    fn cluster_id(&self) -> String {
+        self.lock().sm.cluster_id.clone()
+    }
+
+    /// Whether this head serves clients now (HEAD-7).
+    pub fn is_leader(&self) -> bool {
+        self.leading.load(Ordering::Acquire)
+    }
+
+    /// The Raft replica's status.
+    pub fn replica_status(&self) -> Option<NodeStatus> {
+        self.replica.get().map(|r| r.status())
+    }
+
+    /// The status a head that cannot serve a call answers: `UNAVAILABLE` naming the
+    /// leader's address when known, which clients follow (CLIENT-1).
+    pub(crate) fn redirect(&self, why: &str) -> Status {
+        let id = self.config.replica_id;
+        let Some(st) = self.replica_status() else {
+            return tpuray_proto::client::not_leader(None, format!("head {id} is starting"));
+        };
+        if st.role == Role::Leader {
+            let me = self.config.replica_address(id);
+            return tpuray_proto::client::not_leader(
+                me.as_deref(),
+                format!("head {id} is the leader but still applying the log{why}; retry shortly"),
+            );
+        }
+        let leader = self.config.replica_address(st.leader_id);
+        let named = leader.clone().unwrap_or_else(|| "none yet, an election is running".into());
+        tpuray_proto::client::not_leader(
+            leader.as_deref(),
+            format!("head {id} is not the leader (leader: {named}){why}"),
+        )
+    }
+
+    /// `Ok` on the serving leader, else the redirect status (HEAD-7).
+    pub(crate) fn route(&self) -> Result<(), Status> {
+        if self.is_leader() { Ok(()) } else { Err(self.redirect("")) }
+    }
+
+    /// HEAD-6: proposes a durable command to the Raft log and returns its outcome once
+    /// the log applied it. A retry of the same request id after a failover gets the
+    /// first outcome (HEAD-2).
+    ///
+    /// # Errors
+    /// `UNAVAILABLE` with the leader's address when this head is not (or stops being)
+    /// the leader before the command is applied: the client retries there.
+    pub async fn commit(&self, cmd: Command) -> Result<Outcome, Status> {
+        self.route()?;
+        let replica = self.replica.get().ok_or_else(|| self.redirect(""))?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        replica.propose(
+            crate::state::encode_command(&cmd),
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        match rx.await {
+            Ok(Ok(outcome)) => Ok(outcome),
+            Ok(Err(ProposeError::NotLeader { .. })) => Err(self.redirect("")),
+            Ok(Err(ProposeError::Overwritten)) => {
+                Err(self.redirect(" (the command's entry was replaced by a new leader's)"))
+            }
+            Ok(Err(ProposeError::Stopped)) | Err(_) => {
+                Err(Status::unavailable(format!("head {} is stopping", self.config.replica_id)))
+            }
+        }
+    }
+
+    /// Applies a committed command and publishes what changed (HEAD-1). Runs on the Raft
+    /// thread of every head, in log order.
+    pub(crate) fn apply_committed(&self, cmd: Command) -> Outcome {
         let mut inner = self.lock();
         let (outcome, changed) = inner.sm.apply(cmd);
         let mut actors_changed = false;
@@ -175,10 +349,83 @@ impl Head {
         outcome
     }
 
+    /// The durable state as snapshot bytes (RAFT-4), taken on the Raft thread.
+    pub(crate) fn snapshot_state(&self) -> Vec<u8> {
+        let inner = self.lock();
+        inner.sm.snapshot(inner.seq)
+    }
+
+    /// Replaces the durable state with a snapshot's (a restart, or a follower far behind).
+    pub(crate) fn restore_state(&self, data: &[u8]) -> Result<(), String> {
+        let (sm, seq) = StateMachine::restore(data)?;
+        let mut inner = self.lock();
+        inner.sm = sm;
+        inner.seq = seq;
+        inner.changes.clear();
+        drop(inner);
+        self.actor_changed.notify_waiters();
+        self.pg_changed.notify_waiters();
+        Ok(())
+    }
+
+    /// Called on the Raft thread when the replica's role or leader changes (HEAD-8): a
+    /// head that starts serving rebuilds soft state (every live node gets a fresh death
+    /// clock; resources come with its next heartbeat), names the cluster if no leader
+    /// did, and places what waits; one that stops serving drops its soft state.
+    pub(crate) fn on_replica_change(self: &Arc<Self>, st: &NodeStatus) {
+        tracing::info!(
+            replica = st.id,
+            role = st.role.name(),
+            term = st.term,
+            leader = st.leader_id,
+            ready = st.leader_ready,
+            "raft role changed"
+        );
+        let was = self.is_leader();
+        if st.leader_ready && !was {
+            {
+                let mut inner = self.lock();
+                inner.reset_soft();
+                let alive: Vec<NodeRecord> = inner
+                    .sm
+                    .nodes
+                    .values()
+                    .filter(|n| n.status == NodeLife::Alive)
+                    .cloned()
+                    .collect();
+                for n in alive {
+                    inner.soft.insert(n.node_id.clone(), NodeSoft::unheard(&n));
+                }
+            }
+            self.leading.store(true, Ordering::Release);
+            tracing::info!(replica = st.id, term = st.term, "this head leads the cluster now");
+            let head = Arc::clone(self);
+            self.rt.spawn(async move {
+                if head.cluster_id().is_empty() {
+                    let cmd = Command {
+                        request_id: format!("init-cluster-{}", head.config.replica_id),
+                        kind: CommandKind::InitCluster {
+                            cluster_id: JobId::random().to_string(),
+                            created_ms: now_ms(),
+                        },
+                    };
+                    if let Err(s) = head.commit(cmd).await {
+                        tracing::warn!(%s, "naming the cluster failed; the next leader will");
+                    }
+                }
+                head.placement_wake.notify_one();
+            });
+        } else if !st.leader_ready && was {
+            self.leading.store(false, Ordering::Release);
+            self.lock().reset_soft();
+            tracing::info!(replica = st.id, "this head no longer leads");
+        }
+    }
+
     fn node_info(&self, inner: &Inner, n: &NodeRecord) -> pb::NodeInfo {
         let mut info = node_to_proto(n);
-        if let Some(s) = inner.soft.get(&n.node_id)
-            && n.status == NodeStatus::Alive
+        if let Some(s) = inner.soft.get(&n.node_id).filter(|s| s.reported)
+            && n.status == NodeLife::Alive
         {
             info.total = resources_to_proto(&s.total);
             info.available = resources_to_proto(&s.available);
@@ -189,33 +436,33 @@ impl Head {
         info
     }
 
+    /// The live nodes placement may use: those that reported their resources to this
+    /// leader (a new leader waits for each node's heartbeat, HEAD-8).
     fn alive_views(inner: &Inner) -> Vec<NodeView<String>> {
         inner
             .sm
             .nodes
             .values()
-            .filter(|n| n.status == NodeStatus::Alive)
-            .map(|n| NodeView {
-                id: n.node_id.to_string(),
-                total: inner
-                    .soft
-                    .get(&n.node_id)
-                    .map(|s| s.total.clone())
-                    .unwrap_or_else(|| n.total.clone()),
-                available: inner
-                    .soft
-                    .get(&n.node_id)
-                    .map(|s| s.available.clone())
-                    .unwrap_or_else(|| n.total.clone()),
-                labels: n.labels.clone(),
-                alive: true,
+            .filter(|n| n.status == NodeLife::Alive)
+            .filter_map(|n| {
+                let s = inner.soft.get(&n.node_id).filter(|s| s.reported)?;
+                Some(NodeView {
+                    id: n.node_id.to_string(),
+                    total: s.total.clone(),
+                    available: s.available.clone(),
+                    labels: n.labels.clone(),
+                    alive: true,
+                })
             })
             .collect()
     }
 
     /// HEAD-4: declares dead every node whose last heartbeat is older than
-    /// the death timeout. Runs on its own task; takes the lock briefly.
-    fn check_node_deaths(&self) {
+    /// the death timeout. Runs on its own task, on the leader only; takes the lock briefly.
+    async fn check_node_deaths(&self) {
+        if !self.is_leader() {
+            return;
+        }
         let timeout = self.config.node_death_timeout;
         let expired: Vec<(NodeId, Duration)> = {
             let inner = self.lock();
@@ -223,7 +470,7 @@ impl Head {
                 .sm
                 .nodes
                 .values()
-                .filter(|n| n.status == NodeStatus::Alive)
+                .filter(|n| n.status == NodeLife::Alive)
                 .filter_map(|n| {
                     let s = inner.soft.get(&n.node_id)?;
                     let age = s.last_heartbeat.elapsed();
@@ -233,17 +480,23 @@ impl Head {
         };
         for (node_id, age) in expired {
             tracing::warn!(%node_id, ?age, "node missed heartbeats; marking it dead");
-            self.commit(Command {
-                request_id: String::new(),
-                kind: CommandKind::MarkNodeDead {
-                    node_id: node_id.clone(),
-                    reason: format!(
-                        "no heartbeat for {:.1}s (timeout {:.1}s)",
-                        age.as_secs_f64(),
-                        timeout.as_secs_f64()
-                    ),
-                },
-            });
+            let r = self
+                .commit(Command {
+                    request_id: String::new(),
+                    kind: CommandKind::MarkNodeDead {
+                        node_id: node_id.clone(),
+                        reason: format!(
+                            "no heartbeat for {:.1}s (timeout {:.1}s)",
+                            age.as_secs_f64(),
+                            timeout.as_secs_f64()
+                        ),
+                    },
+                })
+                .await;
+            if let Err(s) = r {
+                tracing::warn!(%node_id, %s, "marking the node dead failed");
+                return;
+            }
             self.lock().soft.remove(&node_id);
         }
     }
@@ -252,6 +505,9 @@ impl Head {
     /// for a node gets a decision; placed groups get reserved on their agents
     /// (HEAD-5), placed actors get a worker started on their node.
     fn place_actors(self: &Arc<Self>) {
+        if !self.is_leader() {
+            return;
+        }
         let mut starts = Vec::new();
         {
             let mut inner = self.lock();
@@ -350,40 +606,59 @@ impl Head {
             client.start_actor_worker(req).await.map(|r| r.into_inner())
         }
         .await;
-        self.lock().placing.remove(&actor.actor_id);
         match result {
             Ok(reply) => {
-                let outcome = self.commit(Command {
-                    request_id: String::new(),
-                    kind: CommandKind::ActorAlive {
-                        actor_id: actor.actor_id.clone(),
-                        node_id: node_id.clone(),
-                        worker_id: WorkerId::from_wire(reply.worker_id.clone()),
-                        address: reply.worker_address,
-                        pid: reply.pid,
-                    },
-                });
-                if let Outcome::Rejected(r) = outcome {
-                    // Killed while starting: stop the worker we just made.
-                    tracing::info!(actor_id = %actor.actor_id, %r, "actor started after it was killed; stopping its worker");
-                    let _ = self.kill_actor_worker(&address, &actor.actor_id).await;
+                let outcome = self
+                    .commit(Command {
+                        request_id: String::new(),
+                        kind: CommandKind::ActorAlive {
+                            actor_id: actor.actor_id.clone(),
+                            node_id: node_id.clone(),
+                            worker_id: WorkerId::from_wire(reply.worker_id.clone()),
+                            address: reply.worker_address,
+                            pid: reply.pid,
+                        },
+                    })
+                    .await;
+                // Only now: until the record names the worker, reconciliation must not
+                // take it for an orphan (HEAD-8).
+                self.lock().placing.remove(&actor.actor_id);
+                match outcome {
+                    Ok(Outcome::Rejected(r)) => {
+                        // Killed while starting: stop the worker we just made.
+                        tracing::info!(actor_id = %actor.actor_id, %r, "actor started after it was killed; stopping its worker");
+                        let _ = self.kill_actor_worker(&address, &actor.actor_id).await;
+                    }
+                    Ok(_) => {}
+                    // Not leader any more: the next leader finds the worker when it
+                    // reconciles this node (HEAD-8).
+                    Err(s) => {
+                        tracing::warn!(actor_id = %actor.actor_id, %s, "recording the started actor failed")
+                    }
                 }
             }
             Err(status) if status.code() == tonic::Code::FailedPrecondition => {
+                self.lock().placing.remove(&actor.actor_id);
                 // The constructor failed or the binary is missing: retrying
                 // elsewhere would fail the same way.
                 tracing::warn!(actor_id = %actor.actor_id, %status, "actor creation failed");
-                self.commit(Command {
-                    request_id: String::new(),
-                    kind: CommandKind::ActorWorkerExited {
-                        actor_id: actor.actor_id.clone(),
-                        worker_id: None,
-                        intended: true,
-                        cause: format!("the actor's creation failed: {}", status.message()),
-                    },
-                });
+                let r = self
+                    .commit(Command {
+                        request_id: String::new(),
+                        kind: CommandKind::ActorWorkerExited {
+                            actor_id: actor.actor_id.clone(),
+                            worker_id: None,
+                            intended: true,
+                            cause: format!("the actor's creation failed: {}", status.message()),
+                        },
+                    })
+                    .await;
+                if let Err(s) = r {
+                    tracing::warn!(actor_id = %actor.actor_id, %s, "recording the failed creation failed");
+                }
             }
             Err(status) => {
+                self.lock().placing.remove(&actor.actor_id);
                 tracing::warn!(actor_id = %actor.actor_id, %node_id, %status, "starting actor worker failed; will retry placement");
                 self.lock().actor_pending.insert(
                     actor.actor_id.clone(),
@@ -399,6 +674,92 @@ impl Head {
                     head.placement_wake.notify_one();
                 });
             }
+        }
+    }
+
+    /// HEAD-8: compares a node agent's actor workers with the durable state. An actor
+    /// recorded alive there whose worker is gone (its exit report was lost, e.g. while
+    /// every head was down) is restarted or dies per its `max_restarts`; a worker
+    /// hosting an actor that no record places there (started by a leader that failed
+    /// before recording it) is stopped.
+    pub(crate) async fn reconcile_node(self: Arc<Self>, node_id: NodeId, address: String) {
+        if !self.is_leader() {
+            return;
+        }
+        let alive_here = |inner: &Inner| -> HashMap<ActorId, WorkerId> {
+            inner
+                .sm
+                .actors
+                .values()
+                .filter_map(|a| match &a.status {
+                    ActorStatus::Alive { node_id: n, worker_id, .. } if *n == node_id => {
+                        Some((a.actor_id.clone(), worker_id.clone()))
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        // Recorded before asking: a worker recorded alive now existed when the agent answers.
+        let before = alive_here(&self.lock());
+        let listed = async {
+            let mut c = tpuray_proto::client::agent(&address, self.config.token.as_deref())
+                .map_err(|e| Status::internal(e.to_string()))?;
+            let mut r = Request::new(pb::ListWorkersRequest {});
+            r.set_timeout(Duration::from_secs(5));
+            c.list_workers(r).await.map(|r| r.into_inner().workers)
+        }
+        .await;
+        let workers = match listed {
+            Ok(w) => w,
+            Err(s) => {
+                tracing::info!(%node_id, %s, "cannot list the node's workers; will try again");
+                if let Some(soft) = self.lock().soft.get_mut(&node_id) {
+                    soft.reconciled_at = None;
+                }
+                return;
+            }
+        };
+        let hosted: HashMap<ActorId, WorkerId> = workers
+            .into_iter()
+            .filter(|w| !w.actor_id.is_empty())
+            .map(|w| (ActorId::from_wire(w.actor_id), WorkerId::from_wire(w.worker_id)))
+            .collect();
+        let (gone, orphans) = {
+            let inner = self.lock();
+            let now = alive_here(&inner);
+            let gone: Vec<(ActorId, WorkerId)> = before
+                .into_iter()
+                .filter(|(a, w)| hosted.get(a) != Some(w) && now.get(a) == Some(w))
+                .collect();
+            let orphans: Vec<ActorId> = hosted
+                .iter()
+                .filter(|(a, w)| now.get(*a) != Some(*w) && !inner.placing.contains(*a))
+                .map(|(a, _)| a.clone())
+                .collect();
+            (gone, orphans)
+        };
+        for (actor_id, worker_id) in gone {
+            tracing::warn!(%actor_id, %worker_id, %node_id, "an actor's worker is gone from its node; restarting the actor");
+            let r = self
+                .commit(Command {
+                    request_id: String::new(),
+                    kind: CommandKind::ActorWorkerExited {
+                        actor_id: actor_id.clone(),
+                        worker_id: Some(worker_id.clone()),
+                        intended: false,
+                        cause: format!(
+                            "the actor's worker {worker_id} was gone from node {node_id} (its exit was not reported)"
+                        ),
+                    },
+                })
+                .await;
+            if let Err(s) = r {
+                tracing::warn!(%actor_id, %s, "recording the lost actor worker failed");
+            }
+        }
+        for actor_id in orphans {
+            tracing::warn!(%actor_id, %node_id, "stopping an actor worker that no record places on its node");
+            let _ = self.kill_actor_worker(&address, &actor_id).await;
         }
     }
 
@@ -429,8 +790,42 @@ impl Head {
     }
 }
 
-fn uuid_like() -> String {
-    tpuray_proto::ids::JobId::random().to_string()
+/// HEAD-8: the bundles a node holds (its reported total names them, SCHED-19) that no
+/// record places on it and no reservation in flight may be placing: (group, indexes).
+fn orphan_bundles(
+    inner: &Inner,
+    node_id: &NodeId,
+    total: &ResourceSet,
+) -> Vec<(PlacementGroupId, Vec<u32>)> {
+    let mut held: std::collections::BTreeMap<&str, Vec<u32>> = Default::default();
+    for (name, _) in total.iter() {
+        if let Some((_, Some(i), pg)) = tpuray_scheduler::bundles::parse_bundle_resource(name) {
+            let v = held.entry(pg).or_default();
+            if !v.contains(&i) {
+                v.push(i);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (pg, indexes) in held {
+        let pg_id = PlacementGroupId::from_wire(pg);
+        if inner.pg_placing.contains(&pg_id)
+            || inner.returning.contains(&(pg_id.clone(), node_id.clone()))
+        {
+            continue;
+        }
+        let orphan: Vec<u32> = match inner.sm.placement_groups.get(&pg_id) {
+            Some(rec) if !rec.is_removed() => indexes
+                .into_iter()
+                .filter(|i| rec.bundle_nodes.get(*i as usize) != Some(&Some(node_id.clone())))
+                .collect(),
+            _ => indexes,
+        };
+        if !orphan.is_empty() {
+            out.push((pg_id, orphan));
+        }
+    }
+    out
 }
 
 pub(crate) fn rejection_status(r: Rejection) -> Status {
@@ -461,7 +856,7 @@ impl HeadService for HeadSvc {
         Ok(Response::new(pb::GetHeadInfoReply {
             protocol_version: PROTOCOL_VERSION,
             auth_required: h.config.auth_required,
-            cluster_id: h.cluster_id.clone(),
+            cluster_id: h.cluster_id(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             heartbeat_interval_ms: h.config.heartbeat_interval.as_millis() as u64,
             node_death_timeout_ms: h.config.node_death_timeout.as_millis() as u64,
@@ -492,12 +887,13 @@ impl HeadService for HeadSvc {
             start_time_ms: node.start_time_ms,
             session_dir: node.session_dir,
             pid: node.pid,
-            status: NodeStatus::Alive,
+            status: NodeLife::Alive,
             object_store_dir: node.object_store_dir,
         };
         if let Outcome::Rejected(r) = self
             .0
             .commit(Command { request_id: req.request_id, kind: CommandKind::RegisterNode(rec) })
+            .await?
         {
             return Err(rejection_status(r));
         }
@@ -510,12 +906,15 @@ impl HeadService for HeadSvc {
                 total,
                 pending: vec![],
                 num_workers: 0,
+                reported: true,
+                // A new node runs no actors yet: nothing to reconcile.
+                reconciled_at: Some(Instant::now()),
             },
         );
         tracing::info!(%node_id, "node registered");
         self.0.placement_wake.notify_one();
         Ok(Response::new(pb::RegisterNodeReply {
-            cluster_id: self.0.cluster_id.clone(),
+            cluster_id: self.0.cluster_id(),
             heartbeat_interval_ms: self.0.config.heartbeat_interval.as_millis() as u64,
             auth_required: self.0.config.auth_required,
         }))
@@ -539,14 +938,14 @@ impl HeadService for HeadSvc {
                     cluster: vec![],
                 }));
             }
-            Some(NodeStatus::Dead { reason }) => {
+            Some(NodeLife::Dead { reason }) => {
                 return Ok(Response::new(pb::HeartbeatReply {
                     accepted: false,
                     reason: format!("node {node_id} was declared dead: {reason}"),
                     cluster: vec![],
                 }));
             }
-            Some(NodeStatus::Alive) => {}
+            Some(NodeLife::Alive) => {}
         }
         let had_pending = !inner.actor_pending.is_empty() || !inner.pg_pending.is_empty();
         let total = if req.total.is_empty() {
@@ -555,8 +954,23 @@ impl HeadService for HeadSvc {
             resources_from_proto(&req.total)
                 .map_err(|e| Status::invalid_argument(format!("heartbeat total resources: {e}")))?
         };
+        let first_report = inner.soft.get(&node_id).is_none_or(|s| !s.reported);
+        let reconcile = inner
+            .soft
+            .get(&node_id)
+            .and_then(|s| s.reconciled_at)
+            .is_none_or(|t| t.elapsed() >= RECONCILE_EVERY);
+        let reconciled_at = if reconcile {
+            Some(Instant::now())
+        } else {
+            inner.soft.get(&node_id).and_then(|s| s.reconciled_at)
+        };
+        let orphans = orphan_bundles(&inner, &node_id, &total);
+        for (pg, _) in &orphans {
+            inner.returning.insert((pg.clone(), node_id.clone()));
+        }
         inner.soft.insert(
-            node_id,
+            node_id.clone(),
             NodeSoft {
                 last_heartbeat: Instant::now(),
                 last_heartbeat_ms: now_ms(),
@@ -564,18 +978,35 @@ impl HeadService for HeadSvc {
                 available,
                 pending: req.pending,
                 num_workers: req.num_workers,
+                reported: true,
+                reconciled_at,
             },
         );
         let cluster = inner
             .sm
             .nodes
             .values()
-            .filter(|n| n.status == NodeStatus::Alive)
+            .filter(|n| n.status == NodeLife::Alive)
             .map(|n| self.0.node_info(&inner, n))
             .collect();
+        let address = inner.sm.nodes.get(&node_id).map(|n| n.address.clone()).unwrap_or_default();
         drop(inner);
-        if had_pending {
+        if had_pending || first_report {
             self.0.placement_wake.notify_one();
+        }
+        if reconcile {
+            let head = Arc::clone(&self.0);
+            let (n, a) = (node_id.clone(), address.clone());
+            tokio::spawn(async move { head.reconcile_node(n, a).await });
+        }
+        for (pg, indexes) in orphans {
+            let head = Arc::clone(&self.0);
+            let (n, a) = (node_id.clone(), address.clone());
+            tokio::spawn(async move {
+                tracing::warn!(%pg, node_id = %n, ?indexes, "node holds placement group bundles no record names; giving them back");
+                head.return_bundles_on(&n, &a, &pg, indexes).await;
+                head.lock().returning.remove(&(pg, n));
+            });
         }
         Ok(Response::new(pb::HeartbeatReply { accepted: true, reason: String::new(), cluster }))
     }
@@ -589,10 +1020,14 @@ impl HeadService for HeadSvc {
         let node_id = NodeId::from_wire(req.node_id);
         let reason =
             if req.reason.is_empty() { "node agent stopped".to_string() } else { req.reason };
-        if let Outcome::Rejected(r) = self.0.commit(Command {
-            request_id: req.request_id,
-            kind: CommandKind::MarkNodeDead { node_id: node_id.clone(), reason },
-        }) {
+        if let Outcome::Rejected(r) = self
+            .0
+            .commit(Command {
+                request_id: req.request_id,
+                kind: CommandKind::MarkNodeDead { node_id: node_id.clone(), reason },
+            })
+            .await?
+        {
             return Err(rejection_status(r));
         }
         self.0.lock().soft.remove(&node_id);
@@ -610,7 +1045,7 @@ impl HeadService for HeadSvc {
         let mut infeasible = Vec::new();
         let nodes: Vec<pb::NodeInfo> =
             inner.sm.nodes.values().map(|n| self.0.node_info(&inner, n)).collect();
-        for n in inner.sm.nodes.values().filter(|n| n.status == NodeStatus::Alive) {
+        for n in inner.sm.nodes.values().filter(|n| n.status == NodeLife::Alive) {
             total.add(&n.total);
             match inner.soft.get(&n.node_id) {
                 Some(s) => {
@@ -679,7 +1114,7 @@ impl HeadService for HeadSvc {
             available: resources_to_proto(&available),
             pending,
             infeasible,
-            cluster_id: self.0.cluster_id.clone(),
+            cluster_id: inner.sm.cluster_id.clone(),
             head_start_time_ms: self.0.start_time_ms,
         }))
     }
@@ -708,6 +1143,7 @@ impl HeadService for HeadSvc {
         let id = match self
             .0
             .commit(Command { request_id: req.request_id, kind: CommandKind::RegisterJob(job) })
+            .await?
         {
             Outcome::Job(id) => id,
             Outcome::Rejected(r) => return Err(rejection_status(r)),
@@ -727,10 +1163,14 @@ impl HeadService for HeadSvc {
         // Remember which actors die with the job, to stop their workers.
         let before: Vec<(ActorId, String)> =
             self.alive_actor_agents(|a| a.job_id == job_id && !a.detached);
-        if let Outcome::Rejected(r) = self.0.commit(Command {
-            request_id: req.request_id,
-            kind: CommandKind::FinishJob { job_id, end_time_ms: now_ms() },
-        }) {
+        if let Outcome::Rejected(r) = self
+            .0
+            .commit(Command {
+                request_id: req.request_id,
+                kind: CommandKind::FinishJob { job_id, end_time_ms: now_ms() },
+            })
+            .await?
+        {
             return Err(rejection_status(r));
         }
         for (actor_id, addr) in before {
@@ -827,10 +1267,14 @@ impl HeadService for HeadSvc {
             placement_group: placement_group
                 .map(|(pg, i)| (tpuray_proto::ids::PlacementGroupId::from_wire(pg), i)),
         };
-        let id = match self.0.commit(Command {
-            request_id: req.request_id,
-            kind: CommandKind::CreateActor { actor, get_if_exists: req.get_if_exists },
-        }) {
+        let id = match self
+            .0
+            .commit(Command {
+                request_id: req.request_id,
+                kind: CommandKind::CreateActor { actor, get_if_exists: req.get_if_exists },
+            })
+            .await?
+        {
             Outcome::Actor(id) => id,
             Outcome::Rejected(r) => return Err(rejection_status(r)),
             o => return Err(Status::internal(format!("unexpected outcome {o:?}"))),
@@ -926,15 +1370,19 @@ impl HeadService for HeadSvc {
         } else {
             "killed by kill(no_restart=False)".to_string()
         };
-        if let Outcome::Rejected(r) = self.0.commit(Command {
-            request_id: req.request_id,
-            kind: CommandKind::ActorWorkerExited {
-                actor_id: actor_id.clone(),
-                worker_id: target.as_ref().map(|t| t.1.clone()),
-                intended: req.no_restart,
-                cause,
-            },
-        }) {
+        if let Outcome::Rejected(r) = self
+            .0
+            .commit(Command {
+                request_id: req.request_id,
+                kind: CommandKind::ActorWorkerExited {
+                    actor_id: actor_id.clone(),
+                    worker_id: target.as_ref().map(|t| t.1.clone()),
+                    intended: req.no_restart,
+                    cause,
+                },
+            })
+            .await?
+        {
             return Err(rejection_status(r));
         }
         if let Some((addr, _)) = target {
@@ -954,15 +1402,19 @@ impl HeadService for HeadSvc {
     ) -> Result<Response<pb::ReportActorWorkerExitReply>, Status> {
         let req = req.into_inner();
         require_id("actor_id", &req.actor_id)?;
-        let outcome = self.0.commit(Command {
-            request_id: req.request_id,
-            kind: CommandKind::ActorWorkerExited {
-                actor_id: ActorId::from_wire(req.actor_id),
-                worker_id: (!req.worker_id.is_empty()).then(|| WorkerId::from_wire(req.worker_id)),
-                intended: req.intended,
-                cause: req.detail,
-            },
-        });
+        let outcome = self
+            .0
+            .commit(Command {
+                request_id: req.request_id,
+                kind: CommandKind::ActorWorkerExited {
+                    actor_id: ActorId::from_wire(req.actor_id),
+                    worker_id: (!req.worker_id.is_empty())
+                        .then(|| WorkerId::from_wire(req.worker_id)),
+                    intended: req.intended,
+                    cause: req.detail,
+                },
+            })
+            .await?;
         if let Outcome::Rejected(r) = outcome {
             return Err(rejection_status(r));
         }
@@ -973,7 +1425,7 @@ impl HeadService for HeadSvc {
         &self,
         req: Request<pb::CreatePlacementGroupRequest>,
     ) -> Result<Response<pb::CreatePlacementGroupReply>, Status> {
-        let info = self.0.create_placement_group(req.into_inner())?;
+        let info = self.0.create_placement_group(req.into_inner()).await?;
         Ok(Response::new(pb::CreatePlacementGroupReply { placement_group: Some(info) }))
     }
 
@@ -1011,15 +1463,19 @@ impl HeadService for HeadSvc {
         if req.key.is_empty() {
             return Err(Status::invalid_argument("kv key is empty"));
         }
-        match self.0.commit(Command {
-            request_id: req.request_id,
-            kind: CommandKind::KvPut {
-                namespace: req.namespace,
-                key: req.key,
-                value: req.value,
-                overwrite: req.overwrite,
-            },
-        }) {
+        match self
+            .0
+            .commit(Command {
+                request_id: req.request_id,
+                kind: CommandKind::KvPut {
+                    namespace: req.namespace,
+                    key: req.key,
+                    value: req.value,
+                    overwrite: req.overwrite,
+                },
+            })
+            .await?
+        {
             Outcome::KvAdded(added) => Ok(Response::new(pb::KvPutReply { added })),
             Outcome::Rejected(r) => Err(rejection_status(r)),
             o => Err(Status::internal(format!("unexpected outcome {o:?}"))),
@@ -1044,10 +1500,14 @@ impl HeadService for HeadSvc {
         req: Request<pb::KvDeleteRequest>,
     ) -> Result<Response<pb::KvDeleteReply>, Status> {
         let req = req.into_inner();
-        match self.0.commit(Command {
-            request_id: req.request_id,
-            kind: CommandKind::KvDelete { namespace: req.namespace, key: req.key },
-        }) {
+        match self
+            .0
+            .commit(Command {
+                request_id: req.request_id,
+                kind: CommandKind::KvDelete { namespace: req.namespace, key: req.key },
+            })
+            .await?
+        {
             Outcome::KvDeleted(deleted) => Ok(Response::new(pb::KvDeleteReply { deleted })),
             Outcome::Rejected(r) => Err(rejection_status(r)),
             o => Err(Status::internal(format!("unexpected outcome {o:?}"))),
@@ -1140,6 +1600,45 @@ impl HeadService for HeadSvc {
             .filter_map(|id| inner.tasks.get(id).cloned())
             .collect();
         Ok(Response::new(pb::ListTasksReply { tasks, dropped: inner.tasks_dropped }))
+    }
+
+    async fn get_replica_status(
+        &self,
+        _req: Request<pb::GetReplicaStatusRequest>,
+    ) -> Result<Response<pb::GetReplicaStatusReply>, Status> {
+        let h = &self.0;
+        let st = h.replica_status().ok_or_else(|| Status::unavailable("the head is starting"))?;
+        let addr = |id: u64| h.config.replica_address(id).unwrap_or_default();
+        Ok(Response::new(pb::GetReplicaStatusReply {
+            id: st.id,
+            address: addr(st.id),
+            role: st.role.name().to_string(),
+            term: st.term,
+            leader_id: st.leader_id,
+            leader_address: if st.leader_id == 0 { String::new() } else { addr(st.leader_id) },
+            leader_ready: st.leader_ready,
+            commit_index: st.commit,
+            applied_index: st.applied,
+            first_index: st.first_index,
+            last_index: st.last_index,
+            snapshot_index: st.snapshot_index,
+            peers: st
+                .peers
+                .iter()
+                .map(|(id, m)| pb::ReplicaProgress {
+                    id: *id,
+                    address: addr(*id),
+                    matched_index: *m,
+                })
+                .collect(),
+            replicas: h.config.replicas(),
+            data_dir: h
+                .config
+                .data_dir
+                .as_ref()
+                .map(|d| d.display().to_string())
+                .unwrap_or_default(),
+        }))
     }
 
     type SubscribeStream = ChangeStream;
@@ -1244,22 +1743,117 @@ impl HeadSvc {
     }
 }
 
+/// Errors starting or running the head.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot listen on {addr}: {detail}")]
+    Listen { addr: SocketAddr, detail: String },
+    #[error("{0}")]
+    Config(String),
+    #[error("head log in {dir}: {detail}")]
+    Storage { dir: String, detail: String },
+    #[error("head server: {0}")]
+    Server(#[from] tonic::transport::Error),
+}
+
+/// Checks the replica settings: `replica_id` names an entry of `peers`.
+fn check_replicas(config: &HeadConfig) -> Result<(), ServeError> {
+    let n = config.replicas().len() as u64;
+    if config.replica_id == 0 || config.replica_id > n {
+        return Err(ServeError::Config(format!(
+            "--head-id {} is not a position in --head-peers (expected 1 to {n})",
+            config.replica_id
+        )));
+    }
+    for a in config.replicas() {
+        tpuray_proto::client::check_address(&a)
+            .map_err(|e| ServeError::Config(format!("--head-peers: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Opens the log over `kv` and starts the Raft thread (blocking: run it off the runtime).
+fn start_replica<K: tpuray_replica::KvStore>(
+    head: &Arc<Head>,
+    kv: K,
+) -> Result<Arc<Replica<Outcome>>, tpuray_replica::NodeError> {
+    let config = &head.config;
+    let voters: Vec<u64> = (1..=config.replicas().len() as u64).collect();
+    let mut cfg = tpuray_replica::NodeConfig::new(config.replica_id, voters);
+    cfg.snapshot_every = config.snapshot_every.max(1);
+    cfg.keep_after_snapshot = (config.snapshot_every / 10).max(1);
+    let cell: crate::replication::ReplicaCell = Arc::new(OnceLock::new());
+    let transport = crate::replication::PeerTransport::start(
+        config.replica_id,
+        &config.replicas(),
+        config.token.clone(),
+        &head.rt,
+        cell.clone(),
+    );
+    let incarnation = u64::from_str_radix(&JobId::random().to_string()[..16], 16).unwrap_or(1);
+    let on_change = {
+        let head = Arc::downgrade(head);
+        move |st: &NodeStatus| {
+            if let Some(h) = head.upgrade() {
+                h.on_replica_change(st);
+            }
+        }
+    };
+    let replica = Arc::new(Replica::start(
+        cfg,
+        config.raft_tick,
+        kv,
+        crate::replication::HeadMachine(Arc::clone(head)),
+        incarnation,
+        transport,
+        on_change,
+        |e| {
+            // RAFT-2: a head whose log cannot be written must not serve.
+            eprintln!("tpuray: the head's log failed ({e}); the head exits");
+            std::process::exit(1);
+        },
+    )?);
+    let _ = cell.set(Arc::downgrade(&replica));
+    Ok(replica)
+}
+
 /// Serves the head on `config.listen` until `shutdown` resolves. `ready` is
-/// called with the bound address once the server accepts connections.
+/// called with the bound address once the server accepts connections (before a
+/// leader is elected: calls until then are answered `UNAVAILABLE`, and clients retry).
 ///
 /// # Errors
-/// When the address cannot be bound (in use, not local) or the server fails.
+/// [`ServeError`] when the address cannot be bound, the replica settings are wrong,
+/// the log cannot be opened, or the server fails.
 pub async fn serve(
     config: HeadConfig,
     ready: impl FnOnce(SocketAddr),
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+) -> Result<(), ServeError> {
+    check_replicas(&config)?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
-        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
-    let addr = listener.local_addr()?;
+        .map_err(|e| ServeError::Listen { addr: config.listen, detail: e.to_string() })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| ServeError::Listen { addr: config.listen, detail: e.to_string() })?;
     let auth = ServerAuth::new(config.token.as_deref().unwrap_or(""), config.auth_required);
     let head = Head::new(config.clone());
+
+    let opener = Arc::clone(&head);
+    let replica = tokio::task::spawn_blocking(move || match &opener.config.data_dir {
+        Some(dir) => {
+            let storage =
+                |detail: String| ServeError::Storage { dir: dir.display().to_string(), detail };
+            std::fs::create_dir_all(dir).map_err(|e| storage(e.to_string()))?;
+            let kv = tpuray_replica::SledKv::open(dir).map_err(|e| storage(e.to_string()))?;
+            start_replica(&opener, kv).map_err(|e| storage(e.to_string()))
+        }
+        None => start_replica(&opener, tpuray_replica::MemKv::new())
+            .map_err(|e| ServeError::Storage { dir: "memory".into(), detail: e.to_string() }),
+    })
+    .await
+    .map_err(|e| ServeError::Config(format!("starting the head's log: {e}")))??;
+    let _ = head.replica.set(Arc::clone(&replica));
 
     // HEAD-4: the death monitor runs on its own task, independent of RPC load.
     let monitor = Arc::clone(&head);
@@ -1269,7 +1863,7 @@ pub async fn serve(
         iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             iv.tick().await;
-            monitor.check_node_deaths();
+            monitor.check_node_deaths().await;
         }
     });
     let placer = Arc::clone(&head);
@@ -1281,16 +1875,26 @@ pub async fn serve(
         }
     });
 
-    let svc = HeadServiceServer::new(HeadSvc(head))
+    let svc = HeadServiceServer::new(HeadSvc(Arc::clone(&head)))
         .max_decoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES);
-    let svc = InterceptedService::new(svc, auth);
+    let svc = crate::replication::LeaderGate { inner: svc, head: Arc::clone(&head) };
+    let svc = InterceptedService::new(svc, auth.clone());
+    let peer = tpuray_proto::pb::head_peer_service_server::HeadPeerServiceServer::new(
+        crate::replication::PeerSvc(Arc::clone(&head)),
+    )
+    .max_decoding_message_size(tpuray_proto::MAX_PEER_MESSAGE_BYTES)
+    .max_encoding_message_size(tpuray_proto::MAX_PEER_MESSAGE_BYTES);
+    let peer = InterceptedService::new(peer, auth);
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     ready(addr);
-    tonic::transport::Server::builder()
+    let served = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .add_service(svc)
+        .add_service(peer)
         .serve_with_incoming_shutdown(incoming, shutdown)
-        .await?;
+        .await;
+    let _ = tokio::task::spawn_blocking(move || replica.stop()).await;
+    served?;
     Ok(())
 }

@@ -1,9 +1,10 @@
 //! The head's durable state machine (HEAD-1): every change to nodes, jobs,
 //! actors and KV is a typed [`Command`] applied by [`StateMachine::apply`].
 //!
-//! The machine is deterministic and does no I/O, so the Raft issue can put a
-//! replicated log under it unchanged. Soft state (heartbeats, usage, demand)
-//! lives in `soft.rs` and never becomes a command (DESIGN.md §5).
+//! The machine is deterministic and does no I/O: the replicated log
+//! (`tpuray-replica`, see `replication.rs`) applies the same commands in the same order
+//! on every head (HEAD-6). Soft state (heartbeats, usage, demand) lives beside it in
+//! the server and never becomes a command (DESIGN.md §5).
 //! Commands carry the client's request id; a retried request id is answered
 //! with the first outcome and changes nothing (HEAD-2).
 
@@ -93,11 +94,111 @@ pub struct ActorRecord {
     pub detached: bool,
     pub status: ActorStatus,
     /// The serialized creation task the actor's worker runs on every start.
+    #[serde(with = "raw_bytes")]
     pub creation_task: Vec<u8>,
     /// Where the actor last ran (node, pid), kept after it restarts or dies.
     pub last_placement: Option<(NodeId, u32)>,
     /// The placement group bundle it runs in (index -1: any bundle).
     pub placement_group: Option<(PlacementGroupId, i32)>,
+}
+
+/// Byte strings as one length-prefixed copy: serde's default for `Vec<u8>` goes one
+/// element at a time, which is slow for the 8 MiB chunks of a job's binary in the KV.
+mod raw_bytes {
+    use serde::de::{Error, SeqAccess, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(v)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        d.deserialize_byte_buf(Bytes)
+    }
+
+    struct Bytes;
+
+    impl<'de> Visitor<'de> for Bytes {
+        type Value = Vec<u8>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a byte string")
+        }
+
+        fn visit_bytes<E: Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+            Ok(v.to_vec())
+        }
+
+        fn visit_byte_buf<E: Error>(self, v: Vec<u8>) -> Result<Vec<u8>, E> {
+            Ok(v)
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u8>, A::Error> {
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+            while let Some(b) = seq.next_element()? {
+                out.push(b);
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// The KV map as a list of (namespace, key, value) with byte strings copied whole.
+mod kv_map {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    type Map = BTreeMap<(String, Vec<u8>), Vec<u8>>;
+
+    #[derive(Serialize)]
+    struct Ref<'a> {
+        ns: &'a str,
+        #[serde(with = "super::raw_bytes")]
+        key: &'a [u8],
+        #[serde(with = "super::raw_bytes")]
+        value: &'a [u8],
+    }
+
+    #[derive(Deserialize)]
+    struct Owned {
+        ns: String,
+        #[serde(with = "super::raw_bytes")]
+        key: Vec<u8>,
+        #[serde(with = "super::raw_bytes")]
+        value: Vec<u8>,
+    }
+
+    pub fn serialize<S: Serializer>(m: &Map, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(m.iter().map(|((ns, key), value)| Ref { ns, key, value }))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Map, D::Error> {
+        let v = Vec::<Owned>::deserialize(d)?;
+        Ok(v.into_iter().map(|o| ((o.ns, o.key), o.value)).collect())
+    }
+}
+
+/// Version byte in front of every encoded command (log entries) and snapshot.
+const FORMAT: u8 = 1;
+
+/// A command as a Raft log entry: a version byte, then postcard.
+pub fn encode_command(cmd: &Command) -> Vec<u8> {
+    let mut out = vec![FORMAT];
+    out.extend(postcard::to_stdvec(cmd).expect("commands always serialize"));
+    out
+}
+
+/// A command from a Raft log entry.
+///
+/// # Errors
+/// A message when the bytes are not a command of this format version.
+pub fn decode_command(b: &[u8]) -> Result<Command, String> {
+    match b.split_first() {
+        Some((&FORMAT, rest)) => postcard::from_bytes(rest).map_err(|e| e.to_string()),
+        Some((v, _)) => Err(format!("command format {v} (this head reads {FORMAT})")),
+        None => Err("empty command".into()),
+    }
 }
 
 impl ActorRecord {
@@ -222,13 +323,21 @@ pub enum CommandKind {
     },
     KvPut {
         namespace: String,
+        #[serde(with = "raw_bytes")]
         key: Vec<u8>,
+        #[serde(with = "raw_bytes")]
         value: Vec<u8>,
         overwrite: bool,
     },
     KvDelete {
         namespace: String,
+        #[serde(with = "raw_bytes")]
         key: Vec<u8>,
+    },
+    /// Names the cluster once, when its first leader starts (later ones change nothing).
+    InitCluster {
+        cluster_id: String,
+        created_ms: u64,
     },
 }
 
@@ -265,9 +374,12 @@ pub enum Changed {
     PlacementGroup(PlacementGroupId),
 }
 
-/// Durable cluster state.
-#[derive(Default, Debug)]
+/// Durable cluster state; a snapshot is this struct serialized (`snapshot`/`restore`).
+#[derive(Default, Debug, Serialize, Deserialize)]
 pub struct StateMachine {
+    /// Set once by [`CommandKind::InitCluster`].
+    pub cluster_id: String,
+    pub cluster_created_ms: u64,
     pub nodes: BTreeMap<NodeId, NodeRecord>,
     pub jobs: BTreeMap<JobId, JobRecord>,
     pub actors: BTreeMap<ActorId, ActorRecord>,
@@ -277,6 +389,7 @@ pub struct StateMachine {
     pub placement_groups: BTreeMap<PlacementGroupId, PlacementGroupRecord>,
     /// (namespace, name) → group, for groups not removed.
     pub named_placement_groups: HashMap<(String, String), PlacementGroupId>,
+    #[serde(with = "kv_map")]
     pub kv: BTreeMap<(String, Vec<u8>), Vec<u8>>,
     applied: HashMap<String, Outcome>,
     applied_order: VecDeque<String>,
@@ -287,6 +400,29 @@ pub struct StateMachine {
 impl StateMachine {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The whole state (with `extra`, the caller's own counters) as snapshot bytes.
+    pub fn snapshot(&self, extra: u64) -> Vec<u8> {
+        let mut out = vec![FORMAT];
+        out.extend(postcard::to_stdvec(&(extra, self)).expect("the state always serializes"));
+        out
+    }
+
+    /// The state and the caller's counter from snapshot bytes.
+    ///
+    /// # Errors
+    /// A message when the bytes are not a snapshot of this format version.
+    pub fn restore(b: &[u8]) -> Result<(Self, u64), String> {
+        match b.split_first() {
+            Some((&FORMAT, rest)) => {
+                let (extra, sm): (u64, StateMachine) =
+                    postcard::from_bytes(rest).map_err(|e| e.to_string())?;
+                Ok((sm, extra))
+            }
+            Some((v, _)) => Err(format!("snapshot format {v} (this head reads {FORMAT})")),
+            None => Err("empty snapshot".into()),
+        }
     }
 
     /// Applies one command; returns its outcome and what changed. A request
@@ -517,6 +653,13 @@ impl StateMachine {
             }
             CommandKind::KvDelete { namespace, key } => {
                 Outcome::KvDeleted(self.kv.remove(&(namespace, key)).is_some())
+            }
+            CommandKind::InitCluster { cluster_id, created_ms } => {
+                if self.cluster_id.is_empty() {
+                    self.cluster_id = cluster_id;
+                    self.cluster_created_ms = created_ms;
+                }
+                Outcome::Done
             }
         }
     }
@@ -846,6 +989,63 @@ mod tests {
         sm.apply(cmd(CommandKind::FinishJob { job_id: job, end_time_ms: 1 }));
         assert!(sm.placement_groups[&p].is_removed());
         assert!(!sm.placement_groups[&d].is_removed());
+    }
+
+    #[test]
+    fn snapshot_restores_every_record_and_the_dedup_memory() {
+        let mut sm = StateMachine::new();
+        let n = NodeId::random();
+        sm.apply(cmd(CommandKind::RegisterNode(node(&n))));
+        let c = Command {
+            request_id: "once".into(),
+            kind: CommandKind::CreateActor { actor: actor("x", -1), get_if_exists: false },
+        };
+        let (first, _) = sm.apply(c.clone());
+        sm.apply(cmd(CommandKind::KvPut {
+            namespace: "ns".into(),
+            key: b"k".to_vec(),
+            value: b"v".to_vec(),
+            overwrite: true,
+        }));
+        let bytes = sm.snapshot(42);
+        let (mut back, extra) = StateMachine::restore(&bytes).unwrap();
+        assert_eq!(extra, 42);
+        assert_eq!(back.nodes, sm.nodes);
+        assert_eq!(back.actors, sm.actors);
+        assert_eq!(back.kv, sm.kv);
+        assert!(back.named_actor(DEFAULT_NAMESPACE, "x").is_some());
+        // HEAD-2 survives a snapshot: the retried request is answered, not applied.
+        let (again, changed) = back.apply(c);
+        assert_eq!(again, first);
+        assert!(changed.is_empty());
+        assert_eq!(back.actors.len(), 1);
+    }
+
+    #[test]
+    fn commands_round_trip_through_the_log_encoding() {
+        let c = cmd(CommandKind::KvDelete { namespace: "a".into(), key: vec![1, 2] });
+        assert_eq!(decode_command(&encode_command(&c)).unwrap(), c);
+        // Byte strings travel whole: a binary chunk costs its length plus a few bytes.
+        let put = cmd(CommandKind::KvPut {
+            namespace: "binaries".into(),
+            key: b"k".to_vec(),
+            value: vec![7; 1 << 20],
+            overwrite: false,
+        });
+        let bytes = encode_command(&put);
+        assert!(bytes.len() < (1 << 20) + 100, "{} bytes", bytes.len());
+        assert_eq!(decode_command(&bytes).unwrap(), put);
+        assert!(decode_command(&[9, 0]).unwrap_err().contains("format 9"));
+        assert!(StateMachine::restore(&[]).is_err());
+    }
+
+    #[test]
+    fn cluster_id_is_set_once() {
+        let mut sm = StateMachine::new();
+        for id in ["a", "b"] {
+            sm.apply(cmd(CommandKind::InitCluster { cluster_id: id.into(), created_ms: 1 }));
+        }
+        assert_eq!(sm.cluster_id, "a");
     }
 
     #[test]

@@ -165,7 +165,7 @@ async fn join_head(
     agent: &Agent,
     retry_for: Duration,
 ) -> Result<pb::RegisterNodeReply, StartError> {
-    let address = agent.config.head_address.split(',').next().unwrap_or_default().to_string();
+    let address = agent.config.head_address.clone();
     let started = Instant::now();
     let mut client = tpuray_proto::client::head(&address, agent.config.token.as_deref())
         .map_err(|e| StartError::BadFlag(format!("--address: {e}")))?;
@@ -215,7 +215,7 @@ fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after
                 .build()
                 .expect("heartbeat runtime");
             rt.block_on(async move {
-                let address = agent.config.head_address.split(',').next().unwrap_or_default().to_string();
+                let address = agent.config.head_address.clone();
                 let Ok(mut client) = tpuray_proto::client::head(&address, agent.config.token.as_deref()) else {
                     return;
                 };
@@ -383,10 +383,7 @@ pub async fn serve_agent(
     shutdown.await;
     tracing::info!("node agent stopping");
     agent.stop_all_workers(Duration::from_secs(3)).await;
-    if let Ok(mut head) = tpuray_proto::client::head(
-        head_address.split(',').next().unwrap_or_default(),
-        token.as_deref(),
-    ) {
+    if let Ok(mut head) = tpuray_proto::client::head(head_address, token.as_deref()) {
         let mut req = Request::new(pb::UnregisterNodeRequest {
             request_id: tpuray_proto::new_request_id(),
             node_id: node_id.to_string(),
