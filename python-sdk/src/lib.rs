@@ -14,7 +14,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use tpuray::error::TaskFailure;
-use tpuray::foreign::{ForeignReturn, ForeignRuntime, TaskInfo};
+use tpuray::foreign::{ForeignReturn, ForeignRuntime, ForeignStream, TaskInfo};
 use tpuray::raw::{self, Arg, RawRef};
 use tpuray::{ActorHandle, ActorOptions, Error, Scheduling, TaskOptions};
 
@@ -256,6 +256,55 @@ fn call_actor(
     let refs =
         py.detach(|| raw::call_actor(&h, &method, args, num_returns)).map_err(cluster_err)?;
     Ok(refs.into_iter().map(wrap).collect())
+}
+
+/// Submits a streaming generator task (`num_returns="streaming"`); returns its task id.
+#[pyfunction]
+fn submit_streaming(
+    py: Python<'_>,
+    function: String,
+    args: &Bound<'_, PyList>,
+    options: &Bound<'_, PyDict>,
+) -> PyResult<String> {
+    let args = args_from(args)?;
+    let opts = task_options(options)?;
+    py.detach(|| raw::submit_streaming(&function, args, &opts)).map_err(cluster_err)
+}
+
+/// Calls a streaming actor method; returns its task id.
+#[pyfunction]
+fn call_actor_streaming(
+    py: Python<'_>,
+    actor_id: String,
+    display: String,
+    method: String,
+    args: &Bound<'_, PyList>,
+) -> PyResult<String> {
+    let args = args_from(args)?;
+    let h = ActorHandle { actor_id, class: display, name: String::new() };
+    py.detach(|| raw::call_actor_streaming(&h, &method, args)).map_err(cluster_err)
+}
+
+/// The `index`-th item of a streaming task: `None` after the last, `(0, RefCore)`, or
+/// `(1, error tuple)` when the task failed there.
+#[pyfunction]
+fn next_item(
+    py: Python<'_>,
+    task_id: String,
+    name: String,
+    index: u64,
+) -> PyResult<Option<Py<PyAny>>> {
+    match py.detach(|| raw::next_item(&task_id, &name, index)) {
+        None => Ok(None),
+        Some(Ok(r)) => Ok(Some((0, wrap(r)).into_pyobject(py)?.into_any().unbind())),
+        Some(Err(e)) => Ok(Some((1, error_tuple(py, e)?).into_pyobject(py)?.into_any().unbind())),
+    }
+}
+
+/// Forgets a streaming task once its consumer took `consumed` items.
+#[pyfunction]
+fn drop_stream(task_id: String, consumed: u64) {
+    raw::drop_stream(&task_id, consumed);
 }
 
 /// The kind of an error as Python's exception mapping names it.
@@ -603,6 +652,7 @@ fn info_dict<'py>(py: Python<'py>, t: &TaskInfo) -> PyResult<Bound<'py, PyDict>>
     d.set_item("actor_id", &t.actor_id)?;
     d.set_item("attempt", t.attempt)?;
     d.set_item("num_returns", t.num_returns)?;
+    d.set_item("streaming", t.streaming)?;
     Ok(d)
 }
 
@@ -641,7 +691,63 @@ impl PyRuntime {
     }
 }
 
+/// The items of a Python generator: `next_item()` on the runtime's stream object answers
+/// `("item", bytes)`, `("done",)` or `("err", message, payload)`.
+struct PyStream {
+    obj: Py<PyAny>,
+}
+
+impl Iterator for PyStream {
+    type Item = Result<Vec<u8>, TaskFailure>;
+    fn next(&mut self) -> Option<Self::Item> {
+        Python::attach(|py| {
+            let step = || -> PyResult<Option<Result<Vec<u8>, TaskFailure>>> {
+                let r = self.obj.bind(py).call_method0("next_item")?;
+                let tag: String = r.get_item(0)?.extract()?;
+                Ok(match tag.as_str() {
+                    "item" => Some(Ok(r.get_item(1)?.extract()?)),
+                    "done" => None,
+                    _ => Some(Err(TaskFailure::with_payload(
+                        r.get_item(1)?.extract::<String>()?,
+                        r.get_item(2)?.extract::<Vec<u8>>()?,
+                    ))),
+                })
+            };
+            step().unwrap_or_else(|e| {
+                Some(Err(TaskFailure::application(format!("tpuray's Python runtime failed: {e}"))))
+            })
+        })
+    }
+}
+
 impl ForeignRuntime for PyRuntime {
+    fn start_stream(
+        &self,
+        task: &TaskInfo,
+        args: Vec<Vec<u8>>,
+    ) -> Result<ForeignStream, TaskFailure> {
+        Python::attach(|py| {
+            let run = || -> PyResult<Result<ForeignStream, TaskFailure>> {
+                let info = info_dict(py, task)?;
+                let args = PyList::new(py, args.iter().map(|a| PyBytes::new(py, a)))?;
+                let r = self.obj.bind(py).call_method1("start_stream", (info, args))?;
+                let tag: String = r.get_item(0)?.extract()?;
+                if tag == "ok" {
+                    let stream: ForeignStream = Box::new(PyStream { obj: r.get_item(1)?.unbind() });
+                    Ok(Ok(stream))
+                } else {
+                    Ok(Err(TaskFailure::with_payload(
+                        r.get_item(1)?.extract::<String>()?,
+                        r.get_item(2)?.extract::<Vec<u8>>()?,
+                    )))
+                }
+            };
+            run().unwrap_or_else(|e| {
+                Err(TaskFailure::application(format!("tpuray's Python runtime failed: {e}")))
+            })
+        })
+    }
+
     fn run_task(&self, task: &TaskInfo, args: Vec<Vec<u8>>) -> Result<ForeignReturn, TaskFailure> {
         self.call("run_task", task, args)
     }
@@ -707,6 +813,10 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(slice_placement_group, m)?,
         wrap_pyfunction!(run_worker, m)?,
         wrap_pyfunction!(report_logs, m)?,
+        wrap_pyfunction!(submit_streaming, m)?,
+        wrap_pyfunction!(call_actor_streaming, m)?,
+        wrap_pyfunction!(next_item, m)?,
+        wrap_pyfunction!(drop_stream, m)?,
         wrap_pyfunction!(prestart_workers, m)?,
     ] {
         m.add_function(f)?;

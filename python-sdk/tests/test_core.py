@@ -264,3 +264,36 @@ def test_placement_group_reserves_bundles_and_runs_tasks_inside():
         ray.get(c.incr.remote(), timeout=30)
     with pytest.raises(ValueError, match="strategy"):
         placement_group([{"CPU": 1}], strategy="NOPE")
+
+
+def test_streaming_generators_yield_refs_as_items_are_produced():
+    @ray.remote(num_returns="streaming")
+    def count(n):
+        for i in range(n):
+            yield i * i
+
+    gen = count.remote(5)
+    assert isinstance(gen, ray.ObjectRefGenerator)
+    assert [ray.get(r) for r in gen] == [0, 1, 4, 9, 16]
+
+    @ray.remote(num_returns="streaming")
+    def fails_after_two():
+        yield 1
+        yield 2
+        raise MyError("stream broke")
+
+    got = []
+    with pytest.raises(MyError):
+        for r in fails_after_two.remote():
+            got.append(ray.get(r))
+    assert got == [1, 2]
+
+    @ray.remote
+    class Source:
+        @ray.method(num_returns="streaming")
+        def items(self, n):
+            for i in range(n):
+                yield f"item-{i}"
+
+    s = Source.remote()
+    assert [ray.get(r) for r in s.items.remote(3)] == ["item-0", "item-1", "item-2"]

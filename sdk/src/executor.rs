@@ -78,6 +78,7 @@ fn task_info(spec: &pb::TaskSpec) -> crate::foreign::TaskInfo {
         actor_id: spec.actor_id.clone(),
         attempt: spec.attempt,
         num_returns: spec.num_returns,
+        streaming: spec.streaming,
     }
 }
 
@@ -271,6 +272,12 @@ impl Executor {
         let f = spec.function.clone().unwrap_or_default();
         if let Some(rt) = foreign_of(spec) {
             let info = task_info(spec);
+            if spec.streaming {
+                let r = std::panic::catch_unwind(AssertUnwindSafe(|| rt.start_stream(&info, args)));
+                return r
+                    .map_err(|p| TaskFailure::application(panic_message(p)))?
+                    .map(Encoded::Stream);
+            }
             let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
                 if spec.actor_id.is_empty() {
                     rt.run_task(&info, args)

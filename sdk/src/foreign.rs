@@ -28,7 +28,12 @@ pub struct TaskInfo {
     pub actor_id: String,
     pub attempt: u32,
     pub num_returns: u32,
+    /// A streaming generator task (Ray's `num_returns="streaming"`).
+    pub streaming: bool,
 }
+
+/// The items of a streaming task, each a value's bytes, produced as the consumer pulls.
+pub type ForeignStream = Box<dyn Iterator<Item = Result<Vec<u8>, TaskFailure>> + Send>;
 
 /// The values a task produced, one per return object, and the refs nested in them.
 #[derive(Clone, Debug, Default)]
@@ -59,6 +64,16 @@ pub trait ForeignRuntime: Send + Sync + 'static {
         task: &TaskInfo,
         args: Vec<Vec<u8>>,
     ) -> Result<ForeignReturn, TaskFailure>;
+    /// Starts a streaming task or method (`task.actor_id` set for a method); each item of
+    /// the stream becomes an object as soon as it is produced.
+    ///
+    /// # Errors
+    /// The call failed before producing a stream.
+    fn start_stream(
+        &self,
+        task: &TaskInfo,
+        args: Vec<Vec<u8>>,
+    ) -> Result<ForeignStream, TaskFailure>;
 }
 
 static RUNTIME: OnceLock<(String, Box<dyn ForeignRuntime>)> = OnceLock::new();

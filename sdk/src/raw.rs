@@ -63,6 +63,41 @@ pub fn submit(function: &str, args: Vec<Arg>, opts: &TaskOptions) -> Result<Vec<
     Ok(spec.return_ids.into_iter().map(|id| RawRef::adopt(id, c.address.clone())).collect())
 }
 
+/// Submits a streaming generator task; returns its task id, for [`next_item`].
+///
+/// # Errors
+/// As [`submit`].
+pub fn submit_streaming(
+    function: &str,
+    args: Vec<Arg>,
+    opts: &TaskOptions,
+) -> Result<String, Error> {
+    Ok(core()?.submit(function, args, opts, true)?.task_id)
+}
+
+/// Calls a streaming actor method; returns its task id, for [`next_item`].
+///
+/// # Errors
+/// [`Error::Cluster`] when not initialised.
+pub fn call_actor_streaming(
+    handle: &ActorHandle,
+    method: &str,
+    args: Vec<Arg>,
+) -> Result<String, Error> {
+    Ok(core()?.call_actor(handle, method, args, true, 0).task_id)
+}
+
+/// The `index`-th item of streaming task `task_id` once it exists; `None` after the last
+/// one; the task's error when it failed there. Blocks.
+pub fn next_item(task_id: &str, name: &str, index: u64) -> Option<Result<RawRef, Error>> {
+    crate::core::next_generator_item(task_id, name, index)
+}
+
+/// Forgets a streaming task's bookkeeping once its consumer took `consumed` items.
+pub fn drop_stream(task_id: &str, consumed: u64) {
+    crate::core::drop_generator(task_id, consumed);
+}
+
 /// Creates an actor of `class` (the worker's key for it) shown as `display`.
 ///
 /// # Errors

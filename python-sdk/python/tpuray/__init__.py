@@ -14,7 +14,7 @@ import inspect as _inspect
 
 from tpuray import exceptions
 from tpuray._private import worker as _worker
-from tpuray._private.serialization import ObjectRef
+from tpuray._private.serialization import ObjectRef, ObjectRefGenerator
 from tpuray._tpuray import __version__
 from tpuray.actor import ActorClass, ActorHandle, method
 from tpuray.remote_function import RemoteFunction
@@ -166,6 +166,7 @@ __all__ = [
     "ActorHandle",
     "ObjectID",
     "ObjectRef",
+    "ObjectRefGenerator",
     "RemoteFunction",
     "__version__",
     "available_resources",

@@ -7,7 +7,7 @@ import inspect
 from tpuray import _tpuray
 from tpuray._private import options as _options
 from tpuray._private import worker
-from tpuray._private.serialization import ObjectRef
+from tpuray._private.serialization import ObjectRef, ObjectRefGenerator
 
 
 def method(*args, **kwargs):
@@ -99,6 +99,11 @@ class ActorMethod:
 
     def remote(self, *args, **kwargs):
         h = self._handle
+        if self._num_returns == "streaming":
+            task_id = _tpuray.call_actor_streaming(
+                h._actor_id, h._class_name, self._name, worker.encode_args(args, kwargs)
+            )
+            return ObjectRefGenerator(task_id, f"{h._class_name}.{self._name}")
         refs = _tpuray.call_actor(
             h._actor_id, h._class_name, self._name, worker.encode_args(args, kwargs), self._num_returns
         )

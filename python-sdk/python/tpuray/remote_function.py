@@ -7,7 +7,7 @@ import functools
 from tpuray import _tpuray
 from tpuray._private import options as _options
 from tpuray._private import worker
-from tpuray._private.serialization import ObjectRef
+from tpuray._private.serialization import ObjectRef, ObjectRefGenerator
 
 
 class RemoteFunction:
@@ -41,6 +41,9 @@ class RemoteFunction:
         if self._key is None:
             self._key = worker.export(self._function)
         opts = _options.task_core_options(self._options, self._name)
+        if self._options.get("num_returns") == "streaming":
+            task_id = _tpuray.submit_streaming(self._key, worker.encode_args(args, kwargs), opts)
+            return ObjectRefGenerator(task_id, self._name)
         refs = _tpuray.submit(self._key, worker.encode_args(args, kwargs), opts)
         refs = [ObjectRef(r) for r in refs]
         n = opts["num_returns"]

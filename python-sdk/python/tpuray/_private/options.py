@@ -101,8 +101,12 @@ def task_core_options(o: dict, default_name: str) -> dict:
     label_selector = dict(o.get("label_selector") or {})
     label_selector.update(labels)
     num_returns = o.get("num_returns", 1)
-    if num_returns == "streaming" or num_returns == "dynamic":
-        raise ValueError('num_returns="streaming" is not supported yet by tpuray\'s Python SDK')
+    if num_returns == "dynamic":
+        raise ValueError('num_returns="dynamic" is deprecated in Ray; use num_returns="streaming"')
+    if num_returns == "streaming":
+        num_returns = 1
+    elif not isinstance(num_returns, int) or num_returns < 0:
+        raise ValueError(f"num_returns must be an int >= 0 or \"streaming\" (got {num_returns!r})")
     return {
         "num_cpus": float(o.get("num_cpus", 1) if o.get("num_cpus") is not None else 1),
         "num_gpus": float(o.get("num_gpus") or 0),

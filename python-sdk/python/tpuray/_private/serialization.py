@@ -78,6 +78,46 @@ class ObjectRef:
         return asyncio.wrap_future(self.future()).__await__()
 
 
+class ObjectRefGenerator:
+    """The refs of a streaming task's items (Ray's ``ObjectRefGenerator``), in the order
+    produced: ``for ref in gen: ray.get(ref)``. ``next`` blocks until the next item exists;
+    an error the task raised is raised by the ``next`` that reaches it."""
+
+    def __init__(self, task_id: str, name: str):
+        self._task_id = task_id
+        self._name = name
+        self._next = 0
+        self._done = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> ObjectRef:
+        if self._done:
+            raise StopIteration
+        r = _tpuray.next_item(self._task_id, self._name, self._next)
+        if r is None:
+            self._done = True
+            raise StopIteration
+        tag, v = r
+        if tag == 1:
+            self._done = True
+            from tpuray._private import worker
+
+            worker._raise(v)
+        self._next += 1
+        return ObjectRef(v)
+
+    def __del__(self):
+        try:
+            _tpuray.drop_stream(self._task_id, self._next)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return f"ObjectRefGenerator({self._task_id})"
+
+
 def _rebuild_ref(object_id: str, owner: str) -> ObjectRef:
     return ObjectRef(_tpuray.deserialize_ref(object_id, owner))
 

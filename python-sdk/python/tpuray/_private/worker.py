@@ -415,6 +415,27 @@ class WorkerRuntime:
             _task_context.task_id = None
             _flush_output()
 
+    def start_stream(self, info, raw_args):
+        """Starts a streaming task or method: ``("ok", stream)`` whose ``next_item()``
+        answers ``("item", bytes)``, ``("done",)`` or ``("err", message, payload)``."""
+        try:
+            from tpuray._private import runtime_env as _rt
+
+            _rt.apply_in_worker()
+            if info["actor_id"]:
+                fn = getattr(self.actor, info["function"])
+            else:
+                fn = load_function(info["function"])
+            args, kwargs = decode_args(raw_args)
+            _task_context.task_id = info["task_id"]
+            _task_context.label = info["class_name"] or info["name"]
+            gen = fn(*args, **kwargs)
+            if inspect.isasyncgen(gen):
+                raise TypeError("async generators are not supported for streaming yet; use a plain generator")
+            return ("ok", _Stream(self, info, iter(gen)))
+        except BaseException as e:  # noqa: BLE001
+            return self._failure(info, e)
+
     def call_method(self, info, raw_args):
         name = info["function"]
         if name == "__tpuray_terminate__":
@@ -426,6 +447,26 @@ class WorkerRuntime:
                 info, AttributeError(f"'{type(self.actor).__name__}' object has no attribute '{name}'")
             )
         return self._run(info, method, raw_args)
+
+
+class _Stream:
+    def __init__(self, runtime, info, it):
+        self._runtime = runtime
+        self._info = info
+        self._it = it
+
+    def next_item(self):
+        _task_context.task_id = self._info["task_id"]
+        _task_context.label = self._info["class_name"] or self._info["name"]
+        try:
+            value = next(self._it)
+            return ("item", serialize(value)[0])
+        except StopIteration:
+            return ("done",)
+        except BaseException as e:  # noqa: BLE001
+            return self._runtime._failure(self._info, e)
+        finally:
+            _flush_output()
 
 
 class _ActorLabel:
