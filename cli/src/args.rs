@@ -110,9 +110,10 @@ pub struct StartArgs {
     /// Join the cluster whose head is at HOST:PORT[,HOST:PORT...].
     #[arg(long)]
     pub address: Option<String>,
-    /// The head's port (with --head).
-    #[arg(long, default_value_t = 6379)]
-    pub port: u16,
+    /// The head's port (with --head; default 6379, or with --head-peers the port of
+    /// this head's own entry, which others may reach through a proxy).
+    #[arg(long)]
+    pub port: Option<u16>,
     /// This node's address as others reach it; servers listen on it.
     #[arg(long, default_value = "127.0.0.1")]
     pub node_ip_address: String,
@@ -136,6 +137,10 @@ pub struct StartArgs {
     /// This head's 1-based position in --head-peers.
     #[arg(long, requires = "head_peers")]
     pub head_id: Option<u64>,
+    /// Start the head process only, no node agent (a head replica on a machine that
+    /// runs no work, or a head restarted from its --head-data-dir).
+    #[arg(long, requires = "head")]
+    pub head_only: bool,
     /// Where the head keeps its Raft log and snapshots (default: a folder in the
     /// session folder). A head restarted with the same folder recovers its state.
     #[arg(long)]

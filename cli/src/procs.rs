@@ -152,7 +152,7 @@ fn tail(path: &Path, max: usize) -> String {
 /// `--head-peers`, the head listens on the port of its own entry.
 fn head_listen(a: &StartArgs) -> Result<(String, String, u64)> {
     let Some(peers) = &a.head_peers else {
-        return Ok((format!("{}:{}", a.node_ip_address, a.port), String::new(), 1));
+        return Ok((format!("{}:{}", a.node_ip_address, a.port.unwrap_or(6379)), String::new(), 1));
     };
     let list: Vec<&str> = peers.split(',').map(str::trim).filter(|p| !p.is_empty()).collect();
     for p in &list {
@@ -169,7 +169,10 @@ fn head_listen(a: &StartArgs) -> Result<(String, String, u64)> {
                 list.len()
             )
         })?;
-    let port = own.rsplit_once(':').map(|(_, p)| p).unwrap_or_default();
+    let port = match a.port {
+        Some(p) => p.to_string(),
+        None => own.rsplit_once(':').map(|(_, p)| p).unwrap_or_default().to_string(),
+    };
     Ok((format!("{}:{port}", a.node_ip_address), list.join(","), id))
 }
 
@@ -222,6 +225,19 @@ pub fn start(a: StartArgs) -> Result<i32> {
     } else {
         a.address.clone().ok_or_else(|| anyhow!("--address is required without --head"))?
     };
+    if a.head_only {
+        registry::set_current_cluster(&CurrentCluster {
+            address: head_address.clone(),
+            session_dir: session.display().to_string(),
+        })?;
+        println!("tpuray head started at {head_address} (no node agent)");
+        println!("  session folder: {}", session.display());
+        println!("  add a node:     tpuray start --address {head_address}");
+        if a.block {
+            return block_until_stopped(spawned);
+        }
+        return Ok(0);
+    }
     let mut args = vec![
         "_agent".into(),
         "--address".into(),

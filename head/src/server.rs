@@ -41,6 +41,8 @@ use crate::state::{
 const CHANGE_LOG_CAPACITY: usize = 10_000;
 /// How many tasks `list tasks` remembers (oldest dropped first).
 const MAX_TASKS_KEPT: usize = 100_000;
+/// Extra time a new leader gives nodes it has not heard from before declaring them dead.
+const FAILOVER_GRACE: Duration = Duration::from_secs(5);
 /// How often the leader compares a node agent's actor workers with the durable state.
 const RECONCILE_EVERY: Duration = Duration::from_secs(30);
 
@@ -474,7 +476,10 @@ impl Head {
                 .filter_map(|n| {
                     let s = inner.soft.get(&n.node_id)?;
                     let age = s.last_heartbeat.elapsed();
-                    (age > timeout).then(|| (n.node_id.clone(), age))
+                    // HEAD-8: a node not heard from since this head took over gets extra
+                    // time to find the new leader (its heartbeat may be stuck on the old).
+                    let limit = if s.reported { timeout } else { timeout + FAILOVER_GRACE };
+                    (age > limit).then(|| (n.node_id.clone(), age))
                 })
                 .collect()
         };

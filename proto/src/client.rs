@@ -295,6 +295,10 @@ impl HeadGroup {
                     }
                 }
                 Err(e) => {
+                    if many {
+                        // The next call starts elsewhere: this head may be gone or frozen.
+                        self.set_leader(&self.next_after(&target));
+                    }
                     if !many || Instant::now() >= deadline {
                         return Err(e.into());
                     }

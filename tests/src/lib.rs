@@ -125,6 +125,8 @@ pub struct RegEntry {
     pub pid: u32,
     pub start_time: u64,
     pub kind: String,
+    /// The address it serves on (a head's listen address, an agent's address).
+    pub address: String,
 }
 
 impl RegEntry {
@@ -145,12 +147,32 @@ pub struct NodeHandle {
     pub temp_dir: PathBuf,
 }
 
+/// One head replica of a cluster started with [`Cluster::start_heads`].
+#[derive(Clone, Debug)]
+pub struct HeadReplica {
+    /// 1-based replica id (its position in `--head-peers`).
+    pub id: u64,
+    /// The address it listens on.
+    pub listen: String,
+    /// The address clients use for it (its own, or its client-side proxy's).
+    pub client_address: String,
+    /// Its `--head-peers` list (its own entry first-hand, the others maybe proxied).
+    pub peers: String,
+    pub data_dir: PathBuf,
+}
+
 /// A tpuray cluster started through the CLI, private to one test.
 pub struct Cluster {
     dir: tempfile::TempDir,
     port: u16,
     envs: Vec<(String, String)>,
     nodes: usize,
+    heads: Vec<HeadReplica>,
+    head_starts: usize,
+    /// Loopback proxies between replicas (and in front of each for clients), when the
+    /// heads were started behind them: `links[i][j]` carries replica i+1's traffic to
+    /// replica j+1 (`i == j`: clients' traffic to it).
+    links: Vec<Vec<Option<Proxy>>>,
 }
 
 impl Default for Cluster {
@@ -165,7 +187,15 @@ impl Cluster {
         let _ = tpuray_bin();
         let dir = tempfile::Builder::new().prefix("tpuray-it-").tempdir().expect("tempdir");
         std::fs::create_dir_all(dir.path().join("home")).expect("create home");
-        let mut c = Self { dir, port: free_port(), envs: Vec::new(), nodes: 0 };
+        let mut c = Self {
+            dir,
+            port: free_port(),
+            envs: Vec::new(),
+            nodes: 0,
+            heads: Vec::new(),
+            head_starts: 0,
+            links: Vec::new(),
+        };
         c.set_env("TPURAY_HEARTBEAT_INTERVAL_MS", &HEARTBEAT_MS.to_string());
         c.set_env("TPURAY_NODE_DEATH_TIMEOUT_MS", &DEATH_TIMEOUT_MS.to_string());
         c.set_env("TPURAY_HEAD_CONNECT_TIMEOUT_MS", "10000");
@@ -191,8 +221,13 @@ impl Cluster {
         self.dir.path().join("registry")
     }
 
+    /// The head's address; for replicated heads every replica's, comma-separated.
     pub fn head_addr(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
+        if self.heads.is_empty() {
+            format!("127.0.0.1:{}", self.port)
+        } else {
+            self.heads.iter().map(|h| h.client_address.clone()).collect::<Vec<_>>().join(",")
+        }
     }
 
     /// The CLI as a command with this cluster's environment.
@@ -271,6 +306,162 @@ impl Cluster {
         NodeHandle { pid, node_id, address, temp_dir }
     }
 
+    /// Starts `n` head replicas (`--head-only`, each with its own data folder) at
+    /// once, as a majority must be up before any of them serves. With `proxied`, every
+    /// replica reaches every other through its own loopback proxy and clients reach
+    /// each through another, so a test can cut one off ([`Cluster::isolate_head`]).
+    /// Nodes join with [`Cluster::add_node`].
+    pub fn start_heads(&mut self, n: usize, proxied: bool) -> Vec<HeadReplica> {
+        assert!(self.heads.is_empty(), "heads already started");
+        let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
+        let real: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        if proxied {
+            self.links = (0..n)
+                .map(|i| {
+                    (0..n).map(|j| Some(Proxy::start(&real[j], &format!("{i}->{j}")))).collect()
+                })
+                .collect();
+        }
+        for i in 0..n {
+            let peers: Vec<String> = (0..n)
+                .map(|j| match (&self.links.get(i), i == j) {
+                    (Some(row), false) => row[j].as_ref().expect("proxy").address(),
+                    _ => real[j].clone(),
+                })
+                .collect();
+            let client_address = match self.links.get(i) {
+                Some(row) => row[i].as_ref().expect("proxy").address(),
+                None => real[i].clone(),
+            };
+            self.heads.push(HeadReplica {
+                id: i as u64 + 1,
+                listen: real[i].clone(),
+                client_address,
+                peers: peers.join(","),
+                data_dir: self.dir.path().join(format!("head-data-{}", i + 1)),
+            });
+        }
+        let children: Vec<(u64, std::process::Child)> = self
+            .heads
+            .clone()
+            .into_iter()
+            .map(|h| (h.id, self.head_command(&h).spawn().expect("run tpuray start --head")))
+            .collect();
+        for (id, child) in children {
+            let out = child.wait_with_output().expect("wait for tpuray start --head");
+            assert!(
+                out.status.success(),
+                "starting head {id} failed ({}):\n{}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        self.heads.clone()
+    }
+
+    fn head_command(&mut self, h: &HeadReplica) -> Command {
+        self.head_starts += 1;
+        let temp = self.dir.path().join(format!("head{}-{}", h.id, self.head_starts));
+        let port = h.listen.rsplit_once(':').map(|(_, p)| p.to_string()).unwrap_or_default();
+        let mut cmd = self.command(&[
+            "start",
+            "--head",
+            "--head-only",
+            "--head-peers",
+            &h.peers,
+            "--head-id",
+            &h.id.to_string(),
+            "--port",
+            &port,
+            "--head-data-dir",
+            &h.data_dir.display().to_string(),
+            "--temp-dir",
+            &temp.display().to_string(),
+        ]);
+        cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        cmd
+    }
+
+    /// The head replicas started with [`Cluster::start_heads`].
+    pub fn heads(&self) -> &[HeadReplica] {
+        &self.heads
+    }
+
+    /// The pid of head replica `id` while it runs.
+    pub fn head_pid(&self, id: u64) -> Option<u32> {
+        let h = self.heads.iter().find(|h| h.id == id)?;
+        self.registry()
+            .into_iter()
+            .find(|e| e.kind == "head" && e.address == h.listen && e.is_alive())
+            .map(|e| e.pid)
+    }
+
+    /// SIGKILLs head replica `id` and waits until it is gone.
+    pub fn kill_head(&self, id: u64) {
+        let pid = self.head_pid(id).unwrap_or_else(|| panic!("head {id} is not running"));
+        signal(pid, libc::SIGCONT);
+        signal(pid, libc::SIGKILL);
+        wait_until(SOON, &format!("head {id} (pid {pid}) exited"), || !pid_alive(pid));
+    }
+
+    /// Starts head replica `id` again on its data folder (it must not be running).
+    pub fn restart_head(&mut self, id: u64) {
+        let h = self.heads.iter().find(|h| h.id == id).cloned().expect("known head");
+        let out = self.head_command(&h).output().expect("run tpuray start --head");
+        assert!(
+            out.status.success(),
+            "restarting head {id} failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Cuts head replica `id` off from the other replicas and from clients (its proxies
+    /// swallow traffic, like a network partition) or, with `cut == false`, heals it.
+    pub fn isolate_head(&self, id: u64, cut: bool) {
+        let i = (id - 1) as usize;
+        assert!(!self.links.is_empty(), "heads were not started behind proxies");
+        for (a, row) in self.links.iter().enumerate() {
+            for (b, p) in row.iter().enumerate() {
+                if a == i || b == i {
+                    p.as_ref().expect("proxy").set_up(!cut);
+                }
+            }
+        }
+    }
+
+    /// Each head replica's Raft status as it answers itself (`None`: no answer).
+    pub async fn replica_statuses(&self) -> Vec<Option<pb::GetReplicaStatusReply>> {
+        let token = self.token_if_any();
+        let mut out = Vec::new();
+        for h in &self.heads {
+            let r = async {
+                let mut c = tpuray_proto::client::head_replica(&h.listen, token.as_deref()).ok()?;
+                let mut req = tonic::Request::new(pb::GetReplicaStatusRequest {});
+                req.set_timeout(Duration::from_secs(2));
+                c.get_replica_status(req).await.ok().map(|r| r.into_inner())
+            }
+            .await;
+            out.push(r);
+        }
+        out
+    }
+
+    /// Waits until a head leads and serves; returns its id.
+    pub async fn wait_leader(&self, timeout: Duration) -> u64 {
+        eventually(timeout, "a head replica leads and serves", || async {
+            self.replica_statuses()
+                .await
+                .into_iter()
+                .flatten()
+                .find(|s| s.role == "leader" && s.leader_ready)
+                .map(|s| s.id)
+        })
+        .await
+    }
+
     /// `tpuray status --address HEAD`'s output.
     pub fn status(&self) -> String {
         self.cli_ok(&["status", "--address", &self.head_addr()])
@@ -338,6 +529,7 @@ impl Cluster {
                     pid: v["pid"].as_u64()? as u32,
                     start_time: v["start_time"].as_u64()?,
                     kind: v["kind"].as_str()?.to_string(),
+                    address: v["address"].as_str().unwrap_or_default().to_string(),
                 })
             })
             .collect()
@@ -399,6 +591,123 @@ impl Drop for Cluster {
             eprintln!("tpuray-tests: SIGKILLed processes `tpuray stop --force` left: {left:?}");
         }
     }
+}
+
+/// A loopback TCP proxy that can swallow traffic like a network partition: while down,
+/// nothing is forwarded in either direction (connections stay open, silent); when it
+/// comes back up, connections that lost bytes are closed and new ones pass again.
+pub struct Proxy {
+    port: u16,
+    up: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Bumped on every cut: a connection from an older generation is closed.
+    generation: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Proxy {
+    /// Listens on a free loopback port and forwards to `target`.
+    pub fn start(target: &str, name: &str) -> Self {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind proxy");
+        let port = listener.local_addr().expect("proxy addr").port();
+        listener.set_nonblocking(true).expect("nonblocking proxy");
+        let up = Arc::new(AtomicBool::new(true));
+        let generation = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (u, g, st, target) = (up.clone(), generation.clone(), stop.clone(), target.to_string());
+        std::thread::Builder::new()
+            .name(format!("proxy-{name}"))
+            .spawn(move || {
+                while !st.load(Ordering::SeqCst) {
+                    match listener.accept() {
+                        Ok((client, _)) => {
+                            let Ok(server) = std::net::TcpStream::connect(&target) else {
+                                continue; // the target is down: like a refused connection
+                            };
+                            let born = g.load(Ordering::SeqCst);
+                            for (from, to) in [
+                                (client.try_clone(), server.try_clone()),
+                                (server.try_clone(), client.try_clone()),
+                            ] {
+                                let (Ok(from), Ok(to)) = (from, to) else { continue };
+                                let (u, g, st) = (u.clone(), g.clone(), st.clone());
+                                std::thread::spawn(move || pump(from, to, born, &u, &g, &st));
+                            }
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+            })
+            .expect("spawn proxy thread");
+        Self { port, up, generation, stop }
+    }
+
+    /// The address to connect to.
+    pub fn address(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Passes traffic (`true`) or swallows it (`false`).
+    pub fn set_up(&self, up: bool) {
+        use std::sync::atomic::Ordering;
+        if !up {
+            self.generation.fetch_add(1, Ordering::SeqCst);
+        }
+        self.up.store(up, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Copies `from` to `to` while the proxy is up and the connection is of the current
+/// generation; swallows while down; closes both ends when the connection is stale.
+fn pump(
+    mut from: std::net::TcpStream,
+    mut to: std::net::TcpStream,
+    born: u64,
+    up: &std::sync::atomic::AtomicBool,
+    generation: &std::sync::atomic::AtomicU64,
+    stop: &std::sync::atomic::AtomicBool,
+) {
+    use std::io::{Read, Write};
+    use std::sync::atomic::Ordering;
+    let _ = from.set_read_timeout(Some(Duration::from_millis(50)));
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut lost = false;
+    loop {
+        if stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let is_up = up.load(Ordering::SeqCst);
+        if is_up && (lost || generation.load(Ordering::SeqCst) != born) {
+            break; // bytes were lost while down: this connection is broken for good
+        }
+        match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                if up.load(Ordering::SeqCst) && generation.load(Ordering::SeqCst) == born {
+                    if to.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                } else {
+                    lost = true;
+                }
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break,
+        }
+    }
+    let _ = from.shutdown(std::net::Shutdown::Both);
+    let _ = to.shutdown(std::net::Shutdown::Both);
 }
 
 fn parse_after(s: &str, prefix: &str, end: char) -> Option<String> {
