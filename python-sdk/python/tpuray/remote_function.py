@@ -19,6 +19,7 @@ class RemoteFunction:
         self._function = function
         self._options = dict(options)
         self._key = None
+        self._core_options = None
         self._name = getattr(function, "__qualname__", getattr(function, "__name__", "f"))
         functools.update_wrapper(self, function)
 
@@ -34,13 +35,17 @@ class RemoteFunction:
         f = RemoteFunction.__new__(RemoteFunction)
         f.__dict__.update(self.__dict__)
         f._options = merged
+        f._core_options = None
         return f
 
     def remote(self, *args, **kwargs):
         worker.auto_init()
         if self._key is None:
             self._key = worker.export(self._function)
-        opts = _options.task_core_options(self._options, self._name)
+        opts = self._core_options
+        if opts is None:
+            # Options are fixed per RemoteFunction (``options()`` makes a new one).
+            opts = self._core_options = _options.task_core_options(self._options, self._name)
         if self._options.get("num_returns") == "streaming":
             task_id = _tpuray.submit_streaming(self._key, worker.encode_args(args, kwargs), opts)
             return ObjectRefGenerator(task_id, self._name)

@@ -5,6 +5,7 @@ the value lives (CORE-2) and a process that unpickles one registers as its borro
 
 from __future__ import annotations
 
+import pickle
 import threading
 
 import cloudpickle
@@ -122,6 +123,11 @@ def _rebuild_ref(object_id: str, owner: str) -> ObjectRef:
     return ObjectRef(_tpuray.deserialize_ref(object_id, owner))
 
 
+#: Values the C pickler handles the same way cloudpickle does (no code, no refs inside).
+_PLAIN = (int, float, str, bytes, bool, type(None))
+_NO_REFS: list = []
+
+
 def serialize(value) -> tuple[bytes, list]:
     """Pickles ``value``; returns the bytes and the refs nested in it (core handles).
 
@@ -129,6 +135,8 @@ def serialize(value) -> tuple[bytes, list]:
         TypeError: the value (or something inside it) cannot be pickled; the message
             names its type.
     """
+    if type(value) in _PLAIN:
+        return pickle.dumps(value, protocol=5), _NO_REFS
     prev = getattr(_capture, "refs", None)
     _capture.refs = []
     try:
@@ -144,7 +152,7 @@ def serialize(value) -> tuple[bytes, list]:
 
 def deserialize(data: bytes):
     """Unpickles bytes made by :func:`serialize` (refs inside become borrowed refs)."""
-    return cloudpickle.loads(data)
+    return pickle.loads(data)
 
 
 def _short_repr(value) -> str:

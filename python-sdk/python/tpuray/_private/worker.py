@@ -226,11 +226,20 @@ def load_function(key: str):
 # ---- arguments and values ----
 
 
+_meta_cache: dict = {}
+
+
 def encode_args(args, kwargs) -> list:
     """The core's argument list: first ``(len(args), kwarg names)``, then every value;
     top-level refs travel as refs (resolved to values before the function runs)."""
-    kw_names = list(kwargs)
-    out = [("v", serialize((len(args), kw_names))[0], [])]
+    kw_names = tuple(kwargs)
+    shape = (len(args), kw_names)
+    meta = _meta_cache.get(shape)
+    if meta is None:
+        meta = ("v", serialize((len(args), list(kw_names)))[0], [])
+        if len(_meta_cache) < 1024:
+            _meta_cache[shape] = meta
+    out = [meta]
     for v in list(args) + [kwargs[k] for k in kw_names]:
         if isinstance(v, ObjectRef):
             out.append(("r", v._core))
