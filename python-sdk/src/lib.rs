@@ -243,6 +243,7 @@ fn create_actor(
 
 /// Calls `method` on actor `actor_id` (class shown as `display`); returns its refs.
 #[pyfunction]
+#[pyo3(signature = (actor_id, display, method, args, num_returns, max_task_retries=0))]
 fn call_actor(
     py: Python<'_>,
     actor_id: String,
@@ -250,9 +251,10 @@ fn call_actor(
     method: String,
     args: &Bound<'_, PyList>,
     num_returns: u32,
+    max_task_retries: i32,
 ) -> PyResult<Vec<PyRef>> {
     let args = args_from(args)?;
-    let h = ActorHandle { actor_id, class: display, name: String::new() };
+    let h = ActorHandle { actor_id, class: display, name: String::new(), max_task_retries };
     let refs =
         py.detach(|| raw::call_actor(&h, &method, args, num_returns)).map_err(cluster_err)?;
     Ok(refs.into_iter().map(wrap).collect())
@@ -281,7 +283,7 @@ fn call_actor_streaming(
     args: &Bound<'_, PyList>,
 ) -> PyResult<String> {
     let args = args_from(args)?;
-    let h = ActorHandle { actor_id, class: display, name: String::new() };
+    let h = ActorHandle { actor_id, class: display, name: String::new(), max_task_retries: 0 };
     py.detach(|| raw::call_actor_streaming(&h, &method, args)).map_err(cluster_err)
 }
 

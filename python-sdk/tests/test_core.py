@@ -297,3 +297,19 @@ def test_streaming_generators_yield_refs_as_items_are_produced():
 
     s = Source.remote()
     assert [ray.get(r) for r in s.items.remote(3)] == ["item-0", "item-1", "item-2"]
+
+
+def test_max_task_retries_resends_a_call_cut_by_an_actor_crash():
+    @ray.remote(max_restarts=1, max_task_retries=1)
+    class Fragile:
+        def crash_once(self, path):
+            if not os.path.exists(path):
+                open(path, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return "second incarnation answered"
+
+    import tempfile
+
+    marker = os.path.join(tempfile.mkdtemp(), "crashed")
+    f = Fragile.remote()
+    assert ray.get(f.crash_once.remote(marker), timeout=60) == "second incarnation answered"

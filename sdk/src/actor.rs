@@ -16,6 +16,10 @@ pub struct ActorHandle {
     pub class: String,
     /// Empty for unnamed actors.
     pub name: String,
+    /// Times a call is sent again when the actor dies while running it and restarts
+    /// (Ray's `max_task_retries`; -1: forever; default 0).
+    #[serde(default)]
+    pub max_task_retries: i32,
 }
 
 impl ActorHandle {

@@ -161,7 +161,8 @@ struct Class {
 
 /// Per-actor caller state: the ordered sender (CORE-4).
 struct ActorConn {
-    tx: tokio::sync::mpsc::UnboundedSender<(pb::TaskSpec, ResolvedArgs)>,
+    /// (call, its arguments being resolved, retries left when the actor dies mid-call).
+    tx: tokio::sync::mpsc::UnboundedSender<(pb::TaskSpec, ResolvedArgs, i32)>,
 }
 
 /// Where a running task is, for cancellation.
@@ -1498,6 +1499,7 @@ impl Core {
             actor_id: a.actor_id,
             class: display.to_string(),
             name: a.name,
+            max_task_retries: opts.max_task_retries,
         })
     }
 
@@ -1541,7 +1543,7 @@ impl Core {
             let _ = tx.send(core.resolve_args(args, &display).await);
         });
         let conn = self.actor_conn(&handle.actor_id);
-        let _ = conn.tx.send((spec.clone(), rx));
+        let _ = conn.tx.send((spec.clone(), rx, handle.max_task_retries));
         spec
     }
 
@@ -1599,25 +1601,26 @@ impl Core {
     async fn actor_sender(
         self: Arc<Self>,
         actor_id: String,
-        mut rx: tokio::sync::mpsc::UnboundedReceiver<(pb::TaskSpec, ResolvedArgs)>,
+        mut rx: tokio::sync::mpsc::UnboundedReceiver<(pb::TaskSpec, ResolvedArgs, i32)>,
     ) {
         let current: Arc<Mutex<Option<(String, u32)>>> = Arc::new(Mutex::new(None));
         // Calls that never reached the actor (connection refused: it died or
         // moved) come back here and go out again, before newer calls.
+        // (call, pinned args, delivery attempts, retries left after the actor dies mid-call)
         let (retry_tx, mut retry_rx) =
-            tokio::sync::mpsc::unbounded_channel::<(pb::TaskSpec, Vec<RawRef>, u32)>();
+            tokio::sync::mpsc::unbounded_channel::<(pb::TaskSpec, Vec<RawRef>, u32, i32)>();
         let mut incarnation: Option<u32> = None;
         let mut seq = 0u64;
         loop {
-            let (mut spec, pins, attempts) = tokio::select! {
+            let (mut spec, pins, attempts, retries) = tokio::select! {
                 biased;
                 Some(r) = retry_rx.recv() => r,
                 next = rx.recv() => {
-                    let Some((mut spec, resolved)) = next else { return };
+                    let Some((mut spec, resolved, retries)) = next else { return };
                     match resolved.await {
                         Ok(Ok((args, pins))) => {
                             spec.args = args;
-                            (spec, pins, 0)
+                            (spec, pins, 0, retries)
                         }
                         Ok(Err(e)) => {
                             self.finish_failed(&spec, e);
@@ -1681,7 +1684,15 @@ impl Core {
                         // About 60 s of re-resolving covers the head's death
                         // timeout plus a restart elsewhere.
                         if never_delivered && attempts < 120 {
-                            let _ = retry_tx.send((spec, pins, attempts + 1));
+                            let _ = retry_tx.send((spec, pins, attempts + 1, retries));
+                            return;
+                        }
+                        // Died mid-call: Ray's max_task_retries sends it again to the
+                        // restarted actor (which fails it if the actor stays dead).
+                        if !never_delivered && retries != 0 {
+                            spec.attempt += 1;
+                            let left = if retries < 0 { retries } else { retries - 1 };
+                            let _ = retry_tx.send((spec, pins, 1, left));
                             return;
                         }
                         let e = err(

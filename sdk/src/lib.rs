@@ -218,7 +218,12 @@ pub fn get_actor(name: &str, namespace: Option<&str>) -> Result<ActorHandle, Err
             .into_inner()
             .actor
             .unwrap_or_default();
-        Ok(ActorHandle { actor_id: a.actor_id, class: a.class_name, name: a.name })
+        Ok(ActorHandle {
+            actor_id: a.actor_id,
+            class: a.class_name,
+            name: a.name,
+            max_task_retries: 0,
+        })
     })
 }
 

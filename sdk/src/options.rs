@@ -130,6 +130,9 @@ pub struct ActorOptions {
     pub get_if_exists: bool,
     /// As [`TaskOptions::runtime_env_hash`].
     pub runtime_env_hash: String,
+    /// Times a call is sent again when the actor dies while running it and restarts
+    /// (Ray's `max_task_retries`; -1: forever; default 0).
+    pub max_task_retries: i32,
 }
 
 impl Default for ActorOptions {
@@ -147,6 +150,7 @@ impl Default for ActorOptions {
             label_selector: BTreeMap::new(),
             get_if_exists: false,
             runtime_env_hash: String::new(),
+            max_task_retries: 0,
         }
     }
 }

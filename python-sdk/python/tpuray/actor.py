@@ -67,7 +67,8 @@ class ActorClass:
         actor_id, _ = _tpuray.create_actor(
             self._key, self._cls.__name__, worker.encode_args(args, kwargs), opts
         )
-        return ActorHandle(actor_id, self._cls.__name__, _method_returns(self._cls))
+        retries = int(self._options.get("max_task_retries", 0) or 0)
+        return ActorHandle(actor_id, self._cls.__name__, _method_returns(self._cls), retries)
 
     def bind(self, *args, **kwargs):
         raise NotImplementedError("DAG building (bind) is not supported by tpuray yet")
@@ -105,7 +106,12 @@ class ActorMethod:
             )
             return ObjectRefGenerator(task_id, f"{h._class_name}.{self._name}")
         refs = _tpuray.call_actor(
-            h._actor_id, h._class_name, self._name, worker.encode_args(args, kwargs), self._num_returns
+            h._actor_id,
+            h._class_name,
+            self._name,
+            worker.encode_args(args, kwargs),
+            self._num_returns,
+            h._max_task_retries,
         )
         refs = [ObjectRef(r) for r in refs]
         if self._num_returns == 1:
@@ -117,10 +123,17 @@ class ActorHandle:
     """A handle to an actor: ``handle.method.remote(...)``. Picklable, so it can be
     passed to tasks and other actors; calls from one caller run in order."""
 
-    def __init__(self, actor_id: str, class_name: str, method_returns: dict | None = None):
+    def __init__(
+        self,
+        actor_id: str,
+        class_name: str,
+        method_returns: dict | None = None,
+        max_task_retries: int = 0,
+    ):
         self._actor_id = actor_id
         self._class_name = class_name
         self._method_returns = method_returns or {}
+        self._max_task_retries = max_task_retries
 
     def __getattr__(self, name: str) -> ActorMethod:
         if name.startswith("__") and name.endswith("__"):
@@ -128,7 +141,10 @@ class ActorHandle:
         return ActorMethod(self, name, self._method_returns.get(name, 1))
 
     def __reduce__(self):
-        return (ActorHandle, (self._actor_id, self._class_name, self._method_returns))
+        return (
+            ActorHandle,
+            (self._actor_id, self._class_name, self._method_returns, self._max_task_retries),
+        )
 
     def __repr__(self) -> str:
         return f"Actor({self._class_name}, {self._actor_id})"
