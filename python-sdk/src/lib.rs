@@ -683,7 +683,10 @@ impl PyRuntime {
                 } else {
                     let message: String = r.get_item(1)?.extract()?;
                     let payload: Vec<u8> = r.get_item(2)?.extract()?;
-                    Ok(Err(TaskFailure::with_payload(message, payload)))
+                    let mut f = TaskFailure::with_payload(message, payload);
+                    // ("err", message, payload, no_retry): outside retry_exceptions' list.
+                    f.no_retry = r.len()? > 3 && r.get_item(3)?.extract::<bool>()?;
+                    Ok(Err(f))
                 }
             };
             run().unwrap_or_else(|e| {

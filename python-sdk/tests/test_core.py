@@ -313,3 +313,19 @@ def test_max_task_retries_resends_a_call_cut_by_an_actor_crash():
     marker = os.path.join(tempfile.mkdtemp(), "crashed")
     f = Fragile.remote()
     assert ray.get(f.crash_once.remote(marker), timeout=60) == "second incarnation answered"
+
+
+def test_retry_exceptions_with_a_list_retries_only_those(tmp_path):
+    @ray.remote(max_retries=3, retry_exceptions=[ValueError])
+    def flaky(path, exc):
+        n = int(open(path).read()) if os.path.exists(path) else 0
+        with open(path, "w") as f:
+            f.write(str(n + 1))
+        if n == 0:
+            raise exc("first attempt fails")
+        return n + 1
+
+    assert ray.get(flaky.remote(str(tmp_path / "a"), ValueError)) == 2
+    with pytest.raises(KeyError):
+        ray.get(flaky.remote(str(tmp_path / "b"), KeyError))
+    assert open(tmp_path / "b").read() == "1", "a KeyError is not in the list: no retry"

@@ -1278,7 +1278,7 @@ impl Core {
             return;
         }
         if let Some(e) = reply.error.take() {
-            let app = e.kind == Kind::Application as i32;
+            let app = e.kind == Kind::Application as i32 && !e.no_retry;
             if app && q.retry_exceptions && q.retries_left != 0 {
                 self.retry(class, q, &e.message);
                 return;

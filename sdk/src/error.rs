@@ -11,6 +11,8 @@ pub struct TaskFailure {
     pub message: String,
     /// The error as its language serializes it (empty for Rust).
     pub payload: Vec<u8>,
+    /// Never retried, even with `retry_exceptions` (an exception outside the listed ones).
+    pub no_retry: bool,
 }
 
 impl TaskFailure {
@@ -21,11 +23,11 @@ impl TaskFailure {
         Self::new(Kind::BadArguments, message)
     }
     pub fn new(kind: Kind, message: impl Into<String>) -> Self {
-        Self { kind, message: message.into(), payload: Vec::new() }
+        Self { kind, message: message.into(), payload: Vec::new(), no_retry: false }
     }
     /// An application error carrying its serialized exception.
     pub fn with_payload(message: impl Into<String>, payload: Vec<u8>) -> Self {
-        Self { kind: Kind::Application, message: message.into(), payload }
+        Self { kind: Kind::Application, message: message.into(), payload, no_retry: false }
     }
 }
 

@@ -53,6 +53,7 @@ fn failure(spec: &pb::TaskSpec, core: &Core, f: TaskFailure) -> pb::PushTaskRepl
             node_id: core.node_id.clone(),
             pid: std::process::id(),
             payload: f.payload,
+            no_retry: f.no_retry,
         }),
         ..Default::default()
     }

@@ -136,37 +136,10 @@ pub fn wait<T>(
     num_returns: usize,
     timeout: Option<Duration>,
 ) -> Result<WaitResult<T>, Error> {
-    let core = core::core()?;
-    let deadline = timeout.map(|t| Instant::now() + t);
-    let want = num_returns.min(refs.len());
-    core.rt.block_on(async {
-        loop {
-            let changed = core.objects_changed();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            let mut ready = vec![false; refs.len()];
-            let mut n = 0;
-            for (i, r) in refs.iter().enumerate() {
-                if n >= want {
-                    break;
-                }
-                if core.is_ready(r.raw()).await {
-                    ready[i] = true;
-                    n += 1;
-                }
-            }
-            if n >= want || deadline.is_some_and(|d| Instant::now() >= d) {
-                let (a, b): (Vec<_>, Vec<_>) =
-                    refs.iter().cloned().zip(ready).partition(|(_, r)| *r);
-                return Ok((
-                    a.into_iter().map(|x| x.0).collect(),
-                    b.into_iter().map(|x| x.0).collect(),
-                ));
-            }
-            // Borrowed refs change state elsewhere: look again at least every 20 ms.
-            let _ = tokio::time::timeout(Duration::from_millis(20), changed).await;
-        }
-    })
+    let raws: Vec<RawRef> = refs.iter().map(|r| r.raw().clone()).collect();
+    let ready = raw::wait(&raws, num_returns, timeout)?;
+    let (a, b): (Vec<_>, Vec<_>) = refs.iter().cloned().zip(ready).partition(|(_, r)| *r);
+    Ok((a.into_iter().map(|x| x.0).collect(), b.into_iter().map(|x| x.0).collect()))
 }
 
 /// Cancels the task that makes `r`: a queued task never runs; a running one

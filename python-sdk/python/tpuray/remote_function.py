@@ -49,7 +49,9 @@ class RemoteFunction:
         if self._options.get("num_returns") == "streaming":
             task_id = _tpuray.submit_streaming(self._key, worker.encode_args(args, kwargs), opts)
             return ObjectRefGenerator(task_id, self._name)
-        refs = _tpuray.submit(self._key, worker.encode_args(args, kwargs), opts)
+        refs = _tpuray.submit(
+            self._key, worker.encode_args(args, kwargs, _options.retry_filter(self._options)), opts
+        )
         refs = [ObjectRef(r) for r in refs]
         n = opts["num_returns"]
         if n == 1:

@@ -96,6 +96,21 @@ def runtime_env_hash(o: dict) -> str:
     return _rt.register(_rt.merge(worker.state.runtime_env or {}, task_env))
 
 
+def retry_filter(o: dict):
+    """The exception classes of ``retry_exceptions=[...]`` (None for a bool).
+
+    Raises:
+        TypeError: a list holding something that is not an exception class.
+    """
+    r = o.get("retry_exceptions")
+    if isinstance(r, (list, tuple)):
+        for c in r:
+            if not (isinstance(c, type) and issubclass(c, BaseException)):
+                raise TypeError(f"retry_exceptions must list exception classes (got {c!r})")
+        return list(r)
+    return None
+
+
 def task_core_options(o: dict, default_name: str) -> dict:
     sched, labels = scheduling(o)
     label_selector = dict(o.get("label_selector") or {})
@@ -112,7 +127,7 @@ def task_core_options(o: dict, default_name: str) -> dict:
         "num_gpus": float(o.get("num_gpus") or 0),
         "resources": _resources(o),
         "max_retries": int(o.get("max_retries", 3)),
-        "retry_exceptions": bool(o.get("retry_exceptions", False)),
+        "retry_exceptions": bool(o.get("retry_exceptions", False)),  # a list counts as True
         "num_returns": int(num_returns),
         "name": o.get("name") or default_name,
         "label_selector": label_selector,

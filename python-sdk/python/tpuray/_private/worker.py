@@ -229,15 +229,16 @@ def load_function(key: str):
 _meta_cache: dict = {}
 
 
-def encode_args(args, kwargs) -> list:
-    """The core's argument list: first ``(len(args), kwarg names)``, then every value;
-    top-level refs travel as refs (resolved to values before the function runs)."""
+def encode_args(args, kwargs, retry_filter=None) -> list:
+    """The core's argument list: first ``(len(args), kwarg names, retry filter)``, then
+    every value; top-level refs travel as refs (resolved to values before the function
+    runs). ``retry_filter``: the exception classes ``retry_exceptions`` lists."""
     kw_names = tuple(kwargs)
     shape = (len(args), kw_names)
-    meta = _meta_cache.get(shape)
+    meta = _meta_cache.get(shape) if retry_filter is None else None
     if meta is None:
-        meta = ("v", serialize((len(args), list(kw_names)))[0], [])
-        if len(_meta_cache) < 1024:
+        meta = ("v", serialize((len(args), list(kw_names), retry_filter))[0], [])
+        if retry_filter is None and len(_meta_cache) < 1024:
             _meta_cache[shape] = meta
     out = [meta]
     for v in list(args) + [kwargs[k] for k in kw_names]:
@@ -250,7 +251,8 @@ def encode_args(args, kwargs) -> list:
 
 
 def decode_args(raw: list[bytes]):
-    n, kw_names = deserialize(raw[0])
+    n, kw_names, retry_filter = deserialize(raw[0])
+    _task_context.retry_filter = retry_filter
     values = [deserialize(b) for b in raw[1:]]
     return values[:n], dict(zip(kw_names, values[n:]))
 
@@ -390,7 +392,10 @@ class WorkerRuntime:
             payload = serialize(e)[0]
         except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
             payload = b""
-        return ("err", tb, payload)
+        # retry_exceptions=[...]: other exceptions are final.
+        retry_filter = getattr(_task_context, "retry_filter", None)
+        no_retry = bool(retry_filter) and not isinstance(e, tuple(retry_filter))
+        return ("err", tb, payload, no_retry)
 
     def run_task(self, info, raw_args):
         try:
