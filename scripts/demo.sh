@@ -4,13 +4,20 @@
 # examples join as jobs (cluster_info prints the cluster; tour runs remote
 # functions, refs between tasks, nested tasks, an ordered actor, a task on
 # the `special` node, 10,000 tasks, a 50 MB result read on another node and
-# a streaming generator); then `tpuray status` and `tpuray list`, and stops
-# everything it started. Needs only cargo (and a C compiler for libc).
+# a streaming generator); then four simulated TPU hosts of one v6e-16 slice join
+# and the Python example (the `tpuray` wheel, built into .venv) runs tasks, an
+# actor and a slice placement group with one task per host; then `tpuray
+# status` and `tpuray list`, and it stops everything it started. Needs cargo,
+# a C compiler (for libc) and Python 3 with venv/pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 cargo build --release -p tpuray-cli -p tpuray-examples
 export PATH="${CARGO_TARGET_DIR:-$PWD/target}/release:$PATH"
+# The Python package (release wheel) into .venv; maturin and cloudpickle from PyPI.
+[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pip install -q "maturin>=1.7,<2" "cloudpickle>=2.2"
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pip install -q --no-build-isolation --no-deps --force-reinstall ./python-sdk
 
 # A private registry and port, so the demo never touches another cluster.
 export TPURAY_REGISTRY_DIR="${TPURAY_REGISTRY_DIR:-$(mktemp -d /tmp/tpuray-demo-registry.XXXXXX)}"
@@ -27,6 +34,15 @@ echo "== Rust example: cluster_info"
 cluster_info
 echo "== Rust example: tour"
 tour
+echo "== four simulated TPU hosts of slice 'sa' (v6e-16, 4x4), as on Ray: TPU_* env + --resources"
+for w in 0 1 2 3; do
+    TPU_ACCELERATOR_TYPE=v6e-16 TPU_NAME=sa TPU_TOPOLOGY=4x4 TPU_WORKER_ID=$w \
+        tpuray start --address "127.0.0.1:$PORT" --num-cpus 1 --resources '{"TPU": 4}' --temp-dir "$TMP/tpu$w"
+done
+echo "== Python example: examples/python/slices.py"
+.venv/bin/python examples/python/slices.py
+echo "== tpuray list placement-groups"
+tpuray list placement-groups
 echo "== tpuray status"
 sleep 2  # nodes report usage in their heartbeats, once a second
 tpuray status
