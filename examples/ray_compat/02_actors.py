@@ -1,7 +1,6 @@
 """Actors: state, ordering, handles passed to tasks, named actors, async and threaded."""
 import asyncio
 import threading
-import time
 
 import tpuray as ray
 
@@ -37,40 +36,37 @@ print("named:", ray.get(ray.get_actor("shared").increment.remote(5)))
 
 @ray.remote
 class AsyncWorker:
-    async def work(self, i):
-        await asyncio.sleep(0.3)
-        return i * 10
+    def __init__(self):
+        self.arrived = 0
+        self.all_here = None
+
+    async def rendezvous(self, n):
+        # Returns only once n calls are inside the actor at the same time.
+        if self.all_here is None:
+            self.all_here = asyncio.Event()
+        self.arrived += 1
+        if self.arrived == n:
+            self.all_here.set()
+        await asyncio.wait_for(self.all_here.wait(), 60)
+        return self.arrived
 
 
 a = AsyncWorker.remote()
-start = time.time()
-print("async results:", ray.get([a.work.remote(i) for i in range(5)]))
-print("async overlapped:", time.time() - start < 1.4)
+print("async calls overlap:", ray.get([a.rendezvous.remote(5) for _ in range(5)]))
 
 
 @ray.remote(max_concurrency=3)
 class Threaded:
     def __init__(self):
-        self.lock = threading.Lock()
-        self.peak = 0
-        self.now = 0
+        self.barrier = threading.Barrier(3, timeout=60)
 
-    def work(self):
-        with self.lock:
-            self.now += 1
-            self.peak = max(self.peak, self.now)
-        time.sleep(0.3)
-        with self.lock:
-            self.now -= 1
-        return True
-
-    def peak_concurrency(self):
-        return self.peak
+    def meet(self):
+        # Passes only when three calls run on three threads at once.
+        return self.barrier.wait() >= 0
 
 
 t = Threaded.remote()
-ray.get([t.work.remote() for _ in range(6)])
-print("threaded peak > 1:", ray.get(t.peak_concurrency.remote()) > 1)
+print("threaded calls meet:", ray.get([t.meet.remote() for _ in range(3)]))
 ray.kill(c)
 try:
     ray.get(c.get.remote())
