@@ -203,17 +203,24 @@ def test_killed_worker_mid_task_is_retried(tmp_path):
 
 @ray.remote
 class AsyncActor:
-    async def slow(self, i):
-        await asyncio.sleep(0.5)
-        return i
+    def __init__(self):
+        self.arrived = 0
+        self.all_here = None
+
+    async def rendezvous(self, n):
+        # Returns only once n calls are inside the actor together.
+        if self.all_here is None:
+            self.all_here = asyncio.Event()
+        self.arrived += 1
+        if self.arrived == n:
+            self.all_here.set()
+        await asyncio.wait_for(self.all_here.wait(), 60)
+        return self.arrived
 
 
 def test_async_actor_runs_calls_concurrently():
     a = AsyncActor.remote()
-    ray.get(a.slow.remote(-1))
-    t = time.time()
-    assert ray.get([a.slow.remote(i) for i in range(8)]) == list(range(8))
-    assert time.time() - t < 3.5, "eight 0.5 s calls should overlap"
+    assert ray.get([a.rendezvous.remote(8) for _ in range(8)], timeout=90) == [8] * 8
 
 
 @ray.remote(max_concurrency=4)
