@@ -10,11 +10,20 @@
 //!   dead even if its TCP connection stays open (a frozen process).
 //! - HEAD-5: a placement group is recorded as placed only after every agent
 //!   involved prepared and committed its bundles (`placement_groups`).
+//! - HEAD-6: `Head::commit` goes through the Raft log (`replication.rs`,
+//!   `tpuray-replica`) and returns once the command is applied here; every head
+//!   applies every committed command in log order.
+//! - HEAD-7: only the serving leader answers `HeadService`; the others answer
+//!   `UNAVAILABLE` naming the leader (`GetReplicaStatus` and `GetHeadInfo` excepted).
+//! - HEAD-8: soft state belongs to one leadership term; a new leader restarts the
+//!   death clocks, waits for node reports before placing, and reconciles actor
+//!   workers and bundles with the agents.
 //! - The head is never on the task hot path: it places actors and tracks
 //!   membership; tasks go through node-agent leases.
 //!
-//! Threads: everything runs on the tokio runtime the caller provides; no
-//! user code runs in the head process.
+//! Threads: RPCs, the death monitor and placement run on the tokio runtime the
+//! caller provides; the Raft log runs on its own thread (which applies commands
+//! and does the blocking `sled` I/O); no user code runs in the head process.
 
 pub mod convert;
 pub mod placement_groups;

@@ -307,7 +307,7 @@ impl HeadGroup {
             };
             hops = 0;
             tokio::time::sleep(pause.min(deadline.saturating_duration_since(Instant::now()))).await;
-            pause = (pause * 2).min(Duration::from_millis(200));
+            pause = (pause * 2).min(Duration::from_millis(100));
             target = next;
         }
     }

@@ -59,6 +59,28 @@ pub fn free_port() -> u16 {
     l.local_addr().expect("local addr").port()
 }
 
+/// A free loopback port below the kernel's ephemeral range, for servers a test stops
+/// and starts again on the same port (a port from [`free_port`] may meanwhile become
+/// the source port of some other process's connection).
+pub fn stable_port() -> u16 {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|p| p.parse::<u16>().ok()))
+        .unwrap_or(32768);
+    if low <= 12_000 {
+        return free_port();
+    }
+    use rand::Rng;
+    let mut rng = rand::rng();
+    for _ in 0..1000 {
+        let p = rng.random_range(10_000..low);
+        if std::net::TcpListener::bind(("127.0.0.1", p)).is_ok() {
+            return p;
+        }
+    }
+    free_port()
+}
+
 /// Polls `cond` every 20 ms until it holds; panics naming `what` after `timeout`.
 pub fn wait_until(timeout: Duration, what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
@@ -313,7 +335,7 @@ impl Cluster {
     /// Nodes join with [`Cluster::add_node`].
     pub fn start_heads(&mut self, n: usize, proxied: bool) -> Vec<HeadReplica> {
         assert!(self.heads.is_empty(), "heads already started");
-        let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
+        let ports: Vec<u16> = (0..n).map(|_| stable_port()).collect();
         let real: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
         if proxied {
             self.links = (0..n)
@@ -408,7 +430,16 @@ impl Cluster {
     /// Starts head replica `id` again on its data folder (it must not be running).
     pub fn restart_head(&mut self, id: u64) {
         let h = self.heads.iter().find(|h| h.id == id).cloned().expect("known head");
-        let out = self.head_command(&h).output().expect("run tpuray start --head");
+        let mut out = self.head_command(&h).output().expect("run tpuray start --head");
+        // The port may still be held a moment by a connection of the killed process.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !out.status.success()
+            && String::from_utf8_lossy(&out.stderr).contains("in use")
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(200));
+            out = self.head_command(&h).output().expect("run tpuray start --head");
+        }
         assert!(
             out.status.success(),
             "restarting head {id} failed ({}):\n{}\n{}",

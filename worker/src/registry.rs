@@ -114,7 +114,7 @@ pub fn list() -> Vec<ProcEntry> {
 pub fn set_current_cluster(c: &CurrentCluster) -> std::io::Result<()> {
     let dir = registry_dir();
     std::fs::create_dir_all(&dir)?;
-    let tmp = dir.join(".current_cluster.tmp");
+    let tmp = dir.join(format!(".current_cluster.{}.tmp", std::process::id())); // heads may start together
     std::fs::write(&tmp, serde_json::to_vec(c).expect("serializes"))?;
     std::fs::rename(tmp, dir.join("current_cluster.json"))
 }
