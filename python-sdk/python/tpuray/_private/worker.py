@@ -8,7 +8,6 @@ worker process hands to the core.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import hashlib
 import inspect
@@ -349,6 +348,8 @@ class WorkerRuntime:
         self.loop_lock = threading.Lock()
 
     def _event_loop(self):
+        import asyncio  # only async actors need it (and it is slow to import)
+
         with self.loop_lock:
             if self.loop is None:
                 self.loop = asyncio.new_event_loop()
@@ -362,6 +363,8 @@ class WorkerRuntime:
             args, kwargs = decode_args(raw_args)
             result = fn(*args, **kwargs)
             if inspect.iscoroutine(result):
+                import asyncio
+
                 result = asyncio.run_coroutine_threadsafe(result, self._event_loop()).result()
             n = info["num_returns"]
             if n == 1:
@@ -421,6 +424,8 @@ class WorkerRuntime:
             self.actor_id = os.environ.get("TPURAY_ACTOR_ID", "")
             init_result = self.actor.__init__(*args, **kwargs)
             if inspect.iscoroutine(init_result):
+                import asyncio
+
                 asyncio.run_coroutine_threadsafe(init_result, self._event_loop()).result()
             return ("ok", [], [])
         except BaseException as e:  # noqa: BLE001
