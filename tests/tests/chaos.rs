@@ -27,6 +27,7 @@ fn chaos_bin() -> PathBuf {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fault {
     KillWorker,
+    KillActorWorker,
     KillAgent,
     StopAgent,
     KillLeader,
@@ -36,8 +37,9 @@ enum Fault {
     PartitionLeader,
 }
 
-const ALL: [Fault; 8] = [
+const ALL: [Fault; 9] = [
     Fault::KillWorker,
+    Fault::KillActorWorker,
     Fault::KillAgent,
     Fault::StopAgent,
     Fault::KillLeader,
@@ -81,14 +83,47 @@ impl Chaos {
         eprintln!("chaos: {f:?}");
         match f {
             Fault::KillWorker => {
-                let workers: Vec<RegEntry> = self
+                let pids: Vec<u32> = self
                     .c
                     .registry()
                     .into_iter()
                     .filter(|e| e.kind == "worker" && e.is_alive())
+                    .map(|e| e.pid)
                     .collect();
-                if let Some(w) = workers.choose(&mut self.rng) {
-                    signal(w.pid, libc::SIGKILL);
+                match pids.choose(&mut self.rng) {
+                    Some(pid) => {
+                        eprintln!("chaos: SIGKILL worker {pid}");
+                        signal(*pid, libc::SIGKILL);
+                    }
+                    None => eprintln!("chaos: no worker to kill: {:?}", self.c.registry()),
+                }
+            }
+            Fault::KillActorWorker => {
+                let mut pids: Vec<u32> = Vec::new();
+                let agents: Vec<String> = self
+                    .nodes
+                    .iter()
+                    .filter(|n| pid_alive(n.pid))
+                    .map(|n| n.address.clone())
+                    .collect();
+                for addr in agents {
+                    let c = &self.c;
+                    let listed = self.rt.block_on(async {
+                        c.agent_client(&addr).list_workers(pb::ListWorkersRequest {}).await
+                    });
+                    if let Ok(r) = listed {
+                        pids.extend(
+                            r.into_inner()
+                                .workers
+                                .iter()
+                                .filter(|w| w.state == "ACTOR" && w.pid > 0)
+                                .map(|w| w.pid),
+                        );
+                    }
+                }
+                if let Some(pid) = pids.choose(&mut self.rng) {
+                    eprintln!("chaos: SIGKILL actor worker {pid}");
+                    signal(*pid, libc::SIGKILL);
                 }
             }
             Fault::KillAgent => {
@@ -216,9 +251,9 @@ fn run_schedule(faults: &[Fault], rounds: u64, gap: Duration, seed: u64) {
 }
 
 #[test]
-fn workloads_finish_exactly_under_leader_worker_and_agent_kills() {
+fn workloads_finish_exactly_under_leader_worker_actor_and_agent_kills() {
     run_schedule(
-        &[Fault::KillWorker, Fault::KillLeader, Fault::KillAgent],
+        &[Fault::KillWorker, Fault::KillLeader, Fault::KillActorWorker, Fault::KillAgent],
         8,
         Duration::from_secs(3),
         1,
@@ -240,7 +275,7 @@ fn long_schedules_of_every_fault_kind() {
     for seed in 0..seeds {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut faults = ALL.to_vec();
-        // Every kind once, in a seeded order, plus a few more at random (budget 12).
+        // Every kind once, in a seeded order, plus a few more at random (budget 13).
         for i in (1..faults.len()).rev() {
             faults.swap(i, rng.random_range(0..=i));
         }

@@ -313,28 +313,46 @@ async fn a_head_cut_off_from_its_peers_loses_leadership_and_rejoins_after_healin
 }
 
 /// Every head down at once, then restarted from its folder: named and detached actors,
-/// groups and KV entries are all there; the live actor keeps its process and answers
-/// through the handle its driver held all along (HEAD-8 reconciles, nothing restarts).
+/// groups and KV entries are all there. HEAD-8 reconciles with what survived: `keeper`
+/// keeps its process and answers through the handle its driver held all along; `lost`,
+/// whose worker died while no head ran (its exit report gave up), and `moved`, whose
+/// node died meanwhile, are restarted (`max_restarts=-1`) and answer through their old
+/// handles too.
 #[test]
-fn every_head_restarted_from_disk_keeps_actors_groups_and_kv_and_old_handles_answer() {
+fn every_head_restarted_from_disk_keeps_actors_groups_and_kv_and_reconciles_with_survivors() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let mut c = Cluster::new();
     c.start_heads(3, false);
-    c.add_node(&["--num-cpus", "2"]);
-    c.add_node(&["--num-cpus", "2"]);
+    let x = c.add_node(&["--num-cpus", "2"]);
+    let y = c.add_node(&["--num-cpus", "2"]);
     let work = c.dir().join("keeper");
     std::fs::create_dir_all(&work).expect("work dir");
     let mut d = Driver::start(
         &c,
         &chaos_bin(),
-        &["keeper", &c.head_addr(), &work.display().to_string()],
+        &["keeper", &c.head_addr(), &work.display().to_string(), &x.node_id, &y.node_id],
         &[],
     );
-    let actor = d.wait_line("ACTOR ", Duration::from_secs(60));
-    let pid: u32 = actor.rsplit("pid=").next().and_then(|p| p.trim().parse().ok()).expect("pid");
+    // The driver keeps node a (its own agent must live) and puts `moved` on b.
+    let nodes = d.wait_line("NODES ", Duration::from_secs(60));
+    let (a, b) = if nodes.contains(&format!("a={}", x.node_id)) { (x, y) } else { (y, x) };
+    let mut pids = HashMap::new();
+    for name in ["keeper", "lost", "moved"] {
+        let line = d.wait_line(&format!("ACTOR name={name} "), Duration::from_secs(60));
+        let pid: u32 = line.rsplit("pid=").next().and_then(|p| p.trim().parse().ok()).expect("pid");
+        pids.insert(name, pid);
+    }
     d.wait_line("READY", SOON);
     let job = rt.block_on(async {
         let mut h = c.head_client();
+        let moved = h
+            .get_actor(pb::GetActorRequest { name: "moved".into(), ..Default::default() })
+            .await
+            .expect("moved")
+            .into_inner()
+            .actor
+            .expect("actor");
+        assert_eq!(moved.node_id, b.node_id, "moved runs on node b: {moved:?}");
         let job = register_job(&mut h, "hold-job").await;
         create_group(&mut h, group_request("hold-1", &job, "hold", true)).await;
         let g = group_state(&mut h, "hold", 20_000).await;
@@ -346,6 +364,11 @@ fn every_head_restarted_from_disk_keeps_actors_groups_and_kv_and_old_handles_ans
     for id in 1..=3 {
         c.kill_head(id);
     }
+    signal(pids["lost"], libc::SIGKILL);
+    signal(b.pid, libc::SIGKILL);
+    // Longer than an agent retries an actor's exit report (15 s): only reconciliation
+    // can tell the new leader that `lost` died.
+    std::thread::sleep(Duration::from_secs(17));
     for id in 1..=3 {
         c.restart_head(id);
     }
@@ -356,37 +379,54 @@ fn every_head_restarted_from_disk_keeps_actors_groups_and_kv_and_old_handles_ans
         let g = group_state(&mut h, "hold", 20_000).await;
         assert_eq!(g.state, pb::PlacementGroupState::Created as i32, "{g:?}");
         assert_eq!(g.job_id, job);
-        let keeper = h
-            .get_actor(pb::GetActorRequest {
-                name: "keeper".into(),
-                wait_alive_ms: 20_000,
-                ..Default::default()
-            })
-            .await
-            .expect("keeper by name")
-            .into_inner()
-            .actor
-            .expect("actor");
+        let actor = |name: &'static str| {
+            let mut h = c.head_client();
+            async move {
+                h.get_actor(pb::GetActorRequest { name: name.into(), ..Default::default() })
+                    .await
+                    .ok()?
+                    .into_inner()
+                    .actor
+            }
+        };
+        let keeper = actor("keeper").await.expect("keeper by name");
         assert_eq!(keeper.state, pb::ActorState::Alive as i32, "{keeper:?}");
-        assert_eq!(keeper.pid, pid, "the actor kept its process: {keeper:?}");
+        assert_eq!(keeper.pid, pids["keeper"], "the actor kept its process: {keeper:?}");
         assert!(keeper.detached);
-        // Still there after the new leader compared the agents' workers with its records.
+        for (name, node) in [("lost", &a.node_id), ("moved", &a.node_id)] {
+            let old = pids[name];
+            let info =
+                eventually(Duration::from_secs(60), &format!("{name} restarted"), || async {
+                    actor(name)
+                        .await
+                        .filter(|x| x.state == pb::ActorState::Alive as i32 && x.pid != old)
+                })
+                .await;
+            assert_eq!(&info.node_id, node, "{name} runs on a live node: {info:?}");
+            assert!(info.num_restarts >= 1, "{info:?}");
+        }
+        // Still the same process after the new leader compared the agents' workers.
         tokio::time::sleep(Duration::from_millis(3 * DEATH_TIMEOUT_MS)).await;
-        let nodes = h.get_cluster_status(pb::GetClusterStatusRequest {}).await.expect("status");
-        assert!(nodes.into_inner().nodes.iter().all(|n| n.state == pb::NodeState::Alive as i32));
-        let keeper = h
-            .get_actor(pb::GetActorRequest { name: "keeper".into(), ..Default::default() })
-            .await
-            .expect("keeper again")
+        let keeper = actor("keeper").await.expect("keeper again");
+        assert_eq!((keeper.state, keeper.pid), (pb::ActorState::Alive as i32, pids["keeper"]));
+        let st = h.get_cluster_status(pb::GetClusterStatusRequest {}).await.expect("status");
+        let dead: Vec<_> = st
             .into_inner()
-            .actor
-            .expect("actor");
-        assert_eq!((keeper.state, keeper.pid), (pb::ActorState::Alive as i32, pid), "{keeper:?}");
+            .nodes
+            .into_iter()
+            .filter(|n| n.state == pb::NodeState::Dead as i32)
+            .map(|n| n.node_id)
+            .collect();
+        assert_eq!(dead, vec![b.node_id.clone()], "only node b is gone");
     });
     std::fs::write(work.join("go"), b"go").expect("go file");
-    let old = d.wait_line("OLD_HANDLE ", Duration::from_secs(90));
-    assert_eq!(old, format!("OLD_HANDLE pid={pid}"));
+    let old = d.wait_line("OLD_HANDLE name=keeper ", Duration::from_secs(90));
+    assert_eq!(old, format!("OLD_HANDLE name=keeper pid={}", pids["keeper"]));
+    for name in ["lost", "moved"] {
+        let line = d.wait_line(&format!("OLD_HANDLE name={name} "), Duration::from_secs(90));
+        assert_ne!(line, format!("OLD_HANDLE name={name} pid={}", pids[name]), "{name} restarted");
+    }
     let by_name = d.wait_line("BY_NAME ", Duration::from_secs(60));
-    assert!(by_name.ends_with(&format!("pid={pid}")), "{by_name}");
+    assert!(by_name.ends_with(&format!("pid={}", pids["keeper"])), "{by_name}");
     d.finish(Duration::from_secs(60)).assert_success();
 }

@@ -3,9 +3,10 @@
 //! start this same binary as the job's workers.
 //!
 //! Scenarios:
-//! - `keeper DIR`: a detached named actor `keeper` records calls in `DIR/keeper.log`;
-//!   prints `ACTOR id= pid=`, `READY`, waits for `DIR/go`, then calls it through the
-//!   same handle (`OLD_HANDLE pid=`) and by name (`BY_NAME pid=`).
+//! - `keeper DIR NODE NODE`: detached named actors `keeper` and `lost` on node a (the
+//!   one of the two this driver attached to), `moved` on node b; prints `NODES a= b=`, `ACTOR name= id= pid=` for each, `READY`, waits for
+//!   `DIR/go`, then calls each through the handle it kept (`OLD_HANDLE name= pid=`)
+//!   and `keeper` by name (`BY_NAME id= pid=`).
 //! - `workload DIR ROUNDS`: four workloads at once, each `ROUNDS` long: nested tasks
 //!   (`max_retries=-1`), numbered messages to an actor (`max_restarts=-1`), placement
 //!   group create/remove churn, 10 MB objects passed between tasks. Prints
@@ -115,7 +116,7 @@ fn main() -> anyhow::Result<()> {
     tpuray::init(Some(&addr))?;
     say(&format!("INFO node={}", tpuray::node_id()?));
     let r = match scenario.as_str() {
-        "keeper" => keeper(&dir),
+        "keeper" => keeper(&dir, &arg(&args, 4, "node a")?, &arg(&args, 5, "node b")?),
         "workload" => workload(&dir, arg(&args, 4, "rounds")?.parse()?),
         other => Err(anyhow::anyhow!("unknown scenario {other:?}")),
     };
@@ -123,23 +124,38 @@ fn main() -> anyhow::Result<()> {
     r
 }
 
-fn keeper(dir: &Path) -> anyhow::Result<()> {
+/// Detached named actors that the test finds again after every head restarted:
+/// `keeper` and `lost` on node `a`, `moved` on node `b`. While the heads are down the
+/// test kills `lost`'s worker and `b`'s agent.
+fn keeper(dir: &Path, x: &str, y: &str) -> anyhow::Result<()> {
+    // Node a is this driver's own (the test spares its agent), b the other one.
+    let me = tpuray::node_id()?;
+    let (a, b) = if me == y { (y, x) } else { (x, y) };
+    say(&format!("NODES a={a} b={b}"));
     let log = dir.join("keeper.log").display().to_string();
-    let k = Ledger::options(ActorOptions {
-        name: Some("keeper".into()),
-        detached: true,
-        max_restarts: -1,
-        ..Default::default()
-    })
-    .remote(log)?;
-    tpuray::get(&k.record(1))?;
-    let pid = tpuray::get(&k.pid())?;
-    say(&format!("ACTOR id={} pid={pid}", k.handle().actor_id));
+    let on = |node: &str| tpuray::Scheduling::NodeAffinity { node_id: node.into(), soft: true };
+    let mut actors = Vec::new();
+    for (name, node) in [("keeper", a), ("lost", a), ("moved", b)] {
+        let h = Ledger::options(ActorOptions {
+            name: Some(name.into()),
+            detached: true,
+            max_restarts: -1,
+            scheduling: on(node),
+            ..Default::default()
+        })
+        .remote(log.clone())?;
+        tpuray::get(&h.record(1))?;
+        let pid = tpuray::get(&h.pid())?;
+        say(&format!("ACTOR name={name} id={} pid={pid}", h.handle().actor_id));
+        actors.push((name, h));
+    }
     say("READY");
     wait_for_file(&dir.join("go"), Duration::from_secs(180))?;
-    tpuray::get_timeout(&k.record(2), Duration::from_secs(60))?;
-    let pid = tpuray::get_timeout(&k.pid(), Duration::from_secs(60))?;
-    say(&format!("OLD_HANDLE pid={pid}"));
+    for (name, h) in &actors {
+        tpuray::get_timeout(&h.record(2), Duration::from_secs(60))?;
+        let pid = tpuray::get_timeout(&h.pid(), Duration::from_secs(60))?;
+        say(&format!("OLD_HANDLE name={name} pid={pid}"));
+    }
     let found = LedgerHandle(tpuray::get_actor("keeper", None)?);
     tpuray::get_timeout(&found.record(3), Duration::from_secs(60))?;
     let pid = tpuray::get_timeout(&found.pid(), Duration::from_secs(60))?;
