@@ -1,6 +1,7 @@
 //! The chaos suite: real processes (three head replicas behind fault-injecting loopback
 //! proxies, three nodes), the `tpuray-chaos-driver` workloads (nested tasks with
-//! `max_retries=-1`, numbered messages to an actor with `max_restarts=-1`, placement
+//! `max_retries=-1`, numbered messages to an actor with `max_restarts=-1` and
+//! `max_task_retries=-1`, placement
 //! group churn, 10 MB objects between tasks) under a bounded schedule of faults: SIGKILL
 //! of workers, node agents, the Raft leader and a follower; SIGSTOP of a node agent and
 //! of the leader (found out by timeouts); a head restarted from disk; a head cut off from

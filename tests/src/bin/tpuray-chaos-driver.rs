@@ -8,13 +8,15 @@
 //!   `DIR/go`, then calls each through the handle it kept (`OLD_HANDLE name= pid=`)
 //!   and `keeper` by name (`BY_NAME id= pid=`).
 //! - `workload DIR ROUNDS`: four workloads at once, each `ROUNDS` long: nested tasks
-//!   (`max_retries=-1`), numbered messages to an actor (`max_restarts=-1`), placement
+//!   (`max_retries=-1`), numbered messages to an actor (`max_restarts=-1`,
+//!   `max_task_retries=-1`), placement
 //!   group create/remove churn, 10 MB objects passed between tasks. Prints
 //!   `PROGRESS workload= n=` as it goes, one `CHECK workload= ok= detail=` per
 //!   workload, then `DONE`.
 //!
-//! The Rust SDK has no `max_task_retries`: an actor call that fails while its actor
-//! restarts is sent again by this driver with the same message number (at least once).
+//! The message actor has `max_task_retries=-1`, so a call cut by a crash goes to the
+//! restart by itself; should one still fail, this driver sends it again with the same
+//! number (`resent=` counts those) and the check is still at-least-once delivery.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -210,8 +212,12 @@ fn workload(dir: &Path, rounds: u64) -> anyhow::Result<()> {
     let log = dir.join("ledger.log");
     let log_s = log.display().to_string();
     let messages = std::thread::spawn(move || -> anyhow::Result<String> {
-        let l = Ledger::options(ActorOptions { max_restarts: -1, ..Default::default() })
-            .remote(log_s)?;
+        let l = Ledger::options(ActorOptions {
+            max_restarts: -1,
+            max_task_retries: -1,
+            ..Default::default()
+        })
+        .remote(log_s)?;
         let n = rounds * 5;
         let mut resent = 0;
         for i in 0..n {
