@@ -91,6 +91,9 @@ def _stop_local_cluster() -> None:
     state.local_cluster = None
     if lc:
         _tpuray_cli(["stop"], lc["env"])
+        import shutil
+
+        shutil.rmtree(lc["dir"], ignore_errors=True)
 
 
 def _current_cluster_address() -> str | None:
