@@ -24,7 +24,7 @@ pub enum Command {
     Start(StartArgs),
     /// Show nodes, resource usage and pending or infeasible demand.
     Status(AddressArg),
-    /// List cluster state: nodes, actors, jobs or tasks.
+    /// List cluster state: nodes, actors, jobs, tasks or placement-groups.
     List(ListArgs),
     /// Stop every tpuray process started on this machine.
     Stop(StopArgs),

@@ -655,6 +655,7 @@ fn info_dict<'py>(py: Python<'py>, t: &TaskInfo) -> PyResult<Bound<'py, PyDict>>
     d.set_item("attempt", t.attempt)?;
     d.set_item("num_returns", t.num_returns)?;
     d.set_item("streaming", t.streaming)?;
+    d.set_item("placement_group_id", &t.placement_group_id)?;
     Ok(d)
 }
 

@@ -336,3 +336,31 @@ def test_retry_exceptions_with_a_list_retries_only_those(tmp_path):
     with pytest.raises(KeyError):
         ray.get(flaky.remote(str(tmp_path / "b"), KeyError))
     assert open(tmp_path / "b").read() == "1", "a KeyError is not in the list: no retry"
+
+
+def test_task_inside_a_group_sees_it_and_helpers_ray_code_uses():
+    pg = placement_group([{"CPU": 1}])
+    assert pg.wait(30)
+
+    @ray.remote(num_cpus=1)
+    def which_group():
+        from tpuray.util.placement_group import get_current_placement_group
+
+        g = get_current_placement_group()
+        return (g.id.hex() if g else None), ray.get_runtime_context().get_placement_group_id()
+
+    s = PlacementGroupSchedulingStrategy(pg, 0)
+    assert ray.get(which_group.options(scheduling_strategy=s).remote()) == (pg.id.hex(), pg.id.hex())
+    assert ray.get(which_group.remote()) == (None, None)
+    remove_placement_group(pg)
+
+    from tpuray.util import ActorPool, get_node_ip_address
+
+    pool = ActorPool([Counter.remote(0), Counter.remote(100)])
+    assert sorted(pool.map_unordered(lambda a, v: a.incr.remote(v), [1, 2, 3, 4])) != []
+    assert get_node_ip_address() == "127.0.0.1"
+    with pytest.raises(AttributeError, match="no_such_method"):
+        Counter.remote().no_such_method.remote()
+    with pytest.raises(ValueError, match="ray://"):
+        ray.init("ray://127.0.0.1:10001")
+    assert ray.get_gpu_ids() == []

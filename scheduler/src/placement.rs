@@ -619,7 +619,10 @@ pub fn place_slice_group<K: Clone + Eq + Hash + Ord + Debug>(
         return PgDecision::Infeasible { reason: format!("need {what}, found {intact}{notes}") };
     }
     if free.len() < num_slices {
-        let reason = format!("need {what} free now, {} of {intact} are{notes}", free.len());
+        let reason = format!(
+            "need {what}: {} of the {intact} intact slice(s) are free now{notes}",
+            free.len()
+        );
         return PgDecision::Pending { reason };
     }
     PgDecision::Placed(free.into_iter().flatten().map(|s| nodes[s].id.clone()).collect())

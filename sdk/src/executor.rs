@@ -80,6 +80,12 @@ fn task_info(spec: &pb::TaskSpec) -> crate::foreign::TaskInfo {
         attempt: spec.attempt,
         num_returns: spec.num_returns,
         streaming: spec.streaming,
+        placement_group_id: spec
+            .resources
+            .keys()
+            .find_map(|k| tpuray_scheduler::bundles::parse_bundle_resource(k).map(|(_, _, pg)| pg))
+            .unwrap_or_default()
+            .to_string(),
     }
 }
 

@@ -30,6 +30,8 @@ pub struct TaskInfo {
     pub num_returns: u32,
     /// A streaming generator task (Ray's `num_returns="streaming"`).
     pub streaming: bool,
+    /// The placement group the task runs in ("" for none), from its bundle resources.
+    pub placement_group_id: String,
 }
 
 /// The items of a streaming task, each a value's bytes, produced as the consumer pulls.

@@ -627,12 +627,17 @@ impl Agent {
                 let status = status.ok();
                 self.on_worker_exit(&worker_id, pid, status);
                 let tail = tail_of(&err_path, 2000);
-                let msg = format!(
-                    "worker process exited before registering ({}); stderr tail:\n{tail}",
-                    describe_exit(status)
-                );
                 // Exit code 3: the actor's constructor failed; not worth retrying.
-                return Err(if status.and_then(|s| s.code()) == Some(3) {
+                let constructor_failed = status.and_then(|s| s.code()) == Some(3);
+                let msg = if constructor_failed {
+                    format!("its constructor raised:\n{}", tail.trim_start_matches("tpuray worker: "))
+                } else {
+                    format!(
+                        "worker process exited before registering ({}); stderr tail:\n{tail}",
+                        describe_exit(status)
+                    )
+                };
+                return Err(if constructor_failed {
                     Status::failed_precondition(msg)
                 } else {
                     Status::internal(msg)

@@ -138,6 +138,15 @@ def get_actor(name: str, namespace: str | None = None) -> ActorHandle:
     return ActorHandle(actor_id, cls)
 
 
+def get_gpu_ids() -> list:
+    """GPU ids visible to this worker (from ``CUDA_VISIBLE_DEVICES``; Ray's
+    ``ray.get_gpu_ids``)."""
+    import os
+
+    v = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return [int(x) if x.isdigit() else x for x in v.split(",") if x]
+
+
 def nodes() -> list[dict]:
     """Every node, alive or dead, with Ray's keys (``NodeID``, ``Alive``,
     ``NodeManagerAddress``, ``Resources``, ``Labels``)."""
@@ -175,6 +184,7 @@ __all__ = [
     "exceptions",
     "get",
     "get_actor",
+    "get_gpu_ids",
     "get_runtime_context",
     "init",
     "is_initialized",

@@ -68,7 +68,10 @@ class ActorClass:
             self._key, self._cls.__name__, worker.encode_args(args, kwargs), opts
         )
         retries = int(self._options.get("max_task_retries", 0) or 0)
-        return ActorHandle(actor_id, self._cls.__name__, _method_returns(self._cls), retries)
+        methods = [n for n, _ in inspect.getmembers(self._cls, predicate=inspect.isfunction)]
+        return ActorHandle(
+            actor_id, self._cls.__name__, _method_returns(self._cls), retries, methods
+        )
 
     def bind(self, *args, **kwargs):
         raise NotImplementedError("DAG building (bind) is not supported by tpuray yet")
@@ -129,21 +132,33 @@ class ActorHandle:
         class_name: str,
         method_returns: dict | None = None,
         max_task_retries: int = 0,
+        methods: list | None = None,
     ):
         self._actor_id = actor_id
         self._class_name = class_name
         self._method_returns = method_returns or {}
         self._max_task_retries = max_task_retries
+        # None when unknown (a handle from get_actor): any name is sent.
+        self._methods = set(methods) if methods is not None else None
 
     def __getattr__(self, name: str) -> ActorMethod:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
+        methods = self.__dict__.get("_methods")
+        if methods is not None and name not in methods:
+            raise AttributeError(f"'{self._class_name}' object has no attribute '{name}'")
         return ActorMethod(self, name, self._method_returns.get(name, 1))
 
     def __reduce__(self):
         return (
             ActorHandle,
-            (self._actor_id, self._class_name, self._method_returns, self._max_task_retries),
+            (
+                self._actor_id,
+                self._class_name,
+                self._method_returns,
+                self._max_task_retries,
+                sorted(self._methods) if self._methods is not None else None,
+            ),
         )
 
     def __repr__(self) -> str:

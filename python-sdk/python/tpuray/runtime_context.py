@@ -26,6 +26,13 @@ class RuntimeContext:
     def get_actor_id(self):
         return os.environ.get("TPURAY_ACTOR_ID") or None
 
+    def get_placement_group_id(self):
+        """The id (hex) of the placement group the current task runs in, or None."""
+        return worker.current_placement_group_id()
+
+    def get_node_ip_address(self) -> str:
+        return worker.process_info()["agent_address"].rpartition(":")[0]
+
     def get_namespace(self):
         return worker.state.namespace or "default"
 

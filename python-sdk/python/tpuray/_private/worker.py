@@ -125,6 +125,12 @@ def init(
     **_ignored,
 ):
     """Connects this process to a cluster as a driver (see :func:`tpuray.init`)."""
+    if isinstance(address, str) and address.startswith("ray://"):
+        raise ValueError(
+            f"Ray Client addresses ({address}) are not supported by tpuray: pass the "
+            "head's host:port (tpuray start --head prints it), or run the driver on "
+            "a machine of the cluster"
+        )
     with state.lock:
         if state.connected:
             if ignore_reinit_error:
@@ -261,6 +267,7 @@ def decode_args(raw: list[bytes]):
 
 def _raise(err) -> None:
     kind, message, payload, function, node, pid = err
+    node = _node_ip(node)
     if kind == "task":
         cause = None
         if payload:
@@ -285,6 +292,22 @@ def _raise(err) -> None:
     if kind == "infeasible":
         raise exceptions.RaySchedulingError(message)
     raise exceptions.RaySystemError(message)
+
+
+_node_ips: dict = {}
+
+
+def _node_ip(node_id: str) -> str:
+    """The address of node ``node_id`` (what Ray prints as ``ip=``), or the id itself."""
+    if not node_id:
+        return node_id
+    if node_id not in _node_ips:
+        try:
+            for n in _tpuray.nodes():
+                _node_ips[n["NodeID"]] = n["NodeManagerAddress"]
+        except RuntimeError:
+            pass
+    return _node_ips.get(node_id, node_id)
 
 
 def get(refs, timeout=None):
@@ -339,6 +362,10 @@ def current_task_id():
     return getattr(_task_context, "task_id", None)
 
 
+def current_placement_group_id():
+    return getattr(_task_context, "placement_group_id", None)
+
+
 class WorkerRuntime:
     """What a Python worker process hands the core: runs tasks, the actor's constructor
     and its methods. Answers ``("ok", [bytes...], [refs...])`` or ``("err", message,
@@ -362,6 +389,7 @@ class WorkerRuntime:
     def _run(self, info, fn, raw_args):
         _task_context.task_id = info["task_id"]
         _task_context.label = info["class_name"] or info["name"]
+        _task_context.placement_group_id = info.get("placement_group_id") or None
         try:
             args, kwargs = decode_args(raw_args)
             result = fn(*args, **kwargs)

@@ -155,5 +155,9 @@ def placement_group_table(placement_group: PlacementGroup | None = None) -> dict
 
 
 def get_current_placement_group():
-    """The group the current task or actor runs in (tpuray: not tracked yet, ``None``)."""
-    return None
+    """The group the current task runs in, or ``None`` (also in the driver)."""
+    pg_id = worker.current_placement_group_id()
+    if not pg_id:
+        return None
+    st = _tpuray.placement_group_state(pg_id, 0.0)
+    return PlacementGroup(pg_id, len(st["bundles"]))
