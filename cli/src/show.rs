@@ -229,46 +229,54 @@ pub fn list(address: &str, kind: ListKind, format: Format, limit: usize) -> Resu
                     })
                     .collect()
             }
-            ListKind::PlacementGroups => head
-                .list_placement_groups(pb::ListPlacementGroupsRequest {})
-                .await
-                .map_err(|s| call_err(address, s))?
-                .into_inner()
-                .placement_groups
-                .iter()
-                .map(|p| {
-                    let state = pb::PlacementGroupState::try_from(p.state)
-                        .map(|s| {
-                            s.as_str_name().trim_start_matches("PLACEMENT_GROUP_STATE_").to_string()
-                        })
-                        .unwrap_or_default();
-                    let bundles: Vec<String> =
-                        p.bundles.iter().map(|b| fmt_shape(&b.resources)).collect();
-                    let slice = p.slice.as_ref().map(|s| {
+            ListKind::PlacementGroups => {
+                let mut groups = head
+                    .list_placement_groups(pb::ListPlacementGroupsRequest {})
+                    .await
+                    .map_err(|s| call_err(address, s))?
+                    .into_inner()
+                    .placement_groups;
+                // Newest first, as `list tasks`: removed groups do not bury new ones.
+                groups.sort_by_key(|g| std::cmp::Reverse(g.create_time_ms));
+                groups
+                    .iter()
+                    .map(|p| {
+                        let state = pb::PlacementGroupState::try_from(p.state)
+                            .map(|s| {
+                                s.as_str_name()
+                                    .trim_start_matches("PLACEMENT_GROUP_STATE_")
+                                    .to_string()
+                            })
+                            .unwrap_or_default();
+                        let bundles: Vec<String> =
+                            p.bundles.iter().map(|b| fmt_shape(&b.resources)).collect();
+                        let slice = p.slice.as_ref().map(|s| {
+                            json!({
+                                "accelerator_type": s.accelerator_type,
+                                "topology": s.topology,
+                                "num_slices": s.num_slices,
+                            })
+                        });
                         json!({
-                            "accelerator_type": s.accelerator_type,
-                            "topology": s.topology,
-                            "num_slices": s.num_slices,
+                            "placement_group_id": p.placement_group_id,
+                            "name": p.name,
+                            "state": state,
+                            "strategy": p.strategy,
+                            "num_bundles": p.bundles.len(),
+                            "bundles": bundles,
+                            "bundle_node_ids": p.bundle_node_ids,
+                            "job_id": p.job_id,
+                            "namespace": p.namespace,
+                            "detached": p.detached,
+                            "slice": slice,
+                            "pending_reason": p.pending_reason,
+                            "infeasible": p.infeasible,
+                            "removal_reason": p.removal_reason,
+                            "create_time_ms": p.create_time_ms,
                         })
-                    });
-                    json!({
-                        "placement_group_id": p.placement_group_id,
-                        "name": p.name,
-                        "state": state,
-                        "strategy": p.strategy,
-                        "num_bundles": p.bundles.len(),
-                        "bundles": bundles,
-                        "bundle_node_ids": p.bundle_node_ids,
-                        "job_id": p.job_id,
-                        "namespace": p.namespace,
-                        "detached": p.detached,
-                        "slice": slice,
-                        "pending_reason": p.pending_reason,
-                        "infeasible": p.infeasible,
-                        "removal_reason": p.removal_reason,
                     })
-                })
-                .collect(),
+                    .collect()
+            }
             ListKind::Actors => head
                 .list_actors(pb::ListActorsRequest {})
                 .await
