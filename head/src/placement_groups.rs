@@ -20,7 +20,7 @@ use tpuray_scheduler::{
     ResourceSet,
 };
 
-use crate::server::{Head, Inner};
+use crate::server::{Head, Inner, mark_waiting};
 use crate::state::{
     Command, CommandKind, DEFAULT_NAMESPACE, Outcome, PgStatus, PlacementGroupRecord, SliceSpec,
 };
@@ -136,13 +136,12 @@ impl Head {
                     tokio::spawn(async move { head.reserve(pg.pg_id, todo, slice_bundles).await });
                 }
                 PgDecision::Pending { reason } => {
-                    inner.pg_pending.insert(pg.pg_id.clone(), (reason, false));
+                    mark_waiting(&mut inner.pg_pending, &pg.pg_id, reason, false);
                 }
                 PgDecision::Infeasible { reason } => {
-                    if inner.pg_pending.get(&pg.pg_id).map(|p| p.1) != Some(true) {
+                    if mark_waiting(&mut inner.pg_pending, &pg.pg_id, reason.clone(), true) {
                         tracing::warn!(pg = %pg.pg_id, %reason, "placement group is infeasible; it stays pending until nodes that fit join");
                     }
-                    inner.pg_pending.insert(pg.pg_id.clone(), (reason, true));
                 }
             }
         }

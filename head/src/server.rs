@@ -571,13 +571,13 @@ impl Head {
                         starts.push((a, node_id, address));
                     }
                     Decision::Queue { reason } => {
-                        inner.actor_pending.insert(a.actor_id.clone(), (reason, false));
+                        mark_waiting(&mut inner.actor_pending, &a.actor_id, reason, false);
                     }
                     Decision::Infeasible { reason } => {
-                        if inner.actor_pending.get(&a.actor_id).map(|p| p.1) != Some(true) {
+                        if mark_waiting(&mut inner.actor_pending, &a.actor_id, reason.clone(), true)
+                        {
                             tracing::warn!(actor_id = %a.actor_id, %reason, "actor is infeasible; it stays pending until a node that fits joins");
                         }
-                        inner.actor_pending.insert(a.actor_id.clone(), (reason, true));
                     }
                 }
             }
@@ -831,6 +831,19 @@ fn orphan_bundles(
         }
     }
     out
+}
+
+/// Records why `id` waits for placement (soft state shown by `status` and `list`);
+/// true when it just became infeasible (so the caller warns once, not every pass).
+pub(crate) fn mark_waiting<K: std::hash::Hash + Eq + Clone>(
+    waiting: &mut HashMap<K, (String, bool)>,
+    id: &K,
+    reason: String,
+    infeasible: bool,
+) -> bool {
+    let was_infeasible = waiting.get(id).is_some_and(|p| p.1);
+    waiting.insert(id.clone(), (reason, infeasible));
+    infeasible && !was_infeasible
 }
 
 pub(crate) fn rejection_status(r: Rejection) -> Status {
