@@ -10,6 +10,7 @@
 //!   O(log nodes) and applies the allocation.
 //! - [`placement`]: placement groups ([`place_group`], [`place_group_in`],
 //!   [`replace_lost_bundles`]) and TPU slice groups ([`place_slice_group`]).
+//! - [`gang`]: the launch environment of a multi-host slice gang ([`gang::gang_members`]).
 //! - [`bundles`]: the resource names of committed bundles (Ray's `CPU_group_<i>_<pg>`).
 //! - [`tpu`]: the TPU model of TPU.md: accelerator types, topologies, what a host advertises
 //!   ([`TpuHostInfo::from_env`]), aligned chip blocks ([`ChipAllocator`]), [`chip_env`].
@@ -50,6 +51,7 @@
 
 pub mod bundles;
 pub mod cluster;
+pub mod gang;
 pub mod labels;
 pub mod placement;
 pub mod policy;

@@ -508,6 +508,33 @@ impl ChipAllocator {
         Err(ChipError::Busy { requested: k, free: self.free(), host_chips: self.chips })
     }
 
+    /// Takes exactly `chips` when they are a free aligned block of a valid size (a gang
+    /// member started for one chip: TPU.md "Multi-host slice gangs", one process per chip).
+    ///
+    /// # Errors
+    /// [`ChipError::InvalidCount`] for a ragged or unaligned set or a bad count;
+    /// [`ChipError::Busy`] when any of them is in use.
+    pub fn allocate_exact(&mut self, chips: &[u32]) -> Result<Vec<u32>, ChipError> {
+        let k = u32::try_from(chips.len()).unwrap_or(u32::MAX);
+        chip_count(Amount::whole(u64::from(k)), Some(self.chips))?;
+        let start = chips.first().copied().unwrap_or(0);
+        let aligned = start.is_multiple_of(k.max(1))
+            && start + k <= self.chips
+            && chips.iter().enumerate().all(|(i, &c)| c == start + i as u32);
+        if !aligned {
+            return Err(ChipError::InvalidCount {
+                requested: format!("{chips:?} (not an aligned block)"),
+                host_chips: self.chips,
+            });
+        }
+        let mask = if k >= 64 { u64::MAX } else { ((1u64 << k) - 1) << start };
+        if self.used & mask != 0 {
+            return Err(ChipError::Busy { requested: k, free: self.free(), host_chips: self.chips });
+        }
+        self.used |= mask;
+        Ok(chips.to_vec())
+    }
+
     /// Frees `chips` (indices beyond the host are ignored).
     pub fn release(&mut self, chips: &[u32]) {
         for &c in chips.iter().filter(|&&c| c < self.chips) {
@@ -568,6 +595,19 @@ pub fn chip_env(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn exact_chip_blocks_for_gang_members() {
+        let mut a = ChipAllocator::new(8);
+        assert_eq!(a.allocate_exact(&[5]).unwrap(), vec![5]);
+        assert!(matches!(a.allocate_exact(&[5]), Err(ChipError::Busy { .. })));
+        assert!(a.allocate_exact(&[1, 2]).unwrap_err().to_string().contains("aligned"));
+        assert_eq!(a.allocate_exact(&[2, 3]).unwrap(), vec![2, 3]);
+        // The lowest free block now skips the taken chips.
+        assert_eq!(a.allocate(2).unwrap(), vec![0, 1]);
+        a.release(&[5]);
+        assert_eq!(a.allocate_exact(&[4, 5, 6, 7]).unwrap(), vec![4, 5, 6, 7]);
+    }
+
     #[test]
     fn slice_type_from_topology_and_version() {
         let t = |topo, v| AcceleratorType::from_topology(topo, v).map(|t| t.to_string());

@@ -577,6 +577,45 @@ impl Core {
         Ok(RawRef::adopt(id, self.address.clone()))
     }
 
+    /// A new owned object that stays pending until [`Core::fulfil`] settles it: the
+    /// results of work this process supervises (a slice gang's members, which may run
+    /// several times before they succeed).
+    pub(crate) fn promise(&self) -> RawRef {
+        let id = tpuray_proto::ids::ObjectId::random().to_string();
+        self.register_owned(&id, ObjState::Pending, None);
+        RawRef::adopt(id, self.address.clone())
+    }
+
+    /// Settles promise `id` with a value (bytes, stored inline or in this node's store) or
+    /// with the error of an owned object that failed (copied as it is, so its language's
+    /// exception survives).
+    pub(crate) fn fulfil(&self, id: &str, outcome: Result<Vec<u8>, String>) {
+        let state = match outcome {
+            Ok(bytes) => self
+                .make_state(id, bytes)
+                .unwrap_or_else(|e| ObjState::Failed(err(Kind::ObjectLost, e.to_string(), ""))),
+            Err(failed) => self
+                .objects
+                .lock()
+                .unwrap()
+                .get(&failed)
+                .and_then(|o| match &o.state {
+                    ObjState::Failed(e) => Some(ObjState::Failed(e.clone())),
+                    _ => None,
+                })
+                .unwrap_or_else(|| {
+                    ObjState::Failed(err(Kind::WorkerDied, format!("{failed} failed"), ""))
+                }),
+        };
+        self.set_state(id, state);
+    }
+
+    /// Settles promise `id` with an error of this process's own: a gang whose slices could
+    /// not be reserved again (reported as infeasible).
+    pub(crate) fn fulfil_message(&self, id: &str, message: &str, function: &str) {
+        self.set_state(id, ObjState::Failed(err(Kind::Infeasible, message, function)));
+    }
+
     /// An owned object that failed before any task ran (bad options).
     pub(crate) fn put_failed(&self, function: &str, message: &str) -> RawRef {
         let id = tpuray_proto::ids::ObjectId::random().to_string();

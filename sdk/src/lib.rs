@@ -32,6 +32,7 @@ pub mod driver;
 pub mod error;
 mod executor;
 pub mod foreign;
+pub mod gang;
 pub mod object_ref;
 pub mod options;
 pub mod placement_group;

@@ -336,6 +336,21 @@ pub fn slice_placement_group(
     resources_per_bundle: Option<&BundleSpec>,
     num_slices: u32,
 ) -> Result<SlicePlacementGroup, Error> {
+    slice_placement_group_named(topology, accelerator_version, resources_per_bundle, num_slices, "")
+}
+
+/// [`slice_placement_group`] with a group name (shown by `tpuray status` and
+/// `tpuray list placement-groups`; "" for none).
+///
+/// # Errors
+/// As [`slice_placement_group`].
+pub fn slice_placement_group_named(
+    topology: &str,
+    accelerator_version: &str,
+    resources_per_bundle: Option<&BundleSpec>,
+    num_slices: u32,
+    name: &str,
+) -> Result<SlicePlacementGroup, Error> {
     let ty = AcceleratorType::from_topology(topology, accelerator_version)
         .map_err(|e| Error::Cluster(e.to_string()))?;
     let chips_per_host = ty.chips_per_host();
@@ -348,6 +363,7 @@ pub fn slice_placement_group(
         request_id: tpuray_proto::new_request_id(),
         job_id: core.job_id.clone(),
         bundles: vec![bundle_to_proto(&bundle, None)?],
+        name: name.to_string(),
         strategy: "STRICT_SPREAD".into(),
         slice: Some(pb::SliceSpec {
             accelerator_type: ty.to_string(),

@@ -289,6 +289,31 @@ pub fn kv_put(namespace: &str, key: &[u8], value: Vec<u8>, overwrite: bool) -> R
     })
 }
 
+/// Deletes a key from the head's KV store; returns whether it existed.
+///
+/// # Errors
+/// The head cannot be reached.
+pub fn kv_delete(namespace: &str, key: &[u8]) -> Result<bool, Error> {
+    let c = core()?;
+    c.rt.block_on(async {
+        let r = c
+            .head_client()?
+            .kv_delete(pb::KvDeleteRequest {
+                request_id: tpuray_proto::new_request_id(),
+                namespace: namespace.into(),
+                key: key.to_vec(),
+            })
+            .await
+            .map_err(|s| Error::Cluster(s.message().to_string()))?
+            .into_inner();
+        Ok(r.deleted)
+    })
+}
+
+/// The KV namespace of runtime environments (the node agent reads a worker's environment
+/// from key `TaskOptions::runtime_env_hash` there).
+pub const RUNTIME_ENV_NAMESPACE: &str = "runtime_env";
+
 /// The actor's current state from the head (`GetActor`), waiting up to `wait` for it to be
 /// alive or dead.
 ///

@@ -441,7 +441,9 @@ impl Agent {
     /// Starts a worker process for `key` and waits until it registers.
     /// Takes the lowest free aligned block of `k` chips (AGENT-7). When none is free but
     /// idle workers hold chips, stops them and asks the caller to retry.
-    fn allocate_chips(&self, k: u32) -> Result<Vec<u32>, Status> {
+    /// `exact`: the chips a gang member was planned for (its runtime environment's
+    /// `TPU_VISIBLE_CHIPS`), taken exactly or not at all.
+    fn allocate_chips(&self, k: u32, exact: Option<&[u32]>) -> Result<Vec<u32>, Status> {
         let mut st = self.lock();
         let st = &mut *st;
         let Some(alloc) = st.chips.as_mut() else {
@@ -450,7 +452,17 @@ impl Agent {
                 self.config.node_id
             )));
         };
-        match alloc.allocate(k) {
+        let got = match exact {
+            Some(chips) if chips.len() == k as usize => alloc.allocate_exact(chips),
+            Some(chips) => {
+                return Err(Status::invalid_argument(format!(
+                    "TPU_VISIBLE_CHIPS={chips:?} in the runtime environment names {} chip(s), the request holds {k}",
+                    chips.len()
+                )));
+            }
+            None => alloc.allocate(k),
+        };
+        match got {
             Ok(c) => Ok(c),
             Err(e @ ChipError::InvalidCount { .. }) => Err(Status::invalid_argument(e.to_string())),
             Err(e) => {
@@ -533,10 +545,13 @@ impl Agent {
             cmd.current_dir(dir);
         }
         cmd.envs(command.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-        if !key.runtime_env_hash.is_empty() {
-            for (k, v) in self.runtime_env_vars(&key.runtime_env_hash).await? {
-                cmd.env(k, v);
-            }
+        let runtime_vars = if key.runtime_env_hash.is_empty() {
+            Vec::new()
+        } else {
+            self.runtime_env_vars(&key.runtime_env_hash).await?
+        };
+        for (k, v) in &runtime_vars {
+            cmd.env(k, v);
         }
         cmd.args(args)
             .env("TPURAY_AGENT_ADDRESS", &self.config.advertise_address)
@@ -575,7 +590,12 @@ impl Agent {
         }
         let mut key = key;
         if chips > 0 {
-            key.tpu_chips = self.allocate_chips(chips)?;
+            // A gang member started for one chip names it (TPU_VISIBLE_CHIPS).
+            let exact: Option<Vec<u32>> = runtime_vars
+                .iter()
+                .find(|(k, _)| k == "TPU_VISIBLE_CHIPS")
+                .map(|(_, v)| v.split(',').filter_map(|c| c.trim().parse().ok()).collect());
+            key.tpu_chips = self.allocate_chips(chips, exact.as_deref())?;
             let port = free_local_port();
             let port = match port {
                 Ok(p) => p,
@@ -588,6 +608,11 @@ impl Agent {
             for (k, v) in
                 tpuray_scheduler::chip_env(self.tpu_generation(), host_chips, &key.tpu_chips, port)
             {
+                cmd.env(k, v);
+            }
+            // A gang's own environment (process bounds of a gang spread over a host's
+            // processes, its ports) wins over the independent-process defaults.
+            for (k, v) in runtime_vars.iter().filter(|(k, _)| k.starts_with("TPU_")) {
                 cmd.env(k, v);
             }
         }

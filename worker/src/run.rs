@@ -102,8 +102,17 @@ pub fn build_resources(o: &AgentOptions) -> Result<(ResourceSet, Labels), StartE
     if gpus > 0.0 {
         total.set("GPU", amount("--num-gpus", "GPU", gpus)?);
     }
-    if total.get("TPU") == Amount::ZERO {
+    // How this host's chips were found (`accel`, `vfio`), or `simulated` when `--resources`
+    // declares chips that detection does not see; gangs read it (NODE_RANK, JAX_PLATFORMS).
+    let mut devices_source = "simulated";
+    if total.get("TPU") != Amount::ZERO {
         let found = detect::detect_tpus(&root);
+        if found.chips > 0 {
+            devices_source = found.source;
+        }
+    } else {
+        let found = detect::detect_tpus(&root);
+        devices_source = found.source;
         tracing::info!(
             chips = found.chips,
             source = found.source,
@@ -155,6 +164,7 @@ pub fn build_resources(o: &AgentOptions) -> Result<(ResourceSet, Labels), StartE
                 labels.0.insert(k, v);
             }
         }
+        labels.0.insert(format!("{TPURAY_PREFIX}tpu-devices"), devices_source.to_string());
     }
     Ok((total, labels))
 }
