@@ -781,6 +781,40 @@ fn gang_reserve<'py>(
     Ok((handle, d, members))
 }
 
+/// A generation in a slice group the caller holds (`run_on_slice(..., tpu_slice=...)`):
+/// `(handle, generation dict, member dicts)`. Its ports are held until the group is removed.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn gang_adopt<'py>(
+    py: Python<'py>,
+    placement_group_id: String,
+    bundle_count: usize,
+    topology: String,
+    accelerator_version: String,
+    num_slices: u32,
+    per_chip: bool,
+    name: String,
+    timeout: f64,
+    gang_id: String,
+) -> PyResult<(String, Bound<'py, PyDict>, Bound<'py, PyList>)> {
+    let opts =
+        gang_options(topology, accelerator_version, num_slices, per_chip, 0, name, timeout);
+    let g = py
+        .detach(|| {
+            let slice = tpuray::SlicePlacementGroup::from_id(
+                &placement_group_id,
+                bundle_count,
+                &opts.topology,
+                &opts.accelerator_version,
+                num_slices,
+            )?;
+            tpuray::gang::GangGeneration::adopt(&opts, slice, &gang_id, 0)
+        })
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let (d, members) = gang_dicts(py, &g)?;
+    Ok((placement_group_id, d, members))
+}
+
 /// Stops a generation's members and releases its slices and ports.
 #[pyfunction]
 fn gang_release(py: Python<'_>, handle: String) {
@@ -980,6 +1014,7 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(gang_start, m)?,
         wrap_pyfunction!(gang_reserve, m)?,
         wrap_pyfunction!(gang_release, m)?,
+        wrap_pyfunction!(gang_adopt, m)?,
     ] {
         m.add_function(f)?;
     }

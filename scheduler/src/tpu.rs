@@ -529,7 +529,11 @@ impl ChipAllocator {
         }
         let mask = if k >= 64 { u64::MAX } else { ((1u64 << k) - 1) << start };
         if self.used & mask != 0 {
-            return Err(ChipError::Busy { requested: k, free: self.free(), host_chips: self.chips });
+            return Err(ChipError::Busy {
+                requested: k,
+                free: self.free(),
+                host_chips: self.chips,
+            });
         }
         self.used |= mask;
         Ok(chips.to_vec())

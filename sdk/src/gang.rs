@@ -30,8 +30,8 @@ pub use tpuray_scheduler::gang::{GangMember, GangMode};
 
 use crate::core::core;
 use crate::error::Error;
-use crate::object_ref::RawRef;
 use crate::object_ref::ObjectRef;
+use crate::object_ref::RawRef;
 use crate::options::{ActorOptions, Scheduling, TaskOptions};
 use crate::placement_group::{SlicePlacementGroup, slice_placement_group_named, state_of_id};
 
@@ -92,6 +92,8 @@ pub struct GangGeneration {
     /// First port of the gang's block.
     pub base_port: u16,
     port_keys: Vec<String>,
+    /// Whether releasing removes the slice group (false for an adopted one).
+    owns_slice: bool,
 }
 
 impl GangGeneration {
@@ -104,7 +106,6 @@ impl GangGeneration {
     pub fn reserve(opts: &GangOptions, gang_id: &str, number: u32) -> Result<Self, Error> {
         let ty = AcceleratorType::from_topology(&opts.topology, &opts.accelerator_version)
             .map_err(|e| Error::Cluster(e.to_string()))?;
-        let topology = Topology::parse(&opts.topology).map_err(|e| Error::Cluster(e.to_string()))?;
         let slice = slice_placement_group_named(
             &opts.topology,
             &opts.accelerator_version,
@@ -115,15 +116,46 @@ impl GangGeneration {
         let pg = slice.placement_group.clone();
         let waited = pg.wait(opts.ready_timeout);
         if !matches!(waited, Ok(true)) {
-            let why = state_of_id(pg.id(), Duration::ZERO)
-                .map(|s| s.pending_reason)
-                .unwrap_or_default();
+            let why =
+                state_of_id(pg.id(), Duration::ZERO).map(|s| s.pending_reason).unwrap_or_default();
             let _ = slice.shutdown();
             waited?;
             return Err(Error::Cluster(format!(
                 "gang {:?}: {} x{} was not reserved within {:?}: {why}",
                 opts.name, ty, opts.num_slices, opts.ready_timeout
             )));
+        }
+        match Self::adopt(opts, slice.clone(), gang_id, number) {
+            Ok(mut g) => {
+                g.owns_slice = true;
+                Ok(g)
+            }
+            Err(e) => {
+                let _ = slice.shutdown();
+                Err(e)
+            }
+        }
+    }
+
+    /// A generation in a slice group the caller reserved and keeps (Ray's
+    /// `run_on_slice(..., tpu_slice=...)`): [`GangGeneration::release`] then leaves the group
+    /// in place. Waits for the group as `reserve` does.
+    ///
+    /// # Errors
+    /// As [`GangGeneration::reserve`].
+    pub fn adopt(
+        opts: &GangOptions,
+        slice: SlicePlacementGroup,
+        gang_id: &str,
+        number: u32,
+    ) -> Result<Self, Error> {
+        let ty = AcceleratorType::from_topology(&opts.topology, &opts.accelerator_version)
+            .map_err(|e| Error::Cluster(e.to_string()))?;
+        let topology =
+            Topology::parse(&opts.topology).map_err(|e| Error::Cluster(e.to_string()))?;
+        let pg = slice.placement_group.clone();
+        if !pg.wait(opts.ready_timeout)? {
+            return Err(Error::Timeout(opts.ready_timeout, 1));
         }
         let result = (|| {
             let state = state_of_id(pg.id(), Duration::ZERO)?;
@@ -167,21 +199,17 @@ impl GangGeneration {
             };
             Ok((hosts, members, base_port, port_keys))
         })();
-        match result {
-            Ok((hosts, members, base_port, port_keys)) => Ok(GangGeneration {
-                gang_id: gang_id.to_string(),
-                number,
-                slice,
-                hosts,
-                members,
-                base_port,
-                port_keys,
-            }),
-            Err(e) => {
-                let _ = slice.shutdown();
-                Err(e)
-            }
-        }
+        let (hosts, members, base_port, port_keys) = result?;
+        Ok(GangGeneration {
+            gang_id: gang_id.to_string(),
+            number,
+            slice,
+            hosts,
+            members,
+            base_port,
+            port_keys,
+            owns_slice: false,
+        })
     }
 
     /// The placement-group scheduling of `member`'s bundle, `num_cpus=0` and its chips
@@ -241,11 +269,8 @@ impl GangGeneration {
     ) -> Result<String, Error> {
         let mut record: serde_json::Map<String, serde_json::Value> =
             extra.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        let mut vars: serde_json::Map<String, serde_json::Value> = record
-            .get("env_vars")
-            .and_then(|v| v.as_object())
-            .cloned()
-            .unwrap_or_default();
+        let mut vars: serde_json::Map<String, serde_json::Value> =
+            record.get("env_vars").and_then(|v| v.as_object()).cloned().unwrap_or_default();
         for (k, v) in &member.env {
             vars.insert(k.clone(), serde_json::Value::String(v.clone()));
         }
@@ -260,7 +285,9 @@ impl GangGeneration {
     /// Stops every member (removing the reservation makes the agents kill their workers)
     /// and gives the ports and the member environments back.
     pub fn release(&self) {
-        let _ = self.slice.shutdown();
+        if self.owns_slice {
+            let _ = self.slice.shutdown();
+        }
         release_ports(&self.port_keys);
         for m in &self.members {
             let key = format!("gang-{}-{}-{}", self.gang_id, self.number, m.index);
@@ -403,7 +430,8 @@ fn outcomes(refs: &[RawRef]) -> Result<Vec<Vec<u8>>, (usize, Vec<Option<Vec<u8>>
     let mut pending: Vec<usize> = (0..refs.len()).collect();
     while !pending.is_empty() {
         let waiting: Vec<RawRef> = pending.iter().map(|&i| refs[i].clone()).collect();
-        let ready = crate::raw::wait(&waiting, 1, None).map_err(|e| (pending[0], values.clone(), e))?;
+        let ready =
+            crate::raw::wait(&waiting, 1, None).map_err(|e| (pending[0], values.clone(), e))?;
         let mut still = Vec::new();
         for (k, i) in pending.into_iter().enumerate() {
             if !ready[k] {
@@ -444,6 +472,13 @@ fn supervise(
                 return;
             }
             Err((failed, values, e)) => {
+                // Stop the members still running (removing an owned slice would too; an
+                // adopted one stays, so cancel them here).
+                for (r, v) in refs.iter().zip(&values) {
+                    if v.is_none() {
+                        let _ = core.rt.block_on(core.cancel(r.id(), true));
+                    }
+                }
                 g.release();
                 if is_member_death(&e) && g.number < opts.max_restarts {
                     tracing::warn!(gang = %opts.name, generation = g.number, "gang member {failed} died ({e}); restarting the gang");
@@ -491,9 +526,8 @@ where
     R: DeserializeOwned,
     F: Fn(&GangMember, TaskOptions) -> ObjectRef<R> + Send + 'static,
 {
-    let promises = start_task_gang(opts.clone(), move |g, m| {
-        Ok(launch(m, g.task_options(m)?).raw().clone())
-    })?;
+    let promises =
+        start_task_gang(opts.clone(), move |g, m| Ok(launch(m, g.task_options(m)?).raw().clone()))?;
     let typed: Vec<ObjectRef<R>> = promises.into_iter().map(ObjectRef::from_raw).collect();
     crate::get_all(&typed)
 }

@@ -314,6 +314,29 @@ pub struct SlicePlacementGroup {
 }
 
 impl SlicePlacementGroup {
+    /// The handle of slice group `id` (with `bundle_count` bundles) reserved elsewhere for
+    /// `num_slices` slices of `topology` on `accelerator_version`.
+    ///
+    /// # Errors
+    /// An unknown version or a topology not valid for it.
+    pub fn from_id(
+        id: &str,
+        bundle_count: usize,
+        topology: &str,
+        accelerator_version: &str,
+        num_slices: u32,
+    ) -> Result<Self, Error> {
+        let ty = AcceleratorType::from_topology(topology, accelerator_version)
+            .map_err(|e| Error::Cluster(e.to_string()))?;
+        Ok(SlicePlacementGroup {
+            placement_group: PlacementGroup { id: id.to_string(), bundle_count },
+            accelerator_type: ty.to_string(),
+            num_slices,
+            num_hosts: ty.hosts(),
+            chips_per_host: ty.chips_per_host(),
+        })
+    }
+
     /// Releases every host of the slice(s), the head reservation included.
     ///
     /// # Errors

@@ -147,6 +147,77 @@ fn print_members(tag: &str, pg: &tpuray::PlacementGroup) -> anyhow::Result<Vec<S
     Ok(nodes)
 }
 
+/// A gang member: the gang and TPU variables it sees, plus `NODE` (its node) and `PPID`
+/// (its node agent). With `hold_dir` set, generation 0 records `<dir>/<slice>-<worker>`
+/// holding its agent's pid and then blocks, so the test can kill a host mid-run.
+#[tpuray::remote]
+fn gang_member(hold_dir: String) -> std::collections::BTreeMap<String, String> {
+    let mut env: std::collections::BTreeMap<String, String> = std::env::vars()
+        .filter(|(k, _)| {
+            k.starts_with("TPU")
+                || k.starts_with("TORCH_TPU")
+                || k.starts_with("MEGASCALE")
+                || k.starts_with("JAX_")
+                || [
+                    "NNODES",
+                    "NODE_RANK",
+                    "JOB_COMPLETION_INDEX",
+                    "MASTER_ADDR",
+                    "MASTER_PORT",
+                    "WORLD_SIZE",
+                    "RANK",
+                    "LOCAL_RANK",
+                    "CLOUD_TPU_TASK_ID",
+                ]
+                .contains(&k.as_str())
+        })
+        .filter(|(k, _)| !["TPURAY_WORKER_ID", "TPURAY_JOB_ID"].contains(&k.as_str()))
+        .collect();
+    env.insert("NODE".into(), tpuray::node_id().unwrap_or_default());
+    let ppid = std::os::unix::process::parent_id();
+    env.insert("PPID".into(), ppid.to_string());
+    if !hold_dir.is_empty() && env.get("TPURAY_GANG_GENERATION").map(String::as_str) == Some("0") {
+        let name = format!(
+            "{}-{}",
+            env.get("TPU_NAME").cloned().unwrap_or_default(),
+            env.get("TPU_WORKER_ID").cloned().unwrap_or_default()
+        );
+        let path = format!("{hold_dir}/{name}");
+        std::fs::write(format!("{path}.tmp"), ppid.to_string()).expect("write hold file");
+        std::fs::rename(format!("{path}.tmp"), &path).expect("rename hold file");
+        std::thread::sleep(Duration::from_secs(300));
+    }
+    env
+}
+
+/// An actor-gang member: reports the environment it was started with.
+pub struct GangActor {
+    env: std::collections::BTreeMap<String, String>,
+}
+
+#[tpuray::actor]
+impl GangActor {
+    pub fn new() -> Self {
+        GangActor { env: gang_member_env() }
+    }
+    pub fn env(&self) -> std::collections::BTreeMap<String, String> {
+        self.env.clone()
+    }
+}
+
+fn gang_member_env() -> std::collections::BTreeMap<String, String> {
+    ["TPU_WORKER_ID", "TPU_NAME", "TPURAY_GANG_GENERATION", "TPU_VISIBLE_CHIPS", "NODE_RANK"]
+        .iter()
+        .map(|k| (k.to_string(), std::env::var(k).unwrap_or_default()))
+        .collect()
+}
+
+fn print_envs(tag: &str, members: &[std::collections::BTreeMap<String, String>]) {
+    for m in members {
+        say(&format!("{tag} {}", serde_json::to_string(m).expect("json")));
+    }
+}
+
 /// The TPU.md variables a process holding chips sees.
 fn chip_vars() -> String {
     let env = |k: &str| std::env::var(k).unwrap_or_else(|_| "-".into());
@@ -415,6 +486,47 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             match tpuray::get_timeout(&chip_task::options(three).remote(), wait) {
                 Ok(v) => say(&format!("THREE ok {v}")),
                 Err(e) => say(&format!("THREE kind={} msg={e}", kind(&e))),
+            }
+        }
+        // Slice gangs through the Rust SDK: a per-host gang, a per-chip gang on the v6e-8
+        // host, a two-slice gang, an actor gang, then (with a hold dir) a gang whose host the
+        // test kills mid-run.
+        "gang" => {
+            use tpuray::gang::{ActorGang, GangMode, GangOptions, run_on_slice};
+            let hold = args.first().cloned().unwrap_or_default();
+            let mut opts = GangOptions::new("4x4", "v6e");
+            opts.name = "envs".into();
+            opts.ready_timeout = Duration::from_secs(60);
+            let per_host =
+                run_on_slice(&opts, |_, o| gang_member::options(o).remote(String::new()))?;
+            print_envs("HOST", &per_host);
+            let mut chip = GangOptions::new("2x4", "v6e");
+            chip.mode = GangMode::PerChip;
+            chip.ready_timeout = Duration::from_secs(60);
+            let per_chip =
+                run_on_slice(&chip, |_, o| gang_member::options(o).remote(String::new()))?;
+            print_envs("CHIP", &per_chip);
+            let mut multi = opts.clone();
+            multi.num_slices = 2;
+            let both = run_on_slice(&multi, |_, o| gang_member::options(o).remote(String::new()))?;
+            print_envs("MULTI", &both);
+            let mut actors = ActorGang::new(opts.clone(), |_, o| GangActor::options(o).remote())?;
+            let envs = actors.call_all(|a| a.env())?;
+            print_envs("ACTOR", &envs);
+            actors.shutdown();
+            match tpuray::gang::run_on_slice(&GangOptions::new("3x3", "v6e"), |_, o| {
+                gang_member::options(o).remote(String::new())
+            }) {
+                Ok(_) => say("BADTOPO ok"),
+                Err(e) => say(&format!("BADTOPO {e}")),
+            }
+            if !hold.is_empty() {
+                let mut killed = opts.clone();
+                killed.name = "survivor".into();
+                let out = run_on_slice(&killed, move |_, o| {
+                    gang_member::options(o).remote(hold.clone())
+                })?;
+                print_envs("SURVIVED", &out);
             }
         }
         "timeout" => {
