@@ -646,6 +646,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn handles_cross_threads_and_await_points() {
+        fn send_sync<T: Send + Sync>() {}
+        fn send<T: Send>() {}
+        send_sync::<LocalStore>();
+        send_sync::<ObjectView>();
+        send::<Writer>();
+    }
+
+    #[test]
     fn default_capacity_is_thirty_percent_capped_at_200_gb() {
         assert_eq!(default_capacity(1000), 300);
         assert_eq!(default_capacity(10_000_000_000_000), 200_000_000_000);

@@ -55,6 +55,19 @@ pub(crate) fn new_temp(dir: &Path, id: &str) -> io::Result<(PathBuf, File)> {
     }
 }
 
+/// Gives the temporary `tmp` its final name `target` without ever replacing
+/// an existing one (OBJ-2): a hard link, or a rename where the filesystem
+/// has no hard links (callers hold the ledger lock, so the existence check
+/// cannot race another store user). `AlreadyExists` when `target` exists.
+pub(crate) fn link_new(tmp: &Path, target: &Path) -> io::Result<()> {
+    match std::fs::hard_link(tmp, target) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Err(e),
+        Err(_) if target.exists() => Err(io::ErrorKind::AlreadyExists.into()),
+        Err(_) => std::fs::rename(tmp, target),
+    }
+}
+
 /// Whether someone holds a lock on `path` (a reader's shared pin, OBJ-6).
 /// Absent or unreadable files are not pinned.
 pub(crate) fn is_pinned(path: &Path) -> bool {
@@ -303,8 +316,8 @@ impl LocalStore {
             io::copy(&mut File::open(spilled)?, &mut out)?;
             // Release our exclusive lock before anyone (our caller) maps it.
             drop(out);
-            std::fs::hard_link(&t, self.path(id))?;
-            std::fs::remove_file(&t)?;
+            link_new(&t, &self.path(id))?;
+            not_found_ok(std::fs::remove_file(&t))?;
             not_found_ok(std::fs::remove_file(spilled))
         })();
         if copied.is_err() {

@@ -6,7 +6,7 @@ use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
 
 use crate::ledger::Guard;
-use crate::pressure::new_temp;
+use crate::pressure::{link_new, new_temp};
 use crate::{CopyKind, CreateOptions, LocalStore, Result, StoreError};
 
 /// An object being written; visible to readers only after [`Writer::seal`].
@@ -137,6 +137,7 @@ impl Writer {
                 }),
             };
         }
+        // OBJ-3: reserve (making room) before the bytes are written.
         let delta = need - self.reserved;
         store.make_room(&mut g, &self.id, delta, true)?;
         g.add(delta).map_err(|e| store.io(e))?;
@@ -211,7 +212,7 @@ impl Writer {
             (Some(s), true) => (s.clone(), s.join(&self.id)),
             _ => (store.dir().to_path_buf(), store.path(&self.id)),
         };
-        match std::fs::hard_link(&self.tmp, &target) {
+        match link_new(&self.tmp, &target) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(()),
             Err(e) => return Err(StoreError::Io { dir, source: e }),
