@@ -22,7 +22,7 @@ pub struct Cli {
 pub enum Command {
     /// Start a head node (--head) or join a node to a cluster (--address).
     Start(StartArgs),
-    /// Show nodes, resource usage and pending or infeasible demand.
+    /// Show nodes, TPU slices host by host, resource usage and pending or infeasible demand.
     Status(AddressArg),
     /// List cluster state: nodes, actors, jobs, tasks or placement-groups.
     List(ListArgs),

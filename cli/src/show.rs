@@ -1,5 +1,6 @@
 //! `tpuray status` and `tpuray list`: read the head's state and print it as
-//! a table or as JSON (a list of objects).
+//! a table or as JSON (a list of objects). `status` also draws each TPU slice as its
+//! hosts ([`render_tpu_slices`]), from the nodes' TPU labels and the placement groups.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -137,14 +138,239 @@ fn node_state(n: &pb::NodeInfo) -> &'static str {
     if n.state == pb::NodeState::Alive as i32 { "ALIVE" } else { "DEAD" }
 }
 
+// ---------------------------------------------------------------------------------------
+// TPU slices: pure rendering, proto messages in, text out (unit-tested below).
+// ---------------------------------------------------------------------------------------
+
+/// A TPU label of TPU.md (`tpu-slice-name`, `tpu-worker-id`, ...) read under `tpuray.io/`,
+/// then under `ray.io/`; `None` when absent or empty.
+fn tpu_label<'a>(n: &'a pb::NodeInfo, key: &str) -> Option<&'a str> {
+    [tpuray_scheduler::labels::TPURAY_PREFIX, tpuray_scheduler::labels::RAY_PREFIX]
+        .iter()
+        .find_map(|p| n.labels.get(&format!("{p}{key}")).filter(|v| !v.is_empty()))
+        .map(String::as_str)
+}
+
+/// The first 8 characters of an id, as `NodeId::short` shows it.
+fn short_id(id: &str) -> &str {
+    id.char_indices().nth(8).map_or(id, |(i, _)| &id[..i])
+}
+
+/// Chips of the plain `TPU` resource the node advertises (bundle-renamed `TPU_group_*`
+/// resources are shares of these, not more).
+fn tpu_chips(n: &pb::NodeInfo) -> f64 {
+    n.total.get("TPU").copied().unwrap_or(0.0).max(0.0)
+}
+
+/// The accelerator type a node shows: its slice type label (`v6e-16`), else its
+/// generation label (`TPU-V6E`); empty for a node with neither (not a TPU host).
+fn node_accelerator_type(n: &pb::NodeInfo) -> &str {
+    tpu_label(n, "tpu-pod-type").or_else(|| tpu_label(n, "accelerator-type")).unwrap_or("")
+}
+
+/// How a placement group is named on screen. Gangs are placement groups named
+/// `gang:<name>:<generation>` and show as `gang <name> (gen <generation>)`
+/// (`gang:<name>` without a numeric generation shows as `gang <name>`); other groups show
+/// their name, or their short id when unnamed.
+pub(crate) fn group_display(pg: &pb::PlacementGroupInfo) -> String {
+    if let Some(rest) = pg.name.strip_prefix("gang:") {
+        return match rest.rsplit_once(':') {
+            Some((name, generation)) if generation.parse::<u64>().is_ok() => {
+                format!("gang {name} (gen {generation})")
+            }
+            _ => format!("gang {rest}"),
+        };
+    }
+    if pg.name.is_empty() { short_id(&pg.placement_group_id).to_string() } else { pg.name.clone() }
+}
+
+/// `[####....]`: one cell per chip, `#` used (by work or reserved by a placement group
+/// bundle), `.` free. Hosts of more than [`BAR_CELLS`] chips get that many cells, scaled.
+fn chip_bar(used: u32, total: u32) -> String {
+    const BAR_CELLS: u32 = 16;
+    let (used, total) = if total > BAR_CELLS {
+        ((used * BAR_CELLS).div_ceil(total), BAR_CELLS)
+    } else {
+        (used, total)
+    };
+    let used = used.min(total);
+    format!("[{}{}]", "#".repeat(used as usize), ".".repeat((total - used) as usize))
+}
+
+fn plural(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// One drawn slice: the alive hosts that share a `tpu-slice-name` label, or a single TPU
+/// host without one.
+struct SliceView<'a> {
+    heading: String,
+    hosts: Vec<&'a pb::NodeInfo>,
+}
+
+/// The `TPU slices` section of `tpuray status`: each slice as a heading (name, accelerator
+/// type, topology, hosts present of the hosts its type has) and one line per host in
+/// worker-id order: worker id, agent address, short node id, chips used and free, a chip
+/// bar, and the placement groups and gangs holding a bundle there (with the chips each
+/// reserved on that host). Alive nodes only; CPU-only nodes are not drawn. Returns an empty
+/// string when the cluster has no TPU host, so CPU clusters see no new section.
+pub(crate) fn render_tpu_slices(
+    nodes: &[pb::NodeInfo],
+    groups: &[pb::PlacementGroupInfo],
+) -> String {
+    let alive = nodes.iter().filter(|n| n.state == pb::NodeState::Alive as i32);
+    let mut named: BTreeMap<&str, Vec<&pb::NodeInfo>> = BTreeMap::new();
+    let mut single: Vec<&pb::NodeInfo> = Vec::new();
+    for n in alive {
+        match tpu_label(n, "tpu-slice-name") {
+            Some(slice) => named.entry(slice).or_default().push(n),
+            None if tpu_chips(n) > 0.0 => single.push(n),
+            None => {}
+        }
+    }
+    if named.is_empty() && single.is_empty() {
+        return String::new();
+    }
+    let mut views: Vec<SliceView> = Vec::new();
+    for (slice, mut hosts) in named {
+        let worker = |n: &pb::NodeInfo| {
+            tpu_label(n, "tpu-worker-id").and_then(|w| w.parse::<u32>().ok()).unwrap_or(u32::MAX)
+        };
+        hosts.sort_by(|a, b| (worker(a), &a.node_id).cmp(&(worker(b), &b.node_id)));
+        let first = hosts[0];
+        let accel = node_accelerator_type(first);
+        let expected = tpuray_scheduler::tpu::AcceleratorType::parse(accel).ok().map(|t| t.hosts());
+        let count = match expected {
+            Some(e) if e as usize != hosts.len() => {
+                format!("{} of {e} hosts", hosts.len())
+            }
+            _ => plural(hosts.len(), "host", "hosts"),
+        };
+        let accel = if accel.is_empty() { "TPU" } else { accel };
+        let topology = tpu_label(first, "tpu-topology").unwrap_or("-");
+        views.push(SliceView {
+            heading: format!("slice {slice}: {accel}, topology {topology}, {count}"),
+            hosts,
+        });
+    }
+    single.sort_by(|a, b| (&a.hostname, &a.node_id).cmp(&(&b.hostname, &b.node_id)));
+    for n in single {
+        let name = if n.hostname.is_empty() { short_id(&n.node_id) } else { &n.hostname };
+        let accel = node_accelerator_type(n);
+        let accel = if accel.is_empty() { "TPU" } else { accel };
+        let topology = tpu_label(n, "tpu-topology").unwrap_or("-");
+        views.push(SliceView {
+            heading: format!("host {name} (no slice name): {accel}, topology {topology}, 1 host"),
+            hosts: vec![n],
+        });
+    }
+
+    // Host lines as cells first, so the columns line up across every slice.
+    let live_groups: Vec<&pb::PlacementGroupInfo> =
+        groups.iter().filter(|g| g.state != pb::PlacementGroupState::Removed as i32).collect();
+    let host_cells = |n: &pb::NodeInfo, dup: bool| -> [String; 6] {
+        let worker = match tpu_label(n, "tpu-worker-id") {
+            Some(w) if dup => format!("worker {w}!"),
+            Some(w) => format!("worker {w}"),
+            None => "worker -".to_string(),
+        };
+        let total = tpu_chips(n);
+        let avail = n.available.get("TPU").copied().unwrap_or(0.0).clamp(0.0, total);
+        let total_chips = total.ceil() as u32;
+        let used = ((total - avail).ceil() as u32).min(total_chips);
+        let chips = format!("{used} used, {} free", total_chips - used);
+        let held: Vec<String> = live_groups
+            .iter()
+            .filter(|g| g.bundle_node_ids.contains(&n.node_id))
+            .map(|g| {
+                let mut s = group_display(g);
+                let reserved = n
+                    .total
+                    .get(&tpuray_scheduler::bundles::wildcard_name("TPU", &g.placement_group_id))
+                    .copied()
+                    .unwrap_or(0.0);
+                if reserved > 0.0 {
+                    let chips = reserved.ceil() as usize;
+                    s.push_str(&format!(": {}", plural(chips, "chip", "chips")));
+                }
+                if g.state != pb::PlacementGroupState::Created as i32 {
+                    let state = pb::PlacementGroupState::try_from(g.state)
+                        .map(|s| {
+                            s.as_str_name()
+                                .trim_start_matches("PLACEMENT_GROUP_STATE_")
+                                .to_ascii_lowercase()
+                        })
+                        .unwrap_or_default();
+                    s.push_str(&format!(" ({state})"));
+                }
+                s
+            })
+            .collect();
+        [
+            worker,
+            n.address.clone(),
+            format!("node {}", short_id(&n.node_id)),
+            chips,
+            chip_bar(used, total_chips),
+            held.join("; "),
+        ]
+    };
+    let mut rows: Vec<Vec<[String; 6]>> = Vec::new();
+    for v in &views {
+        let ids: Vec<Option<&str>> =
+            v.hosts.iter().map(|n| tpu_label(n, "tpu-worker-id")).collect();
+        let dup = |w: Option<&str>| w.is_some() && ids.iter().filter(|x| **x == w).count() > 1;
+        rows.push(v.hosts.iter().zip(&ids).map(|(n, w)| host_cells(n, dup(*w))).collect());
+    }
+    let mut widths = [0usize; 6];
+    for cells in rows.iter().flatten() {
+        for (w, c) in widths.iter_mut().zip(cells) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    out.push_str(&format!(
+        "TPU slices ({}, {})\n",
+        plural(views.len(), "slice", "slices"),
+        plural(views.iter().map(|v| v.hosts.len()).sum(), "host", "hosts")
+    ));
+    for (v, cells) in views.iter().zip(&rows) {
+        out.push_str(&format!(" {}\n", v.heading));
+        for c in cells {
+            let parts: Vec<String> =
+                c.iter().zip(&widths).map(|(s, w)| format!("{s:<w$}", w = *w)).collect();
+            out.push_str(&format!("  {}\n", parts.join("  ").trim_end()));
+        }
+    }
+    if rows.iter().flatten().any(|c| c[0].ends_with('!')) {
+        out.push_str(" (! two alive hosts of one slice claim the same worker id)\n");
+    }
+    out
+}
+
 pub fn status(address: &str) -> Result<i32> {
     let rt = runtime()?;
     let replicas = rt.block_on(replica_statuses(address));
-    let st = rt.block_on(async {
+    let (st, groups) = rt.block_on(async {
         let mut head = head_client(address)?;
         let mut req = Request::new(pb::GetClusterStatusRequest {});
         req.set_timeout(Duration::from_secs(10));
-        head.get_cluster_status(req).await.map(|r| r.into_inner()).map_err(|s| call_err(address, s))
+        let st = head
+            .get_cluster_status(req)
+            .await
+            .map(|r| r.into_inner())
+            .map_err(|s| call_err(address, s))?;
+        // Only for naming who holds the TPU chips: without it the slices are drawn anyway.
+        let mut req = Request::new(pb::ListPlacementGroupsRequest {});
+        req.set_timeout(Duration::from_secs(10));
+        let groups = match head.list_placement_groups(req).await {
+            Ok(r) => r.into_inner().placement_groups,
+            Err(s) => {
+                eprintln!("tpuray: placement groups not shown: {}", call_err(address, s));
+                Vec::new()
+            }
+        };
+        Ok::<_, anyhow::Error>((st, groups))
     })?;
     let alive: Vec<&pb::NodeInfo> =
         st.nodes.iter().filter(|n| n.state == pb::NodeState::Alive as i32).collect();
@@ -164,6 +390,11 @@ pub fn status(address: &str) -> Result<i32> {
             print!(" -- {}", n.death_reason);
         }
         println!();
+    }
+    let slices = render_tpu_slices(&st.nodes, &groups);
+    if !slices.is_empty() {
+        println!();
+        print!("{slices}");
     }
     println!();
     println!("Resources");
@@ -210,24 +441,7 @@ pub fn list(address: &str, kind: ListKind, format: Format, limit: usize) -> Resu
                     .await
                     .map_err(|s| call_err(address, s))?
                     .into_inner();
-                st.nodes
-                    .iter()
-                    .map(|n| {
-                        json!({
-                            "node_id": n.node_id,
-                            "state": node_state(n),
-                            "address": n.address,
-                            "hostname": n.hostname,
-                            "is_head_node": n.is_head_node,
-                            "resources_total": n.total.iter().collect::<BTreeMap<_, _>>(),
-                            "resources_available": n.available.iter().collect::<BTreeMap<_, _>>(),
-                            "labels": n.labels.iter().collect::<BTreeMap<_, _>>(),
-                            "num_workers": n.num_workers,
-                            "death_reason": n.death_reason,
-                            "pid": n.pid,
-                        })
-                    })
-                    .collect()
+                st.nodes.iter().map(node_row).collect()
             }
             ListKind::PlacementGroups => {
                 let mut groups = head
@@ -366,9 +580,46 @@ pub fn list(address: &str, kind: ListKind, format: Format, limit: usize) -> Resu
     Ok(0)
 }
 
+/// One `list nodes` row. `accelerator_type` is the slice type (`v6e-16`), else the
+/// generation label (`TPU-V6E`); it, `tpu_slice_name` and `tpu_worker_id` are empty strings
+/// for nodes that are not TPU hosts.
+fn node_row(n: &pb::NodeInfo) -> serde_json::Value {
+    json!({
+        "node_id": n.node_id,
+        "state": node_state(n),
+        "address": n.address,
+        "hostname": n.hostname,
+        "is_head_node": n.is_head_node,
+        "accelerator_type": node_accelerator_type(n),
+        "tpu_slice_name": tpu_label(n, "tpu-slice-name").unwrap_or(""),
+        "tpu_worker_id": tpu_label(n, "tpu-worker-id").unwrap_or(""),
+        "resources_total": n.total.iter().collect::<BTreeMap<_, _>>(),
+        "resources_available": n.available.iter().collect::<BTreeMap<_, _>>(),
+        "labels": n.labels.iter().collect::<BTreeMap<_, _>>(),
+        "num_workers": n.num_workers,
+        "death_reason": n.death_reason,
+        "pid": n.pid,
+    })
+}
+
 fn print_table(rows: &[serde_json::Value], kind: ListKind) {
+    print!("{}", render_table(rows, kind));
+}
+
+/// The table form of `list` rows: a header of upper-cased column names, then one line
+/// per row, columns padded to their widest cell; `(none)` when there is no row.
+fn render_table(rows: &[serde_json::Value], kind: ListKind) -> String {
     let cols: &[&str] = match kind {
-        ListKind::Nodes => &["node_id", "state", "address", "is_head_node", "num_workers"],
+        ListKind::Nodes => &[
+            "node_id",
+            "state",
+            "address",
+            "is_head_node",
+            "num_workers",
+            "accelerator_type",
+            "tpu_slice_name",
+            "tpu_worker_id",
+        ],
         ListKind::Actors => {
             &["actor_id", "class_name", "name", "state", "node_id", "pid", "num_restarts"]
         }
@@ -386,16 +637,271 @@ fn print_table(rows: &[serde_json::Value], kind: ListKind) {
         .iter()
         .map(|c| rows.iter().map(|r| cell(r, c).len()).max().unwrap_or(0).max(c.len()))
         .collect();
-    let line = |vals: Vec<String>| {
+    let mut out = String::new();
+    let mut line = |vals: Vec<String>| {
         let parts: Vec<String> =
             vals.iter().zip(&widths).map(|(v, w)| format!("{v:<w$}", w = *w)).collect();
-        println!("{}", parts.join("  ").trim_end());
+        out.push_str(parts.join("  ").trim_end());
+        out.push('\n');
     };
     line(cols.iter().map(|c| c.to_uppercase()).collect());
     for r in rows {
         line(cols.iter().map(|c| cell(r, c)).collect());
     }
     if rows.is_empty() {
-        println!("(none)");
+        out.push_str("(none)\n");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    /// A 32-hex-digit id whose first 8 characters are `short`.
+    fn id(short: &str) -> String {
+        format!("{short:0<32}")
+    }
+
+    fn node(short: &str, address: &str, tpu: Option<(f64, f64)>) -> pb::NodeInfo {
+        let mut total = HashMap::from([("CPU".to_string(), 8.0)]);
+        let mut available = total.clone();
+        if let Some((t, a)) = tpu {
+            total.insert("TPU".into(), t);
+            available.insert("TPU".into(), a);
+        }
+        pb::NodeInfo {
+            node_id: id(short),
+            address: address.into(),
+            hostname: format!("host-{short}"),
+            total,
+            available,
+            state: pb::NodeState::Alive as i32,
+            ..Default::default()
+        }
+    }
+
+    /// A host of a slice, labelled as the node agent labels it (TPU.md, both prefixes).
+    fn tpu_host(
+        short: &str,
+        address: &str,
+        pod_type: &str,
+        topology: &str,
+        slice: Option<&str>,
+        worker: Option<u32>,
+        chips: (f64, f64),
+    ) -> pb::NodeInfo {
+        let mut n = node(short, address, Some(chips));
+        let mut values = vec![
+            ("accelerator-type", "TPU-V6E".to_string()),
+            ("tpu-topology", topology.to_string()),
+            ("tpu-pod-type", pod_type.to_string()),
+        ];
+        if let Some(s) = slice {
+            values.push(("tpu-slice-name", s.to_string()));
+        }
+        if let Some(w) = worker {
+            values.push(("tpu-worker-id", w.to_string()));
+        }
+        for (k, v) in values {
+            n.labels.insert(format!("tpuray.io/{k}"), v.clone());
+            n.labels.insert(format!("ray.io/{k}"), v);
+        }
+        n
+    }
+
+    /// Commits one bundle of group `pg` with `chips` TPU chips on `n`, as the node agent
+    /// does: the plain chips leave `available`, the renamed ones join total and available.
+    fn hold(n: &mut pb::NodeInfo, pg: &str, index: u32, chips: f64) {
+        *n.available.get_mut("TPU").unwrap() -= chips;
+        for name in [format!("TPU_group_{index}_{pg}"), format!("TPU_group_{pg}")] {
+            *n.total.entry(name.clone()).or_default() += chips;
+            *n.available.entry(name).or_default() += chips;
+        }
+    }
+
+    fn group(pg: &str, name: &str, nodes: &[&pb::NodeInfo]) -> pb::PlacementGroupInfo {
+        pb::PlacementGroupInfo {
+            placement_group_id: pg.into(),
+            name: name.into(),
+            state: pb::PlacementGroupState::Created as i32,
+            bundle_node_ids: nodes.iter().map(|n| n.node_id.clone()).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Two v6e-16 slices of 4 hosts (`sa` held whole by gang `train` generation 2, `sb`
+    /// with one chip used by a plain task), one v6e-8 host without a slice name holding 2
+    /// chips for group `eval`, one CPU node; nodes arrive out of order.
+    fn cluster() -> (Vec<pb::NodeInfo>, Vec<pb::PlacementGroupInfo>) {
+        let gang = id("9a9a9a9a");
+        let eval = id("e7e7e7e7");
+        let mut sa: Vec<pb::NodeInfo> = (0..4)
+            .map(|w| {
+                let addr = format!("10.0.0.{}:7001", w + 1);
+                tpu_host(
+                    &format!("a{w}a{w}a{w}a{w}"),
+                    &addr,
+                    "v6e-16",
+                    "4x4",
+                    Some("sa"),
+                    Some(w),
+                    (4.0, 4.0),
+                )
+            })
+            .collect();
+        for (i, n) in sa.iter_mut().enumerate() {
+            hold(n, &gang, i as u32, 4.0);
+        }
+        let sb: Vec<pb::NodeInfo> = (0..4)
+            .map(|w| {
+                let addr = format!("10.0.1.{}:7001", w + 1);
+                let avail = if w == 1 { 3.0 } else { 4.0 };
+                tpu_host(
+                    &format!("b{w}b{w}b{w}b{w}"),
+                    &addr,
+                    "v6e-16",
+                    "4x4",
+                    Some("sb"),
+                    Some(w),
+                    (4.0, avail),
+                )
+            })
+            .collect();
+        let mut v8 = tpu_host("c8c8c8c8", "10.0.2.1:7001", "v6e-8", "2x4", None, None, (8.0, 8.0));
+        hold(&mut v8, &eval, 0, 2.0);
+        let cpu = node("d0d0d0d0", "10.0.3.1:7001", None);
+        let groups = vec![
+            group(&gang, "gang:train:2", &sa.iter().collect::<Vec<_>>()),
+            group(&eval, "eval", &[&v8]),
+        ];
+        let mut nodes = vec![cpu, v8];
+        nodes.extend(sb.into_iter().rev());
+        nodes.extend(sa.into_iter().rev());
+        (nodes, groups)
+    }
+
+    #[test]
+    fn status_draws_each_slice_as_its_hosts_in_worker_order() {
+        let (nodes, groups) = cluster();
+        let drawn = render_tpu_slices(&nodes, &groups);
+        let expected = [
+            "TPU slices (3 slices, 9 hosts)",
+            " slice sa: v6e-16, topology 4x4, 4 hosts",
+            "  worker 0  10.0.0.1:7001  node a0a0a0a0  4 used, 0 free  [####]      gang train (gen 2): 4 chips",
+            "  worker 1  10.0.0.2:7001  node a1a1a1a1  4 used, 0 free  [####]      gang train (gen 2): 4 chips",
+            "  worker 2  10.0.0.3:7001  node a2a2a2a2  4 used, 0 free  [####]      gang train (gen 2): 4 chips",
+            "  worker 3  10.0.0.4:7001  node a3a3a3a3  4 used, 0 free  [####]      gang train (gen 2): 4 chips",
+            " slice sb: v6e-16, topology 4x4, 4 hosts",
+            "  worker 0  10.0.1.1:7001  node b0b0b0b0  0 used, 4 free  [....]",
+            "  worker 1  10.0.1.2:7001  node b1b1b1b1  1 used, 3 free  [#...]",
+            "  worker 2  10.0.1.3:7001  node b2b2b2b2  0 used, 4 free  [....]",
+            "  worker 3  10.0.1.4:7001  node b3b3b3b3  0 used, 4 free  [....]",
+            " host host-c8c8c8c8 (no slice name): v6e-8, topology 2x4, 1 host",
+            "  worker -  10.0.2.1:7001  node c8c8c8c8  2 used, 6 free  [##......]  eval: 2 chips",
+        ];
+        assert_eq!(drawn.lines().collect::<Vec<_>>(), expected, "\n{drawn}");
+        assert!(drawn.ends_with('\n'));
+    }
+
+    #[test]
+    fn gangs_show_their_name_and_generation_and_unnamed_groups_their_short_id() {
+        let g = |name: &str| group(&id("0f0f0f0f"), name, &[]);
+        assert_eq!(group_display(&g("gang:train:2")), "gang train (gen 2)");
+        assert_eq!(group_display(&g("gang:a:b:7")), "gang a:b (gen 7)");
+        assert_eq!(group_display(&g("gang:train")), "gang train");
+        assert_eq!(group_display(&g("eval")), "eval");
+        assert_eq!(group_display(&g("")), "0f0f0f0f");
+    }
+
+    #[test]
+    fn a_slice_with_a_dead_host_says_how_many_of_its_hosts_are_alive() {
+        let (mut nodes, groups) = cluster();
+        let sb2 = nodes.iter_mut().find(|n| n.node_id == id("b2b2b2b2")).unwrap();
+        sb2.state = pb::NodeState::Dead as i32;
+        let drawn = render_tpu_slices(&nodes, &groups);
+        assert!(drawn.contains(" slice sb: v6e-16, topology 4x4, 3 of 4 hosts\n"), "{drawn}");
+        assert!(!drawn.contains("b2b2b2b2"), "{drawn}");
+        assert!(drawn.starts_with("TPU slices (3 slices, 8 hosts)\n"), "{drawn}");
+    }
+
+    #[test]
+    fn two_hosts_claiming_one_worker_id_are_flagged() {
+        let (mut nodes, groups) = cluster();
+        let sb3 = nodes.iter_mut().find(|n| n.node_id == id("b3b3b3b3")).unwrap();
+        sb3.labels.insert("tpuray.io/tpu-worker-id".into(), "2".into());
+        let drawn = render_tpu_slices(&nodes, &groups);
+        assert_eq!(drawn.matches("worker 2!").count(), 2, "{drawn}");
+        assert!(drawn.contains("(! two alive hosts of one slice claim the same worker id)"));
+    }
+
+    #[test]
+    fn removed_groups_are_not_shown_and_pending_ones_say_so() {
+        let (nodes, mut groups) = cluster();
+        groups[0].state = pb::PlacementGroupState::Removed as i32;
+        groups[1].state = pb::PlacementGroupState::Rescheduling as i32;
+        let drawn = render_tpu_slices(&nodes, &groups);
+        assert!(!drawn.contains("gang train"), "{drawn}");
+        assert!(drawn.contains("eval: 2 chips (rescheduling)"), "{drawn}");
+    }
+
+    #[test]
+    fn ray_prefixed_labels_are_read_when_tpuray_ones_are_absent() {
+        let mut n = tpu_host("a0a0a0a0", "h:1", "v6e-16", "4x4", Some("sa"), Some(0), (4.0, 4.0));
+        n.labels.retain(|k, _| k.starts_with("ray.io/"));
+        let drawn = render_tpu_slices(&[n], &[]);
+        assert!(drawn.contains(" slice sa: v6e-16, topology 4x4, 1 of 4 hosts\n"), "{drawn}");
+    }
+
+    #[test]
+    fn a_cluster_without_tpu_hosts_draws_no_slice_section() {
+        let nodes = vec![node("d0d0d0d0", "10.0.3.1:7001", None)];
+        assert_eq!(render_tpu_slices(&nodes, &[]), "");
+    }
+
+    #[test]
+    fn chip_bars_have_one_cell_per_chip_up_to_sixteen() {
+        assert_eq!(chip_bar(0, 4), "[....]");
+        assert_eq!(chip_bar(2, 8), "[##......]");
+        assert_eq!(chip_bar(4, 4), "[####]");
+        assert_eq!(chip_bar(1, 64), "[#...............]");
+        assert_eq!(chip_bar(64, 64), "[################]");
+    }
+
+    #[test]
+    fn list_nodes_shows_accelerator_type_slice_and_worker_id() {
+        let (nodes, _) = cluster();
+        let rows: Vec<serde_json::Value> = nodes.iter().map(node_row).collect();
+        let table = render_table(&rows, ListKind::Nodes);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(
+            lines[0],
+            "NODE_ID                           STATE  ADDRESS        IS_HEAD_NODE  NUM_WORKERS  \
+             ACCELERATOR_TYPE  TPU_SLICE_NAME  TPU_WORKER_ID"
+        );
+        assert_eq!(
+            lines[1],
+            "d0d0d0d0000000000000000000000000  ALIVE  10.0.3.1:7001  false         0"
+        );
+        assert_eq!(
+            lines[2],
+            "c8c8c8c8000000000000000000000000  ALIVE  10.0.2.1:7001  false         0            v6e-8"
+        );
+        assert_eq!(
+            lines[3],
+            "b3b3b3b3000000000000000000000000  ALIVE  10.0.1.4:7001  false         0            \
+             v6e-16            sb              3"
+        );
+        assert_eq!(lines.len(), 11, "\n{table}");
+        let sa2 = rows.iter().find(|r| r["node_id"] == id("a2a2a2a2")).unwrap();
+        assert_eq!(sa2["accelerator_type"], "v6e-16");
+        assert_eq!(sa2["tpu_slice_name"], "sa");
+        assert_eq!(sa2["tpu_worker_id"], "2");
+        let cpu = rows.iter().find(|r| r["node_id"] == id("d0d0d0d0")).unwrap();
+        assert_eq!(cpu["accelerator_type"], "");
+        assert_eq!(cpu["tpu_slice_name"], "");
+        assert_eq!(cpu["tpu_worker_id"], "");
     }
 }

@@ -1,23 +1,84 @@
-//! tpuray's per-node object store (DESIGN.md §4), first version: one file
-//! per sealed object in a shared-memory folder (`/dev/shm/...` by default),
-//! mapped read-only by readers on the same node.
+//! tpuray's per-node object store (DESIGN.md §4): one file per sealed object
+//! in a shared-memory folder (`/dev/shm/tpuray-<node>` by default), written
+//! and read by every process of the node (agent, driver, workers) through
+//! [`LocalStore`] directly, with no server in between. Readers map sealed
+//! objects read-only without copying.
 //!
-//! Invariants:
+//! # Capacity and memory pressure
+//!
+//! A store opened with [`LocalStore::open_with`] has a capacity in bytes
+//! (`--object-store-memory`; [`default_capacity`] gives Ray's default) and
+//! optionally a spill folder (`--spill-dir`). Both are written to the store's
+//! ledger, so every process that later attaches with [`LocalStore::open`]
+//! follows them. Memory is used lazily: tmpfs pages exist only once written.
+//!
+//! When a write needs room, the store first evicts *secondary* copies
+//! (copies pulled from another node, [`CopyKind::Secondary`]), oldest first,
+//! then spills *primary* copies to the spill folder, oldest first. Objects
+//! mapped by a reader are never moved (OBJ-6). [`LocalStore::get`] restores
+//! a spilled object into memory when it fits without spilling anything, and
+//! otherwise maps the spill file directly. An object larger than the whole
+//! store is written through to the spill folder, or refused with
+//! [`StoreError::TooLarge`] when there is none. Nothing waits for room: when
+//! what is left is pinned, the write fails at once with [`StoreError::Full`].
+//!
+//! # Files
+//!
+//! In the store folder: `<id>` (a sealed object), `.w.<pid>.<n>.<id>` (an
+//! object being written, `flock`ed exclusively by its writer, its length the
+//! bytes reserved), `.m.<id>` (a sidecar with the copy kind and the owner,
+//! only when not primary or an owner is set), `.lock` (the ledger, see
+//! `ledger.rs`). In the spill folder: `<id>` and `.w.*` temporaries.
+//!
+//! # Invariants
+//!
 //! - OBJ-1: an object is visible only once sealed. Writers fill a hidden
-//!   temporary file and seal it by an atomic rename, so a reader never sees a
-//!   partial object, and a writer that dies mid-write leaves nothing visible.
+//!   temporary and seal it by a hard link to its final name, so a reader
+//!   never sees a partial object. A writer that dies leaves only its
+//!   temporary, which no lookup sees; its `flock` died with it, so the next
+//!   scan removes the file and reclaims its reservation.
 //! - OBJ-2: sealed objects are immutable; a second seal of the same id keeps
-//!   the first copy (objects are content-addressed by id).
+//!   the first copy, wherever it lives now (objects are content-addressed by
+//!   id). Links never replace an existing name.
+//! - OBJ-3: bytes in memory (sealed objects plus live writers' reservations)
+//!   never exceed the capacity. Every reservation is made while holding the
+//!   ledger's exclusive `flock`, after making room; writers reserve before
+//!   they write.
+//! - OBJ-4: under pressure secondary copies are evicted before primary
+//!   copies are spilled. A spill copies to a temporary in the spill folder,
+//!   renames it, then unlinks the memory copy, all under the ledger lock, so
+//!   an object is always visible in memory or in the spill folder.
+//! - OBJ-5: [`LocalStore::delete`] removes the memory copy, the spill file
+//!   and the sidecar.
+//! - OBJ-6: an [`ObjectView`] holds a shared `flock` on its file; eviction
+//!   and spilling take a non-blocking exclusive one and skip what they cannot
+//!   lock, so a mapped object is never moved out from under its reader. A
+//!   reader that opened a file just before it was moved sees its link count
+//!   at 0 and looks again under the ledger lock.
+//! - OBJ-7: nothing waits for room: a reservation that cannot be met fails
+//!   at once naming the requested size, the capacity and the pinned bytes.
 //!
-//! The object-store issue replaces the file-per-object layout with a
-//! recycled, pre-faulted arena, adds spilling and capacity enforcement.
-//! All functions block on the filesystem.
+//! Not done yet: the recycled, pre-faulted arena of DESIGN.md §11 (one file
+//! per object costs page faults on every write).
+//!
+//! All functions block on the filesystem; none needs a runtime. Locks are
+//! held only for bookkeeping and for copying an object being spilled or
+//! restored, never while waiting on another process.
+
+mod ledger;
+mod pressure;
+mod writer;
 
 use std::fs::File;
-use std::io::Write;
+use std::io;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::Mmap;
+
+use ledger::{Guard, LEDGER, Ledger, Settings};
+pub use writer::Writer;
 
 /// Ray's default object store size: 30% of the memory available when the
 /// node starts, capped at 200 GB (Ray's `ray_constants.py`
@@ -30,26 +91,142 @@ pub fn default_capacity(available_bytes: u64) -> u64 {
     ((available_bytes as f64 * PROPORTION) as u64).min(MAX_BYTES)
 }
 
+/// How many objects [`LocalStore::usage`] lists in [`StoreUsage::largest`].
+pub const USAGE_TOP: usize = 10;
+
 /// Errors of the store, naming the object and the path at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("object store {dir}: {source}")]
-    Io { dir: PathBuf, source: std::io::Error },
+    Io { dir: PathBuf, source: io::Error },
     #[error("invalid object id {0:?} (expected letters, digits, '-' or '_')")]
     BadId(String),
     #[error("object {id} is {got} bytes, expected {want}")]
     SizeMismatch { id: String, got: u64, want: u64 },
+    /// The object alone is larger than the store and there is no spill
+    /// folder to write it through to.
+    #[error(
+        "object {id} ({size} bytes) is larger than the whole object store ({capacity} bytes) \
+         and no spill dir is set to write it through to"
+    )]
+    TooLarge { id: String, size: u64, capacity: u64 },
+    /// Room for `requested` more bytes could not be made: what is left in
+    /// memory is pinned by readers, being written, or primary copies with no
+    /// spill folder to go to. All sizes in bytes.
+    #[error(
+        "object store full: {requested} bytes for object {id} do not fit in {capacity} bytes \
+         ({pinned} pinned by readers, {writing} being written, {unspillable} in primary copies \
+         that cannot be spilled without a spill dir)"
+    )]
+    Full { id: String, requested: u64, capacity: u64, pinned: u64, writing: u64, unspillable: u64 },
 }
 
-/// One node's store folder.
+type Result<T> = std::result::Result<T, StoreError>;
+
+/// How to open a store with [`LocalStore::open_with`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoreConfig {
+    /// The store folder (a tmpfs path such as `/dev/shm/tpuray-<node>`).
+    pub dir: PathBuf,
+    /// Bytes the store may hold in memory; `None` for unlimited.
+    pub capacity_bytes: Option<u64>,
+    /// Where to spill: the store uses the subfolder named like the store
+    /// folder (`<spill_dir>/tpuray-<node>`), so several stores may share
+    /// one `--spill-dir`, and [`LocalStore::destroy`] removes only its own.
+    /// `None`: primary copies are never spilled and objects larger than
+    /// the store are refused.
+    pub spill_dir: Option<PathBuf>,
+}
+
+/// Whether a sealed copy may be dropped under memory pressure.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CopyKind {
+    /// The copy created on this node (`put`, a task's return): spilled to
+    /// disk under pressure, never dropped.
+    #[default]
+    Primary,
+    /// A copy pulled from another node: evicted under pressure (the owner
+    /// can pull it again).
+    Secondary,
+}
+
+/// Options of [`LocalStore::create_with`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CreateOptions {
+    /// The final size in bytes when known: reserved at once (one lock instead
+    /// of one per write), and an object larger than the store goes straight
+    /// to the spill folder.
+    pub size: Option<u64>,
+    pub copy: CopyKind,
+    /// Who owns the object (an address or a worker id), shown by
+    /// [`LocalStore::usage`]; one line.
+    pub owner: Option<String>,
+}
+
+/// Where a sealed object lives on this node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Location {
+    /// In the shared-memory folder.
+    Memory,
+    /// In the spill folder (spilled, or written through because it is larger
+    /// than the store).
+    Spilled,
+}
+
+/// One sealed object, as [`LocalStore::usage`] and [`LocalStore::info`] see it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectInfo {
+    pub id: String,
+    /// Bytes.
+    pub size: u64,
+    pub location: Location,
+    pub copy: CopyKind,
+    pub owner: Option<String>,
+    /// Mapped by a reader right now (cannot be spilled or evicted).
+    pub pinned: bool,
+}
+
+/// A snapshot of the store (for `tpuray memory`). Sizes in bytes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoreUsage {
+    /// `None` when unlimited.
+    pub capacity_bytes: Option<u64>,
+    /// In memory: sealed objects plus `writing_bytes`. At most the capacity.
+    pub used_bytes: u64,
+    /// Reserved by writers that are still writing (part of `used_bytes`).
+    pub writing_bytes: u64,
+    /// In the spill folder.
+    pub spilled_bytes: u64,
+    /// Of sealed objects mapped by a reader, in memory or spilled.
+    pub pinned_bytes: u64,
+    /// Sealed objects in memory.
+    pub object_count: u64,
+    /// Sealed objects in the spill folder.
+    pub spilled_count: u64,
+    /// The [`USAGE_TOP`] largest sealed objects, largest first.
+    pub largest: Vec<ObjectInfo>,
+}
+
+/// One node's store folder. Cheap to clone (clones share the ledger file).
 #[derive(Clone, Debug)]
 pub struct LocalStore {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
     dir: PathBuf,
+    ledger: Ledger,
 }
 
 /// A sealed object mapped read-only: derefs to its bytes without copying.
+///
+/// While it lives, the object is pinned: it is not spilled or evicted
+/// (OBJ-6). A deleted object stays readable through views made before.
 pub struct ObjectView {
+    // Field order matters: unmap first, then release the pin.
     map: Option<Mmap>,
+    _pin: Option<File>,
 }
 
 impl std::ops::Deref for ObjectView {
@@ -59,16 +236,7 @@ impl std::ops::Deref for ObjectView {
     }
 }
 
-/// An object being written; visible to readers only after [`Writer::seal`].
-pub struct Writer {
-    tmp: PathBuf,
-    path: PathBuf,
-    file: File,
-    written: u64,
-    id: String,
-}
-
-fn check_id(id: &str) -> Result<(), StoreError> {
+pub(crate) fn check_id(id: &str) -> Result<()> {
     if !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
         Ok(())
     } else {
@@ -76,16 +244,87 @@ fn check_id(id: &str) -> Result<(), StoreError> {
     }
 }
 
+/// Opens `path` and maps it with a shared `flock` held (OBJ-6); `None` when
+/// it does not exist or was unlinked (spilled, evicted, deleted) between the
+/// open and the lock. Blocks only while a spiller copies the object.
+fn open_view(path: &Path) -> io::Result<Option<ObjectView>> {
+    let f = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    f.lock_shared()?;
+    let md = f.metadata()?;
+    if md.nlink() == 0 {
+        return Ok(None);
+    }
+    if md.len() == 0 {
+        return Ok(Some(ObjectView { map: None, _pin: None }));
+    }
+    // SAFETY: sealed objects are never written again (OBJ-2) and the shared
+    // lock keeps spillers away, so the mapping cannot change under the reader.
+    let map = unsafe { Mmap::map(&f) }?;
+    Ok(Some(ObjectView { map: Some(map), _pin: Some(f) }))
+}
+
+fn not_found_ok(r: io::Result<()>) -> io::Result<()> {
+    match r {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
+}
+
 impl LocalStore {
-    /// Opens (creating) the store folder `dir`.
+    /// Opens (creating) the store folder `dir` and attaches to its settings:
+    /// the capacity and spill folder a [`LocalStore::open_with`] wrote there
+    /// (the node agent's), or unlimited capacity and no spill folder when
+    /// there are none yet.
     ///
     /// # Errors
-    /// [`StoreError::Io`] when the folder cannot be created.
-    pub fn open(dir: impl Into<PathBuf>) -> Result<Self, StoreError> {
-        let dir = dir.into();
+    /// [`StoreError::Io`] when the folder or its ledger cannot be created.
+    pub fn open(dir: impl Into<PathBuf>) -> Result<Self> {
+        let store = Self::attach(dir.into())?;
+        let mut g = store.lock()?;
+        if g.fresh {
+            g.write_settings(Settings::default()).map_err(|e| store.io(e))?;
+            store.rescan(&mut g)?;
+        }
+        drop(g);
+        Ok(store)
+    }
+
+    /// Opens (creating) the store folder `config.dir` with a capacity and a
+    /// spill folder, which every process attaching later with
+    /// [`LocalStore::open`] follows. Leftovers of dead writers are reclaimed
+    /// and the accounting is recomputed from the folder. Nothing is evicted
+    /// when the folder already holds more than the new capacity; later writes
+    /// make room.
+    ///
+    /// # Errors
+    /// [`StoreError::Io`] when a folder or the ledger cannot be created.
+    pub fn open_with(config: StoreConfig) -> Result<Self> {
+        let store = Self::attach(config.dir)?;
+        let spill = config.spill_dir.map(|s| {
+            let name = store.dir().file_name().unwrap_or(std::ffi::OsStr::new("objects"));
+            s.join(name)
+        });
+        if let Some(s) = &spill {
+            std::fs::create_dir_all(s).map_err(|e| StoreError::Io { dir: s.clone(), source: e })?;
+        }
+        let mut g = store.lock()?;
+        let settings = Settings { capacity: config.capacity_bytes.unwrap_or(u64::MAX), spill };
+        g.write_settings(settings).map_err(|e| store.io(e))?;
+        store.rescan(&mut g)?;
+        drop(g);
+        Ok(store)
+    }
+
+    fn attach(dir: PathBuf) -> Result<Self> {
         std::fs::create_dir_all(&dir)
             .map_err(|e| StoreError::Io { dir: dir.clone(), source: e })?;
-        Ok(Self { dir })
+        let ledger = Ledger::open(&dir.join(LEDGER))
+            .map_err(|e| StoreError::Io { dir: dir.clone(), source: e })?;
+        Ok(Self { inner: Arc::new(Inner { dir, ledger }) })
     }
 
     /// The default folder for a node: `/dev/shm/tpuray-<node>` when
@@ -96,133 +335,324 @@ impl LocalStore {
     }
 
     pub fn dir(&self) -> &Path {
-        &self.dir
+        &self.inner.dir
     }
 
-    fn io(&self, e: std::io::Error) -> StoreError {
-        StoreError::Io { dir: self.dir.clone(), source: e }
-    }
-
-    fn path(&self, id: &str) -> PathBuf {
-        self.dir.join(id)
-    }
-
-    /// Starts writing object `id`.
+    /// The folder this store spills to (`<spill_dir>/<store folder name>`),
+    /// if any.
     ///
     /// # Errors
-    /// A bad id, or the temporary file cannot be created.
-    pub fn create(&self, id: &str) -> Result<Writer, StoreError> {
+    /// [`StoreError::Io`] when the ledger cannot be read.
+    pub fn spill_dir(&self) -> Result<Option<PathBuf>> {
+        Ok(self.lock()?.settings.spill.clone())
+    }
+
+    /// The capacity in bytes, `None` when unlimited.
+    ///
+    /// # Errors
+    /// [`StoreError::Io`] when the ledger cannot be read.
+    pub fn capacity(&self) -> Result<Option<u64>> {
+        let c = self.lock()?.settings.capacity;
+        Ok((c != u64::MAX).then_some(c))
+    }
+
+    pub(crate) fn io(&self, e: io::Error) -> StoreError {
+        StoreError::Io { dir: self.inner.dir.clone(), source: e }
+    }
+
+    pub(crate) fn lock(&self) -> Result<Guard<'_>> {
+        self.inner.ledger.lock().map_err(|e| self.io(e))
+    }
+
+    pub(crate) fn path(&self, id: &str) -> PathBuf {
+        self.inner.dir.join(id)
+    }
+
+    pub(crate) fn meta_path(&self, id: &str) -> PathBuf {
+        self.inner.dir.join(format!(".m.{id}"))
+    }
+
+    /// Starts writing primary object `id` of unknown size: each write
+    /// reserves what it adds.
+    ///
+    /// # Errors
+    /// As [`LocalStore::create_with`].
+    pub fn create(&self, id: &str) -> Result<Writer> {
+        self.create_with(id, &CreateOptions::default())
+    }
+
+    /// Starts writing object `id`. With `opts.size`, the room is reserved now
+    /// (making room as described in the crate docs), and an object larger
+    /// than the store goes to the spill folder; without it, each
+    /// [`Writer::write`] reserves what it adds and switches to the spill
+    /// folder once the object outgrows the store.
+    ///
+    /// # Errors
+    /// [`StoreError::BadId`]; [`StoreError::TooLarge`] when `opts.size`
+    /// exceeds the capacity and there is no spill folder;
+    /// [`StoreError::Full`] when room cannot be made; [`StoreError::Io`].
+    pub fn create_with(&self, id: &str, opts: &CreateOptions) -> Result<Writer> {
         check_id(id)?;
-        let tmp = self.dir.join(format!(
-            ".{id}.{}.{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.subsec_nanos())
-                .unwrap_or(0)
-        ));
-        let file = File::create(&tmp).map_err(|e| self.io(e))?;
-        Ok(Writer { tmp, path: self.path(id), file, written: 0, id: id.to_string() })
+        let mut g = self.lock()?;
+        Writer::start(self.clone(), &mut g, id, opts)
     }
 
-    /// Writes and seals `data` as object `id` in one step.
+    /// Writes and seals `data` as primary object `id` in one step.
     ///
     /// # Errors
-    /// As [`LocalStore::create`] and [`Writer::seal`].
-    pub fn put(&self, id: &str, data: &[u8]) -> Result<(), StoreError> {
-        let mut w = self.create(id)?;
-        w.write(data).map_err(|e| self.io(e))?;
-        w.seal(None)
+    /// As [`LocalStore::create_with`] and [`Writer::seal`].
+    pub fn put(&self, id: &str, data: &[u8]) -> Result<()> {
+        self.put_with(id, data, &CreateOptions::default())
     }
 
-    /// Maps sealed object `id`, or `None` when this node has no copy.
+    /// Writes and seals `data` as object `id` (`opts.size` is set to its
+    /// length).
+    ///
+    /// # Errors
+    /// As [`LocalStore::create_with`] and [`Writer::seal`].
+    pub fn put_with(&self, id: &str, data: &[u8], opts: &CreateOptions) -> Result<()> {
+        let opts = CreateOptions { size: Some(data.len() as u64), ..opts.clone() };
+        let mut w = self.create_with(id, &opts)?;
+        w.write(data).map_err(|e| match e.downcast::<StoreError>() {
+            Ok(s) => s,
+            Err(e) => self.io(e),
+        })?;
+        w.seal(Some(data.len() as u64))
+    }
+
+    /// Maps sealed object `id`, or `None` when this node has no copy. A
+    /// spilled object is restored into memory when it fits without spilling
+    /// anything else (evicting secondary copies is allowed); otherwise its
+    /// spill file is mapped directly. The view pins the object (OBJ-6).
     ///
     /// # Errors
     /// A bad id, or the file exists but cannot be mapped.
-    pub fn get(&self, id: &str) -> Result<Option<ObjectView>, StoreError> {
+    pub fn get(&self, id: &str) -> Result<Option<ObjectView>> {
         check_id(id)?;
-        let f = match File::open(self.path(id)) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(self.io(e)),
-        };
-        let len = f.metadata().map_err(|e| self.io(e))?.len();
-        if len == 0 {
-            return Ok(Some(ObjectView { map: None }));
+        if let Some(v) = open_view(&self.path(id)).map_err(|e| self.io(e))? {
+            return Ok(Some(v));
         }
-        // SAFETY: sealed objects are never written again (OBJ-2), so the
-        // mapping cannot change under the reader.
-        let map = unsafe { Mmap::map(&f) }.map_err(|e| self.io(e))?;
-        Ok(Some(ObjectView { map: Some(map) }))
+        // Absent, or moved while we looked: decide under the lock, where an
+        // object is in exactly one place and nobody holds an exclusive
+        // flock on it.
+        let mut g = self.lock()?;
+        if let Some(v) = open_view(&self.path(id)).map_err(|e| self.io(e))? {
+            return Ok(Some(v));
+        }
+        let Some(spill) = g.settings.spill.clone() else { return Ok(None) };
+        let sp = spill.join(id);
+        let size = match std::fs::metadata(&sp) {
+            Ok(m) => m.len(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(StoreError::Io { dir: spill, source: e }),
+        };
+        if self.restore(&mut g, id, &sp, size)?
+            && let Some(v) = open_view(&self.path(id)).map_err(|e| self.io(e))?
+        {
+            return Ok(Some(v));
+        }
+        open_view(&sp).map_err(|e| StoreError::Io { dir: spill, source: e })
     }
 
-    /// Size of sealed object `id` in bytes, if present.
+    /// Size of sealed object `id` in bytes, in memory or spilled.
     pub fn size(&self, id: &str) -> Option<u64> {
         check_id(id).ok()?;
-        std::fs::metadata(self.path(id)).ok().map(|m| m.len())
+        if let Ok(m) = std::fs::metadata(self.path(id)) {
+            return Some(m.len());
+        }
+        let spill = self.spill_dir().ok()??;
+        std::fs::metadata(spill.join(id)).ok().map(|m| m.len())
     }
 
-    /// Deletes this node's copy of `id` (readers holding a mapping keep it).
+    /// Where sealed object `id` is, its size, kind, owner and whether it is
+    /// pinned; `None` when this node has no copy.
+    ///
+    /// # Errors
+    /// A bad id or an unreadable ledger.
+    pub fn info(&self, id: &str) -> Result<Option<ObjectInfo>> {
+        check_id(id)?;
+        let g = self.lock()?;
+        let spill = g.settings.spill.clone();
+        let mut places = vec![(self.path(id), Location::Memory)];
+        places.extend(spill.map(|s| (s.join(id), Location::Spilled)));
+        for (path, location) in places {
+            if let Ok(m) = std::fs::metadata(&path) {
+                let (copy, owner) = self.read_meta(id);
+                let pinned = pressure::is_pinned(&path);
+                return Ok(Some(ObjectInfo {
+                    id: id.into(),
+                    size: m.len(),
+                    location,
+                    copy,
+                    owner,
+                    pinned,
+                }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Marks the sealed copy of `id` primary or secondary (a secondary copy
+    /// becomes primary when its owner makes it the one to keep). Returns
+    /// whether this node has a copy.
+    ///
+    /// # Errors
+    /// A bad id, or the sidecar cannot be written.
+    pub fn set_copy_kind(&self, id: &str, copy: CopyKind) -> Result<bool> {
+        check_id(id)?;
+        let g = self.lock()?;
+        let present = self.path(id).exists()
+            || g.settings.spill.as_ref().is_some_and(|s| s.join(id).exists());
+        if present {
+            let (_, owner) = self.read_meta(id);
+            self.write_meta(id, copy, owner.as_deref()).map_err(|e| self.io(e))?;
+        }
+        Ok(present)
+    }
+
+    /// Deletes this node's copy of `id`: from memory, from the spill folder
+    /// and its sidecar (OBJ-5). Readers holding a mapping keep it.
     pub fn delete(&self, id: &str) {
-        if check_id(id).is_ok() {
-            let _ = std::fs::remove_file(self.path(id));
+        if check_id(id).is_err() {
+            return;
+        }
+        let g = self.lock();
+        let path = self.path(id);
+        let size = std::fs::metadata(&path).map(|m| m.len()).ok();
+        let removed = std::fs::remove_file(&path).is_ok();
+        match g {
+            Ok(mut g) => {
+                if removed && let Some(n) = size {
+                    let _ = g.sub(n);
+                }
+                if let Some(s) = &g.settings.spill {
+                    let _ = std::fs::remove_file(s.join(id));
+                }
+                let _ = std::fs::remove_file(self.meta_path(id));
+            }
+            Err(_) => {
+                let _ = std::fs::remove_file(self.meta_path(id));
+            }
         }
     }
 
-    /// Removes the whole folder (node shutdown).
+    /// Removes the whole folder and this store's spill folder (node
+    /// shutdown).
     pub fn destroy(&self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-impl Writer {
-    /// Appends bytes.
-    ///
-    /// # Errors
-    /// The write failed (disk or shared memory full).
-    pub fn write(&mut self, data: &[u8]) -> std::io::Result<()> {
-        self.file.write_all(data)?;
-        self.written += data.len() as u64;
-        Ok(())
-    }
-
-    /// Bytes written so far.
-    pub fn written(&self) -> u64 {
-        self.written
-    }
-
-    /// Seals the object (OBJ-1), checking its size when `expect` is given.
-    ///
-    /// # Errors
-    /// A size mismatch (the temporary file is removed) or a failed rename.
-    pub fn seal(self, expect: Option<u64>) -> Result<(), StoreError> {
-        let dir = self.path.parent().map(Path::to_path_buf).unwrap_or_default();
-        if let Some(want) = expect
-            && want != self.written
+        if let Ok(g) = self.lock()
+            && let Some(s) = &g.settings.spill
         {
-            let _ = std::fs::remove_file(&self.tmp);
-            return Err(StoreError::SizeMismatch { id: self.id.clone(), got: self.written, want });
+            let _ = std::fs::remove_dir_all(s);
         }
-        if self.path.exists() {
-            // OBJ-2: keep the first sealed copy.
-            let _ = std::fs::remove_file(&self.tmp);
-            return Ok(());
-        }
-        std::fs::rename(&self.tmp, &self.path).map_err(|e| StoreError::Io { dir, source: e })
+        let _ = std::fs::remove_dir_all(self.dir());
     }
-}
 
-impl Drop for Writer {
-    fn drop(&mut self) {
-        // An unsealed writer leaves nothing behind (OBJ-1); after a seal the
-        // temporary name no longer exists and this is a no-op.
-        let _ = std::fs::remove_file(&self.tmp);
+    /// A snapshot of capacity, usage and the largest objects. Scans both
+    /// folders under the ledger lock, reclaiming dead writers' leftovers and
+    /// correcting the ledger's counter on the way; costs a few system calls
+    /// per object.
+    ///
+    /// # Errors
+    /// [`StoreError::Io`] when a folder cannot be read.
+    pub fn usage(&self) -> Result<StoreUsage> {
+        let mut g = self.lock()?;
+        let scan = self.rescan(&mut g)?;
+        let capacity = g.settings.capacity;
+        let spill = g.settings.spill.clone();
+        let mut u = StoreUsage {
+            capacity_bytes: (capacity != u64::MAX).then_some(capacity),
+            used_bytes: g.used(),
+            writing_bytes: scan.writing,
+            ..StoreUsage::default()
+        };
+        let mut all = Vec::with_capacity(scan.memory.len() + scan.spilled.len());
+        for (e, location) in scan
+            .memory
+            .iter()
+            .map(|e| (e, Location::Memory))
+            .chain(scan.spilled.iter().map(|e| (e, Location::Spilled)))
+        {
+            let path = match (location, &spill) {
+                (Location::Spilled, Some(s)) => s.join(&e.id),
+                _ => self.path(&e.id),
+            };
+            let pinned = pressure::is_pinned(&path);
+            if pinned {
+                u.pinned_bytes += e.size;
+            }
+            match location {
+                Location::Memory => u.object_count += 1,
+                Location::Spilled => {
+                    u.spilled_count += 1;
+                    u.spilled_bytes += e.size;
+                }
+            }
+            all.push(ObjectInfo {
+                id: e.id.clone(),
+                size: e.size,
+                location,
+                copy: CopyKind::Primary,
+                owner: None,
+                pinned,
+            });
+        }
+        all.sort_by(|a, b| b.size.cmp(&a.size).then_with(|| a.id.cmp(&b.id)));
+        all.truncate(USAGE_TOP);
+        for o in &mut all {
+            (o.copy, o.owner) = self.read_meta(&o.id);
+        }
+        u.largest = all;
+        Ok(u)
+    }
+
+    /// The copy kind and owner from `.m.<id>` (primary, no owner when absent
+    /// or unreadable).
+    pub(crate) fn read_meta(&self, id: &str) -> (CopyKind, Option<String>) {
+        let Ok(text) = std::fs::read_to_string(self.meta_path(id)) else {
+            return (CopyKind::Primary, None);
+        };
+        let mut lines = text.lines();
+        let copy = match lines.next() {
+            Some("secondary") => CopyKind::Secondary,
+            _ => CopyKind::Primary,
+        };
+        let owner = lines.next().filter(|o| !o.is_empty()).map(str::to_string);
+        (copy, owner)
+    }
+
+    /// Writes `.m.<id>`, or removes it when it would say "primary, no owner".
+    /// Callers hold the ledger lock, so readers never see half a sidecar.
+    pub(crate) fn write_meta(
+        &self,
+        id: &str,
+        copy: CopyKind,
+        owner: Option<&str>,
+    ) -> io::Result<()> {
+        let path = self.meta_path(id);
+        if copy == CopyKind::Primary && owner.is_none() {
+            return not_found_ok(std::fs::remove_file(path));
+        }
+        let kind = match copy {
+            CopyKind::Primary => "primary",
+            CopyKind::Secondary => "secondary",
+        };
+        let owner = owner.unwrap_or("").replace(['\n', '\r'], " ");
+        std::fs::write(path, format!("{kind}\n{owner}\n"))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn handles_cross_threads_and_await_points() {
+        fn send_sync<T: Send + Sync>() {}
+        fn send<T: Send>() {}
+        send_sync::<LocalStore>();
+        send_sync::<ObjectView>();
+        send::<Writer>();
+    }
 
     #[test]
     fn default_capacity_is_thirty_percent_capped_at_200_gb() {
@@ -237,19 +667,38 @@ mod tests {
         let mut w = s.create("a1").unwrap();
         w.write(b"hello").unwrap();
         assert!(s.get("a1").unwrap().is_none());
+        assert_eq!(s.size("a1"), None);
         w.seal(Some(5)).unwrap();
         assert_eq!(&*s.get("a1").unwrap().unwrap(), b"hello");
+        assert_eq!(s.size("a1"), Some(5));
+    }
+
+    fn visible_files(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n != LEDGER)
+            .collect();
+        v.sort();
+        v
     }
 
     #[test]
     fn abandoned_writer_leaves_nothing_obj_1() {
         let d = tempfile::tempdir().unwrap();
-        let s = LocalStore::open(d.path()).unwrap();
+        let s = LocalStore::open_with(StoreConfig {
+            dir: d.path().into(),
+            capacity_bytes: Some(1000),
+            spill_dir: None,
+        })
+        .unwrap();
         let mut w = s.create("b").unwrap();
         w.write(b"partial").unwrap();
+        assert_eq!(s.usage().unwrap().writing_bytes, 7);
         drop(w);
         assert!(s.get("b").unwrap().is_none());
-        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0);
+        assert!(visible_files(d.path()).is_empty());
+        assert_eq!(s.usage().unwrap().used_bytes, 0);
     }
 
     #[test]
@@ -260,6 +709,31 @@ mod tests {
         w.write(b"abc").unwrap();
         assert!(matches!(w.seal(Some(10)), Err(StoreError::SizeMismatch { .. })));
         assert!(s.get("c").unwrap().is_none());
+        assert!(visible_files(d.path()).is_empty());
+    }
+
+    #[test]
+    fn second_seal_keeps_the_first_copy_obj_2() {
+        let d = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(d.path()).unwrap();
+        let mut w1 = s.create("x").unwrap();
+        let mut w2 = s.create("x").unwrap();
+        w1.write(b"first").unwrap();
+        w2.write(b"other").unwrap();
+        w1.seal(None).unwrap();
+        let v = s.get("x").unwrap().unwrap();
+        w2.seal(None).unwrap();
+        assert_eq!(&*v, b"first");
+        assert_eq!(&*s.get("x").unwrap().unwrap(), b"first");
+        assert_eq!(visible_files(d.path()), vec!["x".to_string()]);
+    }
+
+    #[test]
+    fn empty_object_round_trips() {
+        let d = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(d.path()).unwrap();
+        s.put("e", b"").unwrap();
+        assert_eq!(s.get("e").unwrap().unwrap().len(), 0);
     }
 
     #[test]
@@ -267,5 +741,52 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let s = LocalStore::open(d.path()).unwrap();
         assert!(matches!(s.put("../x", b""), Err(StoreError::BadId(_))));
+        assert!(matches!(s.put(".lock", b""), Err(StoreError::BadId(_))));
+    }
+
+    #[test]
+    fn open_attaches_to_the_settings_of_open_with() {
+        let d = tempfile::tempdir().unwrap();
+        let sp = tempfile::tempdir().unwrap();
+        let dir = d.path().join("tpuray-n1");
+        let a = LocalStore::open_with(StoreConfig {
+            dir: dir.clone(),
+            capacity_bytes: Some(4096),
+            spill_dir: Some(sp.path().into()),
+        })
+        .unwrap();
+        let b = LocalStore::open(&dir).unwrap();
+        assert_eq!(b.capacity().unwrap(), Some(4096));
+        assert_eq!(b.spill_dir().unwrap(), Some(sp.path().join("tpuray-n1")));
+        assert_eq!(a.spill_dir().unwrap(), b.spill_dir().unwrap());
+        let fresh = LocalStore::open(d.path().join("other")).unwrap();
+        assert_eq!(fresh.capacity().unwrap(), None);
+        assert_eq!(fresh.spill_dir().unwrap(), None);
+    }
+
+    #[test]
+    fn owner_and_copy_kind_are_recorded() {
+        let d = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(d.path()).unwrap();
+        let opts = CreateOptions {
+            copy: CopyKind::Secondary,
+            owner: Some("10.0.0.1:7000".into()),
+            ..Default::default()
+        };
+        s.put_with("o", b"abc", &opts).unwrap();
+        let i = s.info("o").unwrap().unwrap();
+        assert_eq!(i.copy, CopyKind::Secondary);
+        assert_eq!(i.owner.as_deref(), Some("10.0.0.1:7000"));
+        assert_eq!(i.location, Location::Memory);
+        assert!(!i.pinned);
+        let v = s.get("o").unwrap().unwrap();
+        assert!(s.info("o").unwrap().unwrap().pinned);
+        drop(v);
+        assert!(s.set_copy_kind("o", CopyKind::Primary).unwrap());
+        assert_eq!(s.info("o").unwrap().unwrap().copy, CopyKind::Primary);
+        assert_eq!(s.info("o").unwrap().unwrap().owner.as_deref(), Some("10.0.0.1:7000"));
+        s.delete("o");
+        assert!(s.info("o").unwrap().is_none());
+        assert!(visible_files(d.path()).is_empty());
     }
 }
