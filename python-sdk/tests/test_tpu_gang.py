@@ -1,0 +1,168 @@
+"""Slice gangs from Python (``tpuray.util.tpu``): ``run_on_slice`` on one simulated
+v6e-16 slice (4 hosts started exactly as TPU.md's line), the environment every member
+gets, ``tpu_slice=`` reuse, ``SliceActorGroup`` restarting whole after a member's worker
+is killed, and ``torch_device``'s fallback. The Rust suite (tests/tests/gang.rs) covers
+two slices, per-chip and multislice gangs and a killed host."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CLI = [sys.executable, "-m", "tpuray"]
+
+
+@pytest.fixture(scope="module")
+def slice_cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gang")
+    env = dict(os.environ)
+    env["HOME"] = str(tmp / "home")
+    env["TPURAY_REGISTRY_DIR"] = str(tmp / "registry")
+    env.pop("TPURAY_ADDRESS", None)
+    os.makedirs(env["HOME"], exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    addr = f"127.0.0.1:{port}"
+
+    def start(args, extra=None):
+        e = dict(env)
+        e.update(extra or {})
+        r = subprocess.run(CLI + ["start", *args], env=e, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+
+    try:
+        start(["--head", "--port", str(port), "--num-cpus", "2", "--temp-dir", str(tmp / "head")])
+        for w in range(4):
+            start(
+                ["--address", addr, "--num-cpus", "1", "--resources", '{"TPU": 4}',
+                 "--temp-dir", str(tmp / f"host{w}")],
+                {"TPU_ACCELERATOR_TYPE": "v6e-16", "TPU_NAME": "sa", "TPU_TOPOLOGY": "4x4",
+                 "TPU_WORKER_ID": str(w)},
+            )
+        yield addr, env, tmp
+    finally:
+        subprocess.run(CLI + ["stop"], env=env, capture_output=True, timeout=120)
+
+
+def run_script(tmp, env, body: str, timeout: float = 240):
+    script = tmp / "script.py"
+    script.write_text(textwrap.dedent(body))
+    r = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp, capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return [json.loads(l[5:]) for l in r.stdout.splitlines() if l.startswith("JSON ")]
+
+
+MEMBER = """
+    import json, os
+    import tpuray as ray
+    from tpuray.util import tpu
+
+    KEYS = ("TPU_", "TORCH_TPU_", "MASTER_", "NNODES", "NODE_RANK", "JOB_COMPLETION_INDEX",
+            "WORLD_SIZE", "JAX_", "TPURAY_GANG_", "RANK", "LOCAL_RANK", "MEGASCALE_")
+
+    @ray.remote
+    def member(tag):
+        env = {k: v for k, v in os.environ.items() if k.startswith(KEYS)}
+        env["tag"] = tag
+        env["node"] = ray.get_runtime_context().get_node_id()
+        return env
+
+    def out(x):
+        print("JSON " + json.dumps(x), flush=True)
+"""
+
+
+def test_run_on_slice_gives_every_member_tpu_md_gang_environment(slice_cluster):
+    addr, env, tmp = slice_cluster
+    (members, reused, err) = run_script(tmp, env, MEMBER + f"""
+    ray.init({addr!r})
+    out(ray.get(tpu.run_on_slice(member, "a", topology="4x4", accelerator_version="v6e"), timeout=120))
+    s = tpu.slice_placement_group("4x4", "v6e")
+    out(ray.get(tpu.run_on_slice(member, "b", tpu_slice=s), timeout=120))
+    s.shutdown()
+    try:
+        tpu.run_on_slice(member, topology="3x3", accelerator_version="v6e")
+        out("no error")
+    except ValueError as e:
+        out(str(e))
+    ray.shutdown()
+    """)
+    for ms, tag in ((members, "a"), (reused, "b")):
+        assert len(ms) == 4
+        assert sorted(int(m["TPU_WORKER_ID"]) for m in ms) == [0, 1, 2, 3]
+        assert len({m["node"] for m in ms}) == 4, "one member per host"
+        for key in ("TPU_WORKER_HOSTNAMES", "TORCH_TPU_SLICEBUILDER_ADDRESSES",
+                    "TORCH_TPU_XPROF_SESSION_ID", "MASTER_ADDR", "MASTER_PORT",
+                    "JAX_COORDINATOR_ADDRESS", "TORCH_TPU_TOPOLOGY", "WORLD_SIZE", "NNODES"):
+            assert len({m[key] for m in ms}) == 1, key
+        m0 = ms[0]
+        assert m0["TPU_WORKER_HOSTNAMES"] == ",".join(["127.0.0.1"] * 4)
+        builders = m0["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")
+        assert len(builders) == 16 and len(set(builders)) == 16
+        ports = set(builders) | {f"{m0['MASTER_ADDR']}:{m0['MASTER_PORT']}", m0["JAX_COORDINATOR_ADDRESS"]}
+        assert len(ports) == 18, "no host:port twice"
+        assert m0["TORCH_TPU_TOPOLOGY"] == "4,4,1" and m0["NNODES"] == "4" and m0["WORLD_SIZE"] == "16"
+        for m in ms:
+            assert m["tag"] == tag
+            assert m["NODE_RANK"] == m["TPU_WORKER_ID"] == m["JOB_COMPLETION_INDEX"]
+            assert m["TPU_VISIBLE_CHIPS"] == "0,1,2,3"
+            assert m["JAX_PLATFORMS"] == "cpu"
+            assert m["TPURAY_GANG_GENERATION"] == "0"
+    assert "3x3" in err and "not valid for v6e" in err
+
+
+def test_actor_group_restarts_whole_when_a_member_dies(slice_cluster):
+    addr, env, tmp = slice_cluster
+    (before, after, restarts) = run_script(tmp, env, MEMBER + f"""
+    import signal
+
+    @ray.remote
+    class Member:
+        def __init__(self, scale):
+            self.scale = scale
+
+        def info(self):
+            return {{"worker": int(os.environ["TPU_WORKER_ID"]), "pid": os.getpid(),
+                    "generation": int(os.environ["TPURAY_GANG_GENERATION"]),
+                    "scale": self.scale, "node": ray.get_runtime_context().get_node_id()}}
+
+    ray.init({addr!r})
+    group = tpu.SliceActorGroup(Member, 3, topology="4x4", accelerator_version="v6e", max_restarts=2)
+    before = group.call("info")
+    out(before)
+    # A member's worker process dies: the whole group is stopped and made again.
+    victim = before[2]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    after = group.call("info")
+    out(after)
+    out(group.restarts)
+    group.shutdown()
+    ray.shutdown()
+    """)
+    assert [m["worker"] for m in before] == [0, 1, 2, 3]
+    assert all(m["generation"] == 0 and m["scale"] == 3 for m in before)
+    assert [m["worker"] for m in after] == [0, 1, 2, 3]
+    assert all(m["generation"] == 1 for m in after), after
+    assert not {m["pid"] for m in before} & {m["pid"] for m in after}, "every member started anew"
+    assert restarts == 1
+
+
+def test_torch_device_falls_back_to_cpu_and_sets_jax_platforms(tmp_path):
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    r = subprocess.run(
+        [sys.executable, "-c",
+         "import os; from tpuray.util.tpu import torch_device; d = torch_device(); "
+         "print(d.type, os.environ['JAX_PLATFORMS'])"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["cpu", "cpu"]
