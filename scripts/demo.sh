@@ -5,8 +5,10 @@
 # functions, refs between tasks, nested tasks, an ordered actor, a task on
 # the `special` node, 10,000 tasks, a 50 MB result read on another node and
 # a streaming generator); then four simulated TPU hosts of one v6e-16 slice join
-# and the Python example (the `tpuray` wheel, built into .venv) runs tasks, an
-# actor and a slice placement group with one task per host; then `tpuray
+# and the Python examples (the `tpuray` wheel, built into .venv) run tasks, an
+# actor and a slice placement group with one task per host, then train a small
+# PyTorch model data-parallel over a slice gang (`run_on_slice`, torch.distributed
+# set up from the gang's environment; PyTorch comes from PyPI); then `tpuray
 # status` and `tpuray list`, and it stops everything it started. Needs cargo,
 # a C compiler (for libc) and Python 3 with venv/pip.
 set -euo pipefail
@@ -41,6 +43,10 @@ for w in 0 1 2 3; do
 done
 echo "== Python example: examples/python/slices.py"
 .venv/bin/python examples/python/slices.py
+echo "== Python example: examples/python/torch_ddp.py (PyTorch data-parallel over a slice gang)"
+# PyTorch from PyPI (a large download the first time); gloo all-reduces on CPU here.
+.venv/bin/python -m pip install -q torch numpy
+.venv/bin/python examples/python/torch_ddp.py
 echo "== tpuray list placement-groups"
 tpuray list placement-groups
 echo "== tpuray status"

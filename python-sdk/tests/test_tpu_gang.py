@@ -166,3 +166,33 @@ def test_torch_device_falls_back_to_cpu_and_sets_jax_platforms(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["cpu", "cpu"]
+
+
+@pytest.mark.parametrize("tpu_module,cuda,want", [(True, True, "tpu"), (False, True, "cuda"), (False, False, "cpu")])
+def test_torch_device_prefers_tpu_then_cuda_then_cpu(tmp_path, tpu_module, cuda, want):
+    """The selection rule of TPU.md with stand-in ``torch``/``torch_tpu`` modules on the
+    path (the real PyTorch is not needed to check the order)."""
+    fake = tmp_path / "fake"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text(textwrap.dedent(f"""
+        class device:
+            def __init__(self, kind):
+                self.type = kind
+
+        class cuda:
+            @staticmethod
+            def is_available():
+                return {cuda}
+    """))
+    if tpu_module:
+        (fake / "torch_tpu.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PYTHONPATH"] = str(fake)
+    r = subprocess.run(
+        [sys.executable, "-c",
+         "import os; from tpuray.util.tpu import torch_device; d = torch_device(); "
+         "print(d.type, os.environ['JAX_PLATFORMS'])"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [want, want]
