@@ -97,6 +97,26 @@ def slice_placement_group(
 ) -> tuple[str, int, str, int, int]:
     """``(group_id, bundle_count, accelerator_type, num_hosts, chips_per_host)``;
     ValueError for an unknown version or a topology not valid for it."""
+def gang_start(
+    topology: str, accelerator_version: str, num_slices: int, per_chip: bool,
+    max_restarts: int, name: str, timeout: float, launch: Any,
+) -> list[RefCore]:
+    """Starts a slice gang: ``launch(generation: dict, member: dict) -> RefCore`` submits one
+    member; returns one ref per member, settled by the gang's supervisor (restarts included).
+    ValueError for a bad topology/version or slices not reserved within ``timeout`` s."""
+def gang_reserve(
+    topology: str, accelerator_version: str, num_slices: int, per_chip: bool, name: str,
+    timeout: float, gang_id: str, generation: int,
+) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    """One generation of a gang: ``(handle, generation, members)``; members carry ``index``,
+    ``bundle_index``, ``chips``, ``local_rank`` and ``env``."""
+def gang_release(handle: str) -> None:
+    """Stops the generation's members and releases its slices and ports."""
+def gang_adopt(
+    placement_group_id: str, bundle_count: int, topology: str, accelerator_version: str,
+    num_slices: int, per_chip: bool, name: str, timeout: float, gang_id: str,
+) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    """A gang generation inside a slice group the caller holds."""
 def run_worker(runtime: Any) -> int:
     """A worker process's main loop; ``runtime`` has ``run_task``, ``create_actor`` and
     ``call_method``, each taking ``(info: dict, args: list[bytes])``."""
