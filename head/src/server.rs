@@ -1220,6 +1220,8 @@ impl HeadService for HeadSvc {
             .map_err(|e| Status::invalid_argument(format!("actor resources: {e}")))?;
         tpuray_scheduler::tpu::check_tpu_demand(&resources)
             .map_err(|e| Status::invalid_argument(format!("actor resources: {e}")))?;
+        tpuray_scheduler::gpu::check_gpu_demand(&resources)
+            .map_err(|e| Status::invalid_argument(format!("actor resources: {e}")))?;
         let label_selector =
             labels_from_proto(&req.label_selector).map_err(Status::invalid_argument)?;
         if req.max_restarts < -1 {

@@ -195,3 +195,40 @@ def test_slice_placement_group_on_simulated_tpu_hosts(tmp_path, env):
         assert any(l.startswith("refused:") and "3x3" in l for l in out), r.stdout
     finally:
         subprocess.run(cli + ["stop"], env=env, capture_output=True, timeout=120)
+
+
+def test_gpu_tasks_see_only_their_gpus(tmp_path, env):
+    """CUDA_VISIBLE_DEVICES isolation (as Ray): whole GPUs are exclusive, fractions share
+    one GPU, more than one GPU must be whole."""
+    r = run_script(tmp_path, env, """
+        import time
+        import tpuray as ray
+        ray.init(num_cpus=4, num_gpus=2)
+
+        @ray.remote
+        def ids(hold):
+            time.sleep(hold)
+            return ray.get_gpu_ids()
+
+        one = [ids.options(num_gpus=1).remote(1.5) for _ in range(2)]
+        print("one", sorted(tuple(x) for x in ray.get(one)))
+        print("two", ray.get(ids.options(num_gpus=2).remote(0)))
+        half = [ids.options(num_gpus=0.5).remote(1.5) for _ in range(2)]
+        print("half", ray.get(half))
+        print("none", ray.get(ids.remote(0)))
+        try:
+            ray.get(ids.options(num_gpus=1.5).remote(0), timeout=30)
+            print("fractional ok")
+        except Exception as e:
+            print("fractional error", type(e).__name__, e)
+        ray.shutdown()
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout.splitlines()
+    assert "one [(0,), (1,)]" in out, r.stdout
+    assert "two [0, 1]" in out, r.stdout
+    half = [l for l in out if l.startswith("half ")]
+    assert half and half[0] in ("half [[0], [0]]", "half [[1], [1]]"), r.stdout
+    assert "none []" in out, r.stdout
+    frac = [l for l in out if l.startswith("fractional")]
+    assert frac and "whole number" in frac[0], r.stdout

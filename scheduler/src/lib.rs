@@ -10,6 +10,7 @@
 //!   O(log nodes) and applies the allocation.
 //! - [`placement`]: placement groups ([`place_group`], [`place_group_in`],
 //!   [`replace_lost_bundles`]) and TPU slice groups ([`place_slice_group`]).
+//! - [`gpu`]: GPU ids per worker process (`CUDA_VISIBLE_DEVICES`), GPU-1/2.
 //! - [`gang`]: the launch environment of a multi-host slice gang ([`gang::gang_members`]).
 //! - [`bundles`]: the resource names of committed bundles (Ray's `CPU_group_<i>_<pg>`).
 //! - [`tpu`]: the TPU model of TPU.md: accelerator types, topologies, what a host advertises
@@ -52,6 +53,7 @@
 pub mod bundles;
 pub mod cluster;
 pub mod gang;
+pub mod gpu;
 pub mod labels;
 pub mod placement;
 pub mod policy;

@@ -952,6 +952,8 @@ impl Core {
             .map_err(|e| Error::Cluster(format!("task options: {e}")))?;
         tpuray_scheduler::tpu::check_tpu_demand(&plain)
             .map_err(|e| Error::Cluster(format!("task options: {e}")))?;
+        tpuray_scheduler::gpu::check_gpu_demand(&plain)
+            .map_err(|e| Error::Cluster(format!("task options: {e}")))?;
         let pg = match &opts.scheduling {
             Scheduling::PlacementGroup { placement_group_id, bundle_index } => {
                 if *bundle_index < -1 {

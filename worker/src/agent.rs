@@ -47,7 +47,7 @@ use tpuray_proto::convert::{labels_from_proto, resources_from_proto, resources_t
 use tpuray_proto::ids::{ActorId, JobId, LeaseId, NodeId, WorkerId};
 use tpuray_proto::pb::node_agent_service_server::NodeAgentService;
 use tpuray_proto::{check_protocol_version, now_ms, pb};
-use tpuray_scheduler::{ChipAllocator, ChipError, Decision, Labels, NodeView, ResourceSet};
+use tpuray_scheduler::{Amount, ChipAllocator, ChipError, Decision, Labels, NodeView, ResourceSet};
 
 use crate::registry;
 
@@ -96,6 +96,8 @@ pub struct PoolKey {
     pub language: String,
     pub runtime_env_hash: String,
     pub tpu_chips: Vec<u32>,
+    /// GPU ids (and shares) the worker holds, `CUDA_VISIBLE_DEVICES` (AGENT-10).
+    pub gpus: Vec<(u32, Amount)>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -157,6 +159,8 @@ struct AgentState {
     cluster: Vec<(NodeView<String>, String)>,
     /// This host's TPU chips, when it has any (AGENT-7).
     chips: Option<ChipAllocator>,
+    /// This node's GPUs, when it has any (AGENT-10).
+    gpus: Option<tpuray_scheduler::gpu::GpuAllocator>,
 }
 
 /// The node agent's shared state.
@@ -196,6 +200,7 @@ impl Agent {
                 job_binaries: HashMap::new(),
                 cluster: Vec::new(),
                 chips: tpu_host_chips(&config.total).map(ChipAllocator::new),
+                gpus: node_gpus(&config.total).map(tpuray_scheduler::gpu::GpuAllocator::new),
             }),
             starts: Arc::new(tokio::sync::Semaphore::new(startup_concurrency(&config.total))),
             config,
@@ -482,12 +487,47 @@ impl Agent {
         }
     }
 
-    fn release_chips(&self, chips: &[u32]) {
-        if chips.is_empty() {
-            return;
+    /// Gives back the chips and GPUs a worker of `key` held (AGENT-7, AGENT-10).
+    fn release_devices(&self, key: &PoolKey) {
+        let mut st = self.lock();
+        if let Some(a) = st.chips.as_mut() {
+            a.release(&key.tpu_chips);
         }
-        if let Some(a) = self.lock().chips.as_mut() {
-            a.release(chips);
+        if let Some(g) = st.gpus.as_mut() {
+            g.release(&key.gpus);
+        }
+    }
+
+    /// GPU ids for a worker needing `amount` of GPU (AGENT-10). When the GPUs are held by
+    /// idle workers, stops them and asks the caller to retry, as for chips.
+    fn allocate_gpus(&self, amount: Amount) -> Result<Vec<(u32, Amount)>, Status> {
+        let mut st = self.lock();
+        let st = &mut *st;
+        let Some(alloc) = st.gpus.as_mut() else {
+            return Err(Status::failed_precondition(format!(
+                "node {} has no GPUs to hand out",
+                self.config.node_id
+            )));
+        };
+        match alloc.allocate(amount) {
+            Ok(g) => Ok(g),
+            Err(e @ tpuray_scheduler::gpu::GpuError::NotWhole(_)) => {
+                Err(Status::invalid_argument(e.to_string()))
+            }
+            Err(e) => {
+                let mut stopped = 0;
+                for w in st.workers.values_mut() {
+                    if !w.key.gpus.is_empty() && matches!(w.state, WorkerState::Idle { .. }) {
+                        w.exit_intended = true;
+                        w.state = WorkerState::Starting;
+                        signal(w.pid, libc::SIGKILL);
+                        stopped += 1;
+                    }
+                }
+                Err(Status::unavailable(format!(
+                    "{e}; stopped {stopped} idle worker(s) holding GPUs, retry shortly"
+                )))
+            }
         }
     }
 
@@ -505,6 +545,7 @@ impl Agent {
         self: &Arc<Self>,
         key: PoolKey,
         chips: u32,
+        gpus: Amount,
         state: WorkerState,
         actor: Option<(&ActorId, &[u8])>,
     ) -> Result<(WorkerId, String, u32), Status> {
@@ -589,18 +630,31 @@ impl Agent {
             }
         }
         let mut key = key;
+        if gpus.0 > 0 {
+            key.gpus = self.allocate_gpus(gpus)?;
+            cmd.env(
+                "CUDA_VISIBLE_DEVICES",
+                tpuray_scheduler::gpu::cuda_visible_devices(&key.gpus),
+            );
+        }
         if chips > 0 {
             // A gang member started for one chip names it (TPU_VISIBLE_CHIPS).
             let exact: Option<Vec<u32>> = runtime_vars
                 .iter()
                 .find(|(k, _)| k == "TPU_VISIBLE_CHIPS")
                 .map(|(_, v)| v.split(',').filter_map(|c| c.trim().parse().ok()).collect());
-            key.tpu_chips = self.allocate_chips(chips, exact.as_deref())?;
+            key.tpu_chips = match self.allocate_chips(chips, exact.as_deref()) {
+                Ok(c) => c,
+                Err(e) => {
+                    self.release_devices(&key);
+                    return Err(e);
+                }
+            };
             let port = free_local_port();
             let port = match port {
                 Ok(p) => p,
                 Err(e) => {
-                    self.release_chips(&key.tpu_chips);
+                    self.release_devices(&key);
                     return Err(e);
                 }
             };
@@ -622,7 +676,7 @@ impl Agent {
             Ok(c) => c,
             Err(e) => {
                 self.lock().starting.remove(&worker_id);
-                self.release_chips(&key.tpu_chips);
+                self.release_devices(&key);
                 return Err(Status::internal(format!("cannot start worker process {prog:?}: {e}")));
             }
         };
@@ -858,9 +912,12 @@ impl Agent {
             let Some(entry) = st.workers.remove(worker_id) else {
                 return;
             };
-            // AGENT-7: the block comes back however the process ended.
+            // AGENT-7/10: chips and GPUs come back however the process ended.
             if let Some(a) = st.chips.as_mut() {
                 a.release(&entry.key.tpu_chips);
+            }
+            if let Some(g) = st.gpus.as_mut() {
+                g.release(&entry.key.gpus);
             }
             match &entry.state {
                 WorkerState::Leased(lease_id) => {
@@ -1019,6 +1076,7 @@ impl Agent {
         st: &mut AgentState,
         key: &PoolKey,
         chips: u32,
+        gpus: Amount,
         lease: &LeaseId,
     ) -> Option<(WorkerId, String, u32)> {
         // AGENT-3/7: same job, language and env, and a block of the same size.
@@ -1027,6 +1085,7 @@ impl Agent {
                 && w.key.language == key.language
                 && w.key.runtime_env_hash == key.runtime_env_hash
                 && w.key.tpu_chips.len() == chips as usize
+                && w.key.gpus.iter().map(|(_, a)| a.0).sum::<i64>() == gpus.0
         };
         let id = st
             .workers
@@ -1113,18 +1172,19 @@ impl Agent {
         self: &Arc<Self>,
         key: PoolKey,
         chips: u32,
+        gpus: Amount,
         lease_id: &LeaseId,
     ) -> Result<(WorkerId, String, u32), Status> {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let freed = self.freed.notified();
             match self
-                .start_worker(key.clone(), chips, WorkerState::Leased(lease_id.clone()), None)
+                .start_worker(key.clone(), chips, gpus, WorkerState::Leased(lease_id.clone()), None)
                 .await
             {
                 Err(e)
                     if e.code() == tonic::Code::Unavailable
-                        && chips > 0
+                        && (chips > 0 || gpus.0 > 0)
                         && Instant::now() < deadline =>
                 {
                     tracing::debug!(%e, "waiting for TPU chips to be freed");
@@ -1178,6 +1238,7 @@ impl Agent {
     ) -> Result<pb::request_worker_lease_reply::Granted, Status> {
         let lease_id = LeaseId::random();
         let chips = chips_wanted(&demand, self.lock().chips.as_ref().map(|c| c.chips()))?;
+        let gpus = tpuray_scheduler::bundles::plain_amount(&demand, "GPU");
         let reused = {
             let mut st = self.lock();
             st.available.saturating_sub(&demand);
@@ -1185,7 +1246,7 @@ impl Agent {
                 lease_id.clone(),
                 Lease { worker_id: WorkerId::from_wire(""), resources: demand.clone(), owner },
             );
-            let reused = self.take_idle(&mut st, &key, chips, &lease_id);
+            let reused = self.take_idle(&mut st, &key, chips, gpus, &lease_id);
             if let (Some((wid, _, _)), Some(l)) = (&reused, st.leases.get_mut(&lease_id)) {
                 l.worker_id = wid.clone();
             }
@@ -1200,7 +1261,7 @@ impl Agent {
             freed.as_mut().enable();
             reused = {
                 let mut st = self.lock();
-                let r = self.take_idle(&mut st, &key, chips, &lease_id);
+                let r = self.take_idle(&mut st, &key, chips, gpus, &lease_id);
                 if let (Some((wid, _, _)), Some(l)) = (&r, st.leases.get_mut(&lease_id)) {
                     l.worker_id = wid.clone();
                 }
@@ -1215,7 +1276,7 @@ impl Agent {
         }
         let (worker_id, address, pid) = match reused {
             Some(w) => w,
-            None => match self.start_leased_worker(key, chips, &lease_id).await {
+            None => match self.start_leased_worker(key, chips, gpus, &lease_id).await {
                 Ok(w) => {
                     if let Some(l) = self.lock().leases.get_mut(&lease_id) {
                         l.worker_id = w.0.clone();
@@ -1268,6 +1329,12 @@ fn startup_concurrency(total: &ResourceSet) -> usize {
 }
 
 /// Chips on this host: the whole `TPU` amount of its own resources (1..=64), if any.
+/// Whole GPUs of the node (AGENT-10), when it has any.
+fn node_gpus(total: &ResourceSet) -> Option<u32> {
+    let whole = total.get("GPU").0 / tpuray_scheduler::resources::UNITS_PER_WHOLE;
+    (whole > 0).then_some(whole.min(1024) as u32)
+}
+
 fn tpu_host_chips(total: &ResourceSet) -> Option<u32> {
     let a = total.get("TPU");
     let whole = a.0 / tpuray_scheduler::resources::UNITS_PER_WHOLE;
@@ -1362,6 +1429,7 @@ impl NodeAgentService for AgentSvc {
             language: if req.language.is_empty() { "rust".into() } else { req.language.clone() },
             runtime_env_hash: req.runtime_env_hash.clone(),
             tpu_chips: vec![],
+            gpus: vec![],
         };
         let request =
             tpuray_scheduler::Request { demand: demand.clone(), strategy, label_selector };
@@ -1543,6 +1611,7 @@ impl NodeAgentService for AgentSvc {
             language,
             runtime_env_hash: creation.map(|t| t.runtime_env_hash).unwrap_or_default(),
             tpu_chips: vec![],
+            gpus: vec![],
         };
         let chips = match chips_wanted(&resources, self.0.lock().chips.as_ref().map(|c| c.chips()))
         {
@@ -1560,6 +1629,7 @@ impl NodeAgentService for AgentSvc {
             .start_worker(
                 key,
                 chips,
+                tpuray_scheduler::bundles::plain_amount(&resources, "GPU"),
                 WorkerState::Actor(actor_id.clone()),
                 Some((&actor_id, &req.creation_task)),
             )
@@ -1667,6 +1737,7 @@ impl NodeAgentService for AgentSvc {
             language: if req.language.is_empty() { "rust".into() } else { req.language },
             runtime_env_hash: req.runtime_env_hash,
             tpu_chips: vec![],
+            gpus: vec![],
         };
         // Up to the node's CPUs, counting workers this job already has here.
         let cpus = (self.0.lock().total.get("CPU").0 / tpuray_scheduler::resources::UNITS_PER_WHOLE)
@@ -1679,7 +1750,7 @@ impl NodeAgentService for AgentSvc {
             tokio::spawn(async move {
                 let _permit = Arc::clone(&agent.starts).acquire_owned().await;
                 let idle = WorkerState::Idle { since: Instant::now() };
-                if let Err(e) = agent.start_worker(key, 0, idle, None).await {
+                if let Err(e) = agent.start_worker(key, 0, Amount::ZERO, idle, None).await {
                     tracing::warn!(%e, "pre-starting a worker failed");
                 }
             });
