@@ -145,6 +145,10 @@ pub struct StartArgs {
     /// session folder). A head restarted with the same folder recovers its state.
     #[arg(long)]
     pub head_data_dir: Option<PathBuf>,
+    /// Where the node's object store spills objects that do not fit in
+    /// --object-store-memory (default: `spill` in the session folder).
+    #[arg(long)]
+    pub spill_dir: Option<PathBuf>,
     #[command(flatten)]
     pub resources: ResourceFlags,
 }
@@ -223,6 +227,9 @@ pub struct AgentArgs {
     pub ready_file: Option<PathBuf>,
     #[arg(long)]
     pub head_node: bool,
+    /// The object store's spill folder (default: `<session dir>/spill`).
+    #[arg(long)]
+    pub spill_dir: Option<PathBuf>,
     #[command(flatten)]
     pub resources: ResourceFlags,
 }
