@@ -136,3 +136,42 @@ fn objects_four_times_the_store_spill_read_back_exact_and_leave_no_spill_files()
     std::fs::write(&done, "").expect("write done file");
     d.finish(STEP).assert_success();
 }
+
+/// A result made on another node is pulled into the reader's node as a secondary copy
+/// (evictable under pressure, OBJ-4); both copies record the task's owner, the driver.
+#[test]
+fn pulled_copy_is_secondary_and_both_copies_name_the_owner() {
+    let mut c = Cluster::new();
+    let head = c.start_head(&["--num-cpus", "1"]);
+    let far = c.add_node(&["--num-cpus", "1", "--resources", r#"{"far": 1}"#]);
+    let done = c.dir().join("done");
+    let (addr, done_s) = (c.head_addr(), done.display().to_string());
+    let mut d = Driver::start(&c, &driver_bin(), &["pulled-copy", &addr, &done_s], &[]);
+    let line = d.wait_line("PULLED", STEP);
+    assert!(line.ends_with("ok=true"), "{line}");
+    let id = line.split(' ').find_map(|w| w.strip_prefix("id=")).expect("id= in PULLED line");
+
+    let objects = c.list("objects");
+    let copies: Vec<&serde_json::Value> = objects
+        .as_array()
+        .expect("list objects is a JSON list")
+        .iter()
+        .filter(|o| o["object_id"] == id)
+        .collect();
+    assert_eq!(copies.len(), 2, "one copy per node: {objects:#}");
+    let on = |node: &str| {
+        *copies.iter().find(|o| o["node_id"] == node).unwrap_or_else(|| {
+            panic!("no copy of {id} on node {node}: {objects:#}");
+        })
+    };
+    let (made, pulled) = (on(&far.node_id), on(&head.node_id));
+    assert_eq!(made["copy"], "primary", "{made:#}");
+    assert_eq!(pulled["copy"], "secondary", "{pulled:#}");
+    let owner = made["owner"].as_str().unwrap_or_default();
+    assert!(!owner.is_empty(), "the task's return records its owner: {made:#}");
+    assert_eq!(pulled["owner"], owner, "{pulled:#}");
+    assert_eq!(made["size"], pulled["size"]);
+
+    std::fs::write(&done, "").expect("write done file");
+    d.finish(STEP).assert_success();
+}

@@ -686,6 +686,8 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
         // Objects four times the node's store (run with --object-store-memory 268435456):
         // see `spill_objects`.
         "spill-objects" => spill_objects(args)?,
+        // A result made on the node with the `far` resource, read here: see `pulled_copy`.
+        "pulled-copy" => pulled_copy(args)?,
         other => bail!("unknown scenario {other:?}"),
     }
     Ok(())
@@ -763,5 +765,28 @@ fn spill_objects(args: &[String]) -> anyhow::Result<()> {
     drop(views);
     drop(refs);
     say("DROPPED");
+    wait_for_file(&done, Duration::from_secs(60))
+}
+
+/// `bytes` bytes of the `spill-objects` pattern for `k` (any length).
+#[tpuray::remote]
+fn pattern_blob(k: usize, bytes: usize) -> tpuray::Blob {
+    tpuray::Blob(spill_pattern(k, bytes))
+}
+
+/// `pulled-copy DONE_FILE`: runs `pattern_blob` on the node with the `far` resource
+/// (2 MB, stored in that node's store), reads it here (pulled into this node's store as
+/// a secondary copy), prints `PULLED id=<object id> size=<bytes> ok=<bool>` and holds
+/// the ref until DONE_FILE appears.
+fn pulled_copy(args: &[String]) -> anyhow::Result<()> {
+    let done = PathBuf::from(arg(args, 0, "done file")?);
+    let opts = TaskOptions {
+        resources: [("far".to_string(), 1.0)].into_iter().collect(),
+        ..Default::default()
+    };
+    let r = pattern_blob::options(opts).remote(7, 2_000_000);
+    let b = tpuray::get(&r)?;
+    let ok = b.0.len() == 2_000_000 && b.0.chunks(251).all(|c| c == &spill_period(7)[..c.len()]);
+    say(&format!("PULLED id={} size={} ok={ok}", r.id(), b.0.len()));
     wait_for_file(&done, Duration::from_secs(60))
 }
