@@ -24,8 +24,10 @@ pub enum Command {
     Start(StartArgs),
     /// Show nodes, TPU slices host by host, resource usage and pending or infeasible demand.
     Status(AddressArg),
-    /// List cluster state: nodes, actors, jobs, tasks or placement-groups.
+    /// List cluster state: nodes, actors, jobs, tasks, placement-groups or objects.
     List(ListArgs),
+    /// Show each node's object store: capacity, used, spilled, pinned and its largest objects.
+    Memory(MemoryArgs),
     /// Stop every tpuray process started on this machine.
     Stop(StopArgs),
     #[command(name = "_head", hide = true)]
@@ -145,6 +147,10 @@ pub struct StartArgs {
     /// session folder). A head restarted with the same folder recovers its state.
     #[arg(long)]
     pub head_data_dir: Option<PathBuf>,
+    /// Where the node's object store spills objects that do not fit in
+    /// --object-store-memory (default: `spill` in the session folder).
+    #[arg(long)]
+    pub spill_dir: Option<PathBuf>,
     #[command(flatten)]
     pub resources: ResourceFlags,
 }
@@ -164,6 +170,8 @@ pub enum ListKind {
     Tasks,
     /// Placement groups, TPU slice groups included.
     PlacementGroups,
+    /// Objects in the alive nodes' stores, largest first.
+    Objects,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -180,6 +188,17 @@ pub struct ListArgs {
     /// Show at most this many entries, newest tasks first (0: all).
     #[arg(long, default_value_t = 100)]
     pub limit: usize,
+    #[command(flatten)]
+    pub address: AddressArg,
+}
+
+#[derive(Args, Debug)]
+pub struct MemoryArgs {
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// How many of each node's largest objects to show (0: all).
+    #[arg(long, default_value_t = 10)]
+    pub top: u32,
     #[command(flatten)]
     pub address: AddressArg,
 }
@@ -223,6 +242,9 @@ pub struct AgentArgs {
     pub ready_file: Option<PathBuf>,
     #[arg(long)]
     pub head_node: bool,
+    /// The object store's spill folder (default: `<session dir>/spill`).
+    #[arg(long)]
+    pub spill_dir: Option<PathBuf>,
     #[command(flatten)]
     pub resources: ResourceFlags,
 }
@@ -234,6 +256,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::List(a) => {
             show::list(&resolve_address(a.address.address)?, a.kind, a.format, a.limit)
         }
+        Command::Memory(a) => show::memory(&resolve_address(a.address.address)?, a.format, a.top),
         Command::Stop(a) => procs::stop(a.force),
         Command::Head(a) => {
             ignore_sigpipe();

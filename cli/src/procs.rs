@@ -250,6 +250,13 @@ pub fn start(a: StartArgs) -> Result<i32> {
     if a.head {
         args.push("--head-node".into());
     }
+    let spill = match &a.spill_dir {
+        Some(d) => {
+            std::path::absolute(d).with_context(|| format!("--spill-dir {}", d.display()))?
+        }
+        None => session.join("spill"),
+    };
+    args.extend(["--spill-dir".into(), spill.display().to_string()]);
     args.extend(a.resources.to_args());
     let agent = match spawn_and_wait(&session, "agent", "agent", args, detach, waiting) {
         Ok(s) => s,
@@ -457,7 +464,15 @@ pub fn run_head(a: HeadArgs) -> Result<i32> {
 
 pub fn run_agent(a: AgentArgs) -> Result<i32> {
     init_logging();
-    let (total, labels) = tpuray_worker::build_resources(&a.resources.options())?;
+    let mut options = a.resources.options();
+    // One reading of available memory for both the advertised resource and the store.
+    let capacity_bytes = tpuray_worker::object_store_bytes(&options);
+    options.object_store_memory = Some(capacity_bytes);
+    let (total, labels) = tpuray_worker::build_resources(&options)?;
+    let store = tpuray_worker::StoreOptions {
+        capacity_bytes,
+        spill_dir: a.spill_dir.clone().unwrap_or_else(|| a.session_dir.join("spill")),
+    };
     let listen: SocketAddr = a
         .listen
         .parse()
@@ -479,6 +494,7 @@ pub fn run_agent(a: AgentArgs) -> Result<i32> {
         session,
         token,
         worker_command,
+        store,
         move |addr, node_id| {
             write_ready(
                 &ready,

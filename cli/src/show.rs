@@ -1,6 +1,7 @@
-//! `tpuray status` and `tpuray list`: read the head's state and print it as
-//! a table or as JSON (a list of objects). `status` also draws each TPU slice as its
-//! hosts ([`render_tpu_slices`]), from the nodes' TPU labels and the placement groups.
+//! `tpuray status`, `tpuray list` and `tpuray memory`: read the head's state (and,
+//! for objects, each alive node agent's store) and print it as a table or as JSON (a
+//! list of objects). `status` also draws each TPU slice as its hosts
+//! ([`render_tpu_slices`]), from the nodes' TPU labels and the placement groups.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -491,6 +492,22 @@ pub fn list(address: &str, kind: ListKind, format: Format, limit: usize) -> Resu
                     })
                     .collect()
             }
+            ListKind::Objects => {
+                let mut rows: Vec<serde_json::Value> = Vec::new();
+                for (node, usage) in store_usages(address, &mut head, 0).await? {
+                    match usage {
+                        Ok(u) => rows.extend(u.objects.iter().map(|o| object_row(&node, o))),
+                        Err(e) => eprintln!("node {}: {e}", node.node_id),
+                    }
+                }
+                rows.sort_by(|a, b| {
+                    b["size"]
+                        .as_u64()
+                        .cmp(&a["size"].as_u64())
+                        .then_with(|| a["object_id"].as_str().cmp(&b["object_id"].as_str()))
+                });
+                rows
+            }
             ListKind::Actors => head
                 .list_actors(pb::ListActorsRequest {})
                 .await
@@ -583,6 +600,161 @@ pub fn list(address: &str, kind: ListKind, format: Format, limit: usize) -> Resu
 /// One `list nodes` row. `accelerator_type` is the slice type (`v6e-16`), else the
 /// generation label (`TPU-V6E`); it, `tpu_slice_name` and `tpu_worker_id` are empty strings
 /// for nodes that are not TPU hosts.
+/// Each alive node's store usage (at most `limit` objects each, 0: all), asked of its
+/// agent; a node that does not answer within 5 s carries the error instead.
+async fn store_usages(
+    address: &str,
+    head: &mut pb::head_service_client::HeadServiceClient<tpuray_proto::client::AuthChannel>,
+    limit: u32,
+) -> Result<Vec<(pb::NodeInfo, Result<pb::GetStoreUsageReply, String>)>> {
+    let token = tpuray_proto::auth::load_token()?;
+    let st = head
+        .get_cluster_status(pb::GetClusterStatusRequest {})
+        .await
+        .map_err(|s| call_err(address, s))?
+        .into_inner();
+    let mut out = Vec::new();
+    for n in st.nodes.into_iter().filter(|n| n.state == pb::NodeState::Alive as i32) {
+        let usage = async {
+            let mut c = tpuray_proto::client::objects(&n.address, token.as_deref())
+                .map_err(|e| e.to_string())?;
+            let mut req = Request::new(pb::GetStoreUsageRequest { limit });
+            req.set_timeout(Duration::from_secs(5));
+            c.get_store_usage(req).await.map(|r| r.into_inner()).map_err(|s| {
+                format!("the node agent at {} answered {:?}: {}", n.address, s.code(), s.message())
+            })
+        }
+        .await;
+        out.push((n, usage));
+    }
+    out.sort_by_key(|(n, _)| (!n.is_head_node, n.node_id.clone()));
+    Ok(out)
+}
+
+fn location_name(o: &pb::StoreObject) -> &'static str {
+    match pb::StoreLocation::try_from(o.location) {
+        Ok(pb::StoreLocation::Memory) => "memory",
+        Ok(pb::StoreLocation::Spilled) => "spilled",
+        _ => "unknown",
+    }
+}
+
+fn object_row(n: &pb::NodeInfo, o: &pb::StoreObject) -> serde_json::Value {
+    json!({
+        "object_id": o.object_id,
+        "size": o.size,
+        "node_id": n.node_id,
+        "location": location_name(o),
+        "owner": o.owner,
+        "copy": if o.secondary { "secondary" } else { "primary" },
+        "pinned": o.pinned,
+    })
+}
+
+fn memory_row(n: &pb::NodeInfo, u: &Result<pb::GetStoreUsageReply, String>) -> serde_json::Value {
+    match u {
+        Ok(u) => json!({
+            "node_id": n.node_id,
+            "address": n.address,
+            "is_head_node": n.is_head_node,
+            "capacity_bytes": u.capacity_bytes,
+            "used_bytes": u.used_bytes,
+            "writing_bytes": u.writing_bytes,
+            "spilled_bytes": u.spilled_bytes,
+            "pinned_bytes": u.pinned_bytes,
+            "object_count": u.object_count,
+            "spilled_count": u.spilled_count,
+            "store_dir": u.store_dir,
+            "spill_dir": u.spill_dir,
+            "largest": u.objects.iter().map(|o| object_row(n, o)).collect::<Vec<_>>(),
+        }),
+        Err(e) => json!({
+            "node_id": n.node_id,
+            "address": n.address,
+            "is_head_node": n.is_head_node,
+            "error": e,
+        }),
+    }
+}
+
+/// `tpuray memory`: per alive node, the store's capacity, what it holds in memory,
+/// spilled and pinned, and its `top` largest objects (0: all) with size, location and
+/// owner.
+pub fn memory(address: &str, format: Format, top: u32) -> Result<i32> {
+    let rt = runtime()?;
+    let usages = rt.block_on(async {
+        let mut head = head_client(address)?;
+        store_usages(address, &mut head, top).await
+    })?;
+    let rows: Vec<serde_json::Value> = usages.iter().map(|(n, u)| memory_row(n, u)).collect();
+    match format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&rows).context("encode json")?),
+        Format::Table => print!("{}", render_memory(&usages)),
+    }
+    Ok(0)
+}
+
+fn render_memory(usages: &[(pb::NodeInfo, Result<pb::GetStoreUsageReply, String>)]) -> String {
+    let mut out = String::new();
+    if usages.is_empty() {
+        out.push_str("(no alive node)\n");
+    }
+    for (n, u) in usages {
+        let head = if n.is_head_node { ", head" } else { "" };
+        out.push_str(&format!("Node {} ({}{head})\n", n.node_id, n.address));
+        let u = match u {
+            Ok(u) => u,
+            Err(e) => {
+                out.push_str(&format!("  unreachable: {e}\n"));
+                continue;
+            }
+        };
+        let capacity = u.capacity_bytes.map(|c| fmt_bytes(c as f64)).unwrap_or("unlimited".into());
+        out.push_str(&format!(
+            "  object store: {} used of {capacity} ({} in memory, {} being written)\n",
+            fmt_bytes(u.used_bytes as f64),
+            plural(u.object_count as usize, "object", "objects"),
+            fmt_bytes(u.writing_bytes as f64),
+        ));
+        out.push_str(&format!(
+            "  spilled:      {} ({})\n",
+            fmt_bytes(u.spilled_bytes as f64),
+            plural(u.spilled_count as usize, "object", "objects"),
+        ));
+        out.push_str(&format!("  pinned:       {}\n", fmt_bytes(u.pinned_bytes as f64)));
+        let spill = if u.spill_dir.is_empty() { "(none)" } else { u.spill_dir.as_str() };
+        out.push_str(&format!("  folders:      {} (spill: {spill})\n", u.store_dir));
+        if u.objects.is_empty() {
+            continue;
+        }
+        out.push_str("  largest objects:\n");
+        let rows: Vec<[String; 4]> = u
+            .objects
+            .iter()
+            .map(|o| {
+                [
+                    o.object_id.clone(),
+                    fmt_bytes(o.size as f64),
+                    location_name(o).to_string()
+                        + if o.pinned { ", pinned" } else { "" }
+                        + if o.secondary { ", secondary" } else { "" },
+                    if o.owner.is_empty() { "-".into() } else { o.owner.clone() },
+                ]
+            })
+            .collect();
+        let header = ["OBJECT_ID", "SIZE", "LOCATION", "OWNER"];
+        let widths: Vec<usize> = (0..4)
+            .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0).max(header[i].len()))
+            .collect();
+        for r in std::iter::once(header.map(String::from)).chain(rows) {
+            let cells: Vec<String> =
+                (0..4).map(|i| format!("{:<w$}", r[i], w = widths[i])).collect();
+            out.push_str(&format!("    {}\n", cells.join("  ").trim_end()));
+        }
+    }
+    out
+}
+
 fn node_row(n: &pb::NodeInfo) -> serde_json::Value {
     json!({
         "node_id": n.node_id,
@@ -628,6 +800,7 @@ fn render_table(rows: &[serde_json::Value], kind: ListKind) -> String {
         ListKind::PlacementGroups => {
             &["placement_group_id", "name", "state", "strategy", "num_bundles", "pending_reason"]
         }
+        ListKind::Objects => &["object_id", "size", "node_id", "location", "owner"],
     };
     let cell = |r: &serde_json::Value, c: &str| match &r[c] {
         serde_json::Value::String(s) => s.clone(),

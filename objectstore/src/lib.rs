@@ -203,7 +203,8 @@ pub struct StoreUsage {
     pub object_count: u64,
     /// Sealed objects in the spill folder.
     pub spilled_count: u64,
-    /// The [`USAGE_TOP`] largest sealed objects, largest first.
+    /// The largest sealed objects, largest first: [`USAGE_TOP`] of them from
+    /// [`LocalStore::usage`], as many as asked from [`LocalStore::usage_top`].
     pub largest: Vec<ObjectInfo>,
 }
 
@@ -547,14 +548,24 @@ impl LocalStore {
         let _ = std::fs::remove_dir_all(self.dir());
     }
 
-    /// A snapshot of capacity, usage and the largest objects. Scans both
-    /// folders under the ledger lock, reclaiming dead writers' leftovers and
-    /// correcting the ledger's counter on the way; costs a few system calls
-    /// per object.
+    /// A snapshot of capacity, usage and the [`USAGE_TOP`] largest objects.
+    /// Scans both folders under the ledger lock, reclaiming dead writers'
+    /// leftovers and correcting the ledger's counter on the way; costs a few
+    /// system calls per object.
     ///
     /// # Errors
     /// [`StoreError::Io`] when a folder cannot be read.
     pub fn usage(&self) -> Result<StoreUsage> {
+        self.usage_top(USAGE_TOP)
+    }
+
+    /// As [`LocalStore::usage`], listing the `top` largest objects in
+    /// [`StoreUsage::largest`] (`usize::MAX`: every object, for `tpuray list
+    /// objects`). Reading owners costs one small file read per listed object.
+    ///
+    /// # Errors
+    /// [`StoreError::Io`] when a folder cannot be read.
+    pub fn usage_top(&self, top: usize) -> Result<StoreUsage> {
         let mut g = self.lock()?;
         let scan = self.rescan(&mut g)?;
         let capacity = g.settings.capacity;
@@ -597,7 +608,7 @@ impl LocalStore {
             });
         }
         all.sort_by(|a, b| b.size.cmp(&a.size).then_with(|| a.id.cmp(&b.id)));
-        all.truncate(USAGE_TOP);
+        all.truncate(top);
         for o in &mut all {
             (o.copy, o.owner) = self.read_meta(&o.id);
         }
@@ -762,6 +773,22 @@ mod tests {
         let fresh = LocalStore::open(d.path().join("other")).unwrap();
         assert_eq!(fresh.capacity().unwrap(), None);
         assert_eq!(fresh.spill_dir().unwrap(), None);
+    }
+
+    #[test]
+    fn usage_top_lists_every_object_when_asked() {
+        let d = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(d.path()).unwrap();
+        for i in 0..(USAGE_TOP + 3) {
+            let opts = CreateOptions { owner: Some("me".into()), ..Default::default() };
+            s.put_with(&format!("o{i}"), &vec![1u8; i + 1], &opts).unwrap();
+        }
+        assert_eq!(s.usage().unwrap().largest.len(), USAGE_TOP);
+        let all = s.usage_top(usize::MAX).unwrap();
+        assert_eq!(all.largest.len(), USAGE_TOP + 3);
+        assert_eq!(all.object_count, (USAGE_TOP + 3) as u64);
+        assert_eq!(all.largest[0].size, (USAGE_TOP + 3) as u64);
+        assert!(all.largest.iter().all(|o| o.owner.as_deref() == Some("me")));
     }
 
     #[test]

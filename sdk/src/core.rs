@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 use tonic::Request;
-use tpuray_objectstore::{LocalStore, ObjectView};
+use tpuray_objectstore::{CopyKind, CreateOptions, LocalStore, ObjectView, Writer};
 use tpuray_proto::pb;
 use tpuray_proto::pb::task_error::Kind;
 
@@ -633,7 +633,9 @@ impl Core {
             Ok(ObjState::Inline(Arc::new(bytes)))
         } else {
             let size = bytes.len() as u64;
-            self.store.put(id, &bytes).map_err(|e| Error::Cluster(e.to_string()))?;
+            let opts = CreateOptions { owner: Some(self.address.clone()), ..Default::default() };
+            // OBJ-7: a store that cannot take it fails at once, naming the sizes.
+            self.store.put_with(id, &bytes, &opts).map_err(|e| Error::Cluster(e.to_string()))?;
             Ok(ObjState::Stored { locations: vec![self.location()], size })
         }
     }
@@ -679,7 +681,7 @@ impl Core {
         if let Some(b) = inline {
             return Ok(Data::Inline(b));
         }
-        self.fetch(id, &locations).await
+        self.fetch(id, r.owner(), &locations).await
     }
 
     /// A borrower asks the owner for the object (long poll).
@@ -736,20 +738,25 @@ impl Core {
     }
 
     /// Maps the local copy, or pulls one from another node into this node's
-    /// store first.
-    async fn fetch(&self, id: &str, locations: &[pb::ObjectLocation]) -> Result<Data, Error> {
+    /// store first (a secondary copy, evictable, recording `owner`).
+    async fn fetch(
+        &self,
+        id: &str,
+        owner: &str,
+        locations: &[pb::ObjectLocation],
+    ) -> Result<Data, Error> {
         let local_dir = self.store.dir().display().to_string();
-        if let Ok(Some(v)) = self.store.get(id) {
+        if let Ok(Some(v)) = self.map_local(id).await {
             return Ok(Data::Mapped(Arc::new(v)));
         }
         let mut last = String::from("no copy is known");
         for loc in locations.iter().filter(|l| l.store_dir != local_dir) {
-            match self.pull(id, &loc.agent_address).await {
-                Ok(()) => {
-                    if let Ok(Some(v)) = self.store.get(id) {
-                        return Ok(Data::Mapped(Arc::new(v)));
-                    }
-                }
+            match self.pull(id, owner, &loc.agent_address).await {
+                Ok(()) => match self.map_local(id).await {
+                    Ok(Some(v)) => return Ok(Data::Mapped(Arc::new(v))),
+                    Ok(None) => last = "the pulled copy was evicted before it was read".into(),
+                    Err(e) => last = e,
+                },
                 Err(e) => last = e,
             }
         }
@@ -759,22 +766,62 @@ impl Core {
         })
     }
 
-    async fn pull(&self, id: &str, agent: &str) -> Result<(), String> {
+    /// Maps this node's copy of `id`. Off the runtime threads: a spilled
+    /// object may be restored first (megabytes of copying).
+    async fn map_local(&self, id: &str) -> Result<Option<ObjectView>, String> {
+        let store = self.store.clone();
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || store.get(&id).map_err(|e| e.to_string()))
+            .await
+            .map_err(|e| e.to_string())?
+    }
+
+    /// Pulls `id` from the agent at `agent` into this node's store as a
+    /// secondary copy. Store calls (reserving room may spill or evict) run
+    /// off the runtime threads, one chunk at a time.
+    async fn pull(&self, id: &str, owner: &str, agent: &str) -> Result<(), String> {
         let mut c = self.objects_client(agent).map_err(|e| e.to_string())?;
         let mut stream = c
             .pull(pb::PullRequest { object_id: id.to_string(), chunk_size: 0 })
             .await
             .map_err(|s| format!("{agent}: {}", s.message()))?
             .into_inner();
-        let mut w = self.store.create(id).map_err(|e| e.to_string())?;
+        let mut w: Option<Writer> = None;
         let mut total = None;
         while let Some(chunk) =
             stream.message().await.map_err(|s| format!("{agent}: {}", s.message()))?
         {
             total = Some(chunk.total_size);
-            w.write(&chunk.data).map_err(|e| e.to_string())?;
+            let writer = w.take();
+            let store = self.store.clone();
+            let (id, owner) = (id.to_string(), owner.to_string());
+            let size = chunk.total_size;
+            w = Some(
+                tokio::task::spawn_blocking(move || {
+                    let mut w = match writer {
+                        Some(w) => w,
+                        None => {
+                            let opts = CreateOptions {
+                                size: Some(size),
+                                copy: CopyKind::Secondary,
+                                owner: (!owner.is_empty()).then_some(owner),
+                            };
+                            store.create_with(&id, &opts).map_err(|e| e.to_string())?
+                        }
+                    };
+                    w.write(&chunk.data).map_err(|e| e.to_string())?;
+                    Ok::<_, String>(w)
+                })
+                .await
+                .map_err(|e| e.to_string())??,
+            );
         }
-        w.seal(total).map_err(|e| e.to_string())
+        let Some(w) = w else {
+            return Err(format!("{agent}: the pull of {id} ended without data"));
+        };
+        tokio::task::spawn_blocking(move || w.seal(total).map_err(|e| e.to_string()))
+            .await
+            .map_err(|e| e.to_string())?
     }
 
     /// Whether `r` is ready now (for `wait`).

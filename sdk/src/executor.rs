@@ -222,7 +222,7 @@ impl Executor {
         let reply = match self.invoke(spec) {
             Ok(Encoded::Value(bytes)) => {
                 let nested = crate::codec::take_return_nested();
-                match self.store_return(&spec.return_ids[0], bytes) {
+                match self.store_return(spec, &spec.return_ids[0], bytes) {
                     Ok(r) => pb::PushTaskReply {
                         returns: vec![r],
                         nested_in_return: self.hand_over(spec, nested),
@@ -265,7 +265,7 @@ impl Executor {
         }
         let mut returns = Vec::with_capacity(ret.values.len());
         for (id, bytes) in spec.return_ids.iter().zip(ret.values) {
-            match self.store_return(id, bytes) {
+            match self.store_return(spec, id, bytes) {
                 Ok(r) => returns.push(r),
                 Err(f) => return failure(spec, &self.core, f),
             }
@@ -359,7 +359,14 @@ impl Executor {
         out
     }
 
-    fn store_return(&self, id: &str, bytes: Vec<u8>) -> Result<pb::ReturnObject, TaskFailure> {
+    /// Inline when small, else a primary copy in this node's store recording
+    /// the task's owner (shown by `tpuray memory`).
+    fn store_return(
+        &self,
+        spec: &pb::TaskSpec,
+        id: &str,
+        bytes: Vec<u8>,
+    ) -> Result<pb::ReturnObject, TaskFailure> {
         let size = bytes.len() as u64;
         if bytes.len() <= INLINE_MAX_BYTES {
             return Ok(pb::ReturnObject {
@@ -368,7 +375,11 @@ impl Executor {
                 size,
             });
         }
-        self.core.store.put(id, &bytes).map_err(|e| {
+        let opts = tpuray_objectstore::CreateOptions {
+            owner: (!spec.owner_address.is_empty()).then(|| spec.owner_address.clone()),
+            ..Default::default()
+        };
+        self.core.store.put_with(id, &bytes, &opts).map_err(|e| {
             TaskFailure::new(Kind::Application, format!("cannot store the result: {e}"))
         })?;
         Ok(pb::ReturnObject {
@@ -403,7 +414,7 @@ impl Executor {
                 Err(p) => return failure(spec, core, TaskFailure::application(panic_message(p))),
             };
             let id = Core::streaming_item_id(&spec.task_id, index);
-            let ret = match self.store_return(&id, item) {
+            let ret = match self.store_return(spec, &id, item) {
                 Ok(r) => r,
                 Err(f) => return failure(spec, core, f),
             };

@@ -14,4 +14,6 @@ pub mod registry;
 pub mod run;
 
 pub use agent::{Agent, AgentConfig};
-pub use run::{AgentOptions, StartError, build_resources, serve_agent};
+pub use run::{
+    AgentOptions, StartError, StoreOptions, build_resources, object_store_bytes, serve_agent,
+};

@@ -1,11 +1,15 @@
 //! `ObjectTransferService` on the node agent: other nodes pull this node's
-//! object copies in chunks; owners free them.
+//! object copies in chunks; owners free them; the CLI reads the store's usage.
+//!
+//! Store calls block on the filesystem (a `get` may restore a spilled object,
+//! megabytes of copying; `usage` scans both folders), so every one runs under
+//! `spawn_blocking`, never on the runtime threads that answer RPCs.
 
 use std::pin::Pin;
 
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
-use tpuray_objectstore::LocalStore;
+use tpuray_objectstore::{CopyKind, LocalStore, Location, StoreUsage};
 use tpuray_proto::pb;
 use tpuray_proto::pb::object_transfer_service_server::ObjectTransferService;
 
@@ -26,7 +30,8 @@ impl ObjectTransferService for ObjectsSvc {
         req: Request<pb::GetObjectInfoRequest>,
     ) -> Result<Response<pb::GetObjectInfoReply>, Status> {
         let id = req.into_inner().object_id;
-        let size = self.store.size(&id);
+        let store = self.store.clone();
+        let size = blocking(move || store.size(&id)).await?;
         Ok(Response::new(pb::GetObjectInfoReply {
             present: size.is_some(),
             data_size: size.unwrap_or(0),
@@ -46,9 +51,10 @@ impl ObjectTransferService for ObjectsSvc {
         } else {
             (req.chunk_size as usize).clamp(64 * 1024, 32 * 1024 * 1024)
         };
-        let view = self
-            .store
-            .get(&req.object_id)
+        let store = self.store.clone();
+        let id = req.object_id.clone();
+        let view = blocking(move || store.get(&id))
+            .await?
             .map_err(|e| Status::invalid_argument(e.to_string()))?
             .ok_or_else(|| {
                 Status::not_found(format!("object {} is not on this node", req.object_id))
@@ -87,9 +93,73 @@ impl ObjectTransferService for ObjectsSvc {
         &self,
         req: Request<pb::FreeObjectsRequest>,
     ) -> Result<Response<pb::FreeObjectsReply>, Status> {
-        for id in req.into_inner().object_ids {
-            self.store.delete(&id);
-        }
+        let store = self.store.clone();
+        let ids = req.into_inner().object_ids;
+        blocking(move || {
+            for id in ids {
+                store.delete(&id);
+            }
+        })
+        .await?;
         Ok(Response::new(pb::FreeObjectsReply {}))
+    }
+
+    async fn get_store_usage(
+        &self,
+        req: Request<pb::GetStoreUsageRequest>,
+    ) -> Result<Response<pb::GetStoreUsageReply>, Status> {
+        let limit = match req.into_inner().limit {
+            0 => usize::MAX,
+            n => n as usize,
+        };
+        let store = self.store.clone();
+        let (usage, spill) = blocking(move || {
+            let usage = store.usage_top(limit)?;
+            let spill = store.spill_dir()?;
+            Ok::<_, tpuray_objectstore::StoreError>((usage, spill))
+        })
+        .await?
+        .map_err(|e| Status::internal(e.to_string()))?;
+        let mut reply = usage_to_proto(usage);
+        reply.store_dir = self.store.dir().display().to_string();
+        reply.spill_dir = spill.map(|s| s.display().to_string()).unwrap_or_default();
+        Ok(Response::new(reply))
+    }
+}
+
+/// Runs a blocking store call off the runtime threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(format!("object store call failed: {e}")))
+}
+
+/// The wire form of a store snapshot (`store_dir` and `spill_dir` left empty).
+fn usage_to_proto(u: StoreUsage) -> pb::GetStoreUsageReply {
+    pb::GetStoreUsageReply {
+        capacity_bytes: u.capacity_bytes,
+        used_bytes: u.used_bytes,
+        writing_bytes: u.writing_bytes,
+        spilled_bytes: u.spilled_bytes,
+        pinned_bytes: u.pinned_bytes,
+        object_count: u.object_count,
+        spilled_count: u.spilled_count,
+        store_dir: String::new(),
+        spill_dir: String::new(),
+        objects: u
+            .largest
+            .into_iter()
+            .map(|o| pb::StoreObject {
+                object_id: o.id,
+                size: o.size,
+                location: match o.location {
+                    Location::Memory => pb::StoreLocation::Memory,
+                    Location::Spilled => pb::StoreLocation::Spilled,
+                } as i32,
+                secondary: o.copy == CopyKind::Secondary,
+                owner: o.owner.unwrap_or_default(),
+                pinned: o.pinned,
+            })
+            .collect(),
     }
 }

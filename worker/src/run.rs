@@ -132,8 +132,7 @@ pub fn build_resources(o: &AgentOptions) -> Result<(ResourceSet, Labels), StartE
         }
     }
     let (_, avail_mem) = detect::memory_bytes();
-    let store =
-        o.object_store_memory.unwrap_or_else(|| detect::default_object_store_bytes(avail_mem));
+    let store = object_store_bytes(o);
     let mem = o.memory.unwrap_or_else(|| detect::memory_resource_bytes(avail_mem, store));
     total.set("memory", amount("--memory", "memory", mem as f64)?);
     total.set(
@@ -167,6 +166,27 @@ pub fn build_resources(o: &AgentOptions) -> Result<(ResourceSet, Labels), StartE
         labels.0.insert(format!("{TPURAY_PREFIX}tpu-devices"), devices_source.to_string());
     }
     Ok((total, labels))
+}
+
+/// The object store's capacity in bytes: `--object-store-memory`, else Ray's
+/// share of the memory available now ([`detect::default_object_store_bytes`]).
+/// The node advertises it as its `object_store_memory` resource and its store
+/// holds at most that much in memory.
+pub fn object_store_bytes(o: &AgentOptions) -> u64 {
+    o.object_store_memory.unwrap_or_else(|| {
+        let (_, avail_mem) = detect::memory_bytes();
+        detect::default_object_store_bytes(avail_mem)
+    })
+}
+
+/// The node's object store settings (OBJ-3, OBJ-4).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreOptions {
+    /// `--object-store-memory`: bytes the store holds in memory.
+    pub capacity_bytes: u64,
+    /// `--spill-dir`: where primary copies go under pressure (the store uses
+    /// its own subfolder, removed when the agent stops).
+    pub spill_dir: std::path::PathBuf,
 }
 
 /// Connects to the head, retrying connection failures for up to `retry_for`
@@ -298,6 +318,7 @@ pub async fn serve_agent(
     session_dir: std::path::PathBuf,
     token: Option<String>,
     worker_command: Vec<String>,
+    store: StoreOptions,
     ready: impl FnOnce(SocketAddr, &NodeId),
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
@@ -309,10 +330,13 @@ pub async fn serve_agent(
         .map_err(|e| StartError::Listen { addr: listen.to_string(), detail: e.to_string() })?;
     let node_id = NodeId::random();
     let max_idle = total.get("CPU").to_f64().ceil().max(1.0) as usize;
-    let store = tpuray_objectstore::LocalStore::open(tpuray_objectstore::LocalStore::default_dir(
-        node_id.as_str(),
-        &session_dir,
-    ))
+    // Drivers and workers of this node attach with `LocalStore::open` and
+    // follow the capacity and spill folder written here.
+    let store = tpuray_objectstore::LocalStore::open_with(tpuray_objectstore::StoreConfig {
+        dir: tpuray_objectstore::LocalStore::default_dir(node_id.as_str(), &session_dir),
+        capacity_bytes: Some(store.capacity_bytes),
+        spill_dir: Some(store.spill_dir),
+    })
     .map_err(|e| StartError::BadFlag(format!("object store: {e}")))?;
     let config = AgentConfig {
         node_id: node_id.clone(),

@@ -683,7 +683,110 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
                 Err(e) => print_error(&e, Instant::now()),
             }
         }
+        // Objects four times the node's store (run with --object-store-memory 268435456):
+        // see `spill_objects`.
+        "spill-objects" => spill_objects(args)?,
+        // A result made on the node with the `far` resource, read here: see `pulled_copy`.
+        "pulled-copy" => pulled_copy(args)?,
         other => bail!("unknown scenario {other:?}"),
     }
     Ok(())
+}
+
+/// Size of each object of the `spill-objects` scenario (64 MiB).
+const SPILL_OBJECT_BYTES: usize = 64 << 20;
+
+/// Object `k` of the `spill-objects` scenario: byte i is (i*7 + k) % 251. The pattern
+/// repeats every 251 bytes, so it is built (and checked) one period at a time.
+fn spill_period(k: usize) -> Vec<u8> {
+    (0..251).map(|i| ((i * 7 + k) % 251) as u8).collect()
+}
+
+fn spill_pattern(k: usize, len: usize) -> Vec<u8> {
+    let period = spill_period(k);
+    let mut v = Vec::with_capacity(len);
+    while v.len() < len {
+        let n = (len - v.len()).min(period.len());
+        v.extend_from_slice(&period[..n]);
+    }
+    v
+}
+
+fn spill_pattern_holds(k: usize, data: &[u8]) -> bool {
+    let period = spill_period(k);
+    data.len() == SPILL_OBJECT_BYTES && data.chunks(251).all(|c| c == &period[..c.len()])
+}
+
+/// `spill-objects GO_FILE DONE_FILE`: puts 16 objects of 64 MiB (four times a 256 MiB
+/// store) and reads every one back byte-exact (`HOLDING`); after GO_FILE appears, puts
+/// more while holding a mapped view of each until the store, all pinned, refuses one
+/// (`FULL after=<attempt> msg=<error>`); then drops every ref (`DROPPED`) and waits for
+/// DONE_FILE so the test can watch the spill folder empty while the owner still lives.
+fn spill_objects(args: &[String]) -> anyhow::Result<()> {
+    let go = PathBuf::from(arg(args, 0, "go file")?);
+    let done = PathBuf::from(arg(args, 1, "done file")?);
+    let t = Instant::now();
+    let mut refs = Vec::new();
+    for k in 0..16 {
+        refs.push(tpuray::put(&tpuray::Blob(spill_pattern(k, SPILL_OBJECT_BYTES)))?);
+    }
+    let put_ms = t.elapsed().as_millis();
+    for (k, r) in refs.iter().enumerate() {
+        let b = tpuray::get(r)?;
+        if !spill_pattern_holds(k, &b.0) {
+            bail!("object {k} ({}) came back with other bytes ({} bytes)", r.id(), b.0.len());
+        }
+    }
+    say(&format!(
+        "HOLDING n={} verified={} put_ms={put_ms} ms={}",
+        refs.len(),
+        refs.len(),
+        t.elapsed().as_millis()
+    ));
+    wait_for_file(&go, Duration::from_secs(60))?;
+    let mut views = Vec::new();
+    let mut full = None;
+    for attempt in 1..=8 {
+        match tpuray::put(&tpuray::Blob(spill_pattern(100 + attempt, SPILL_OBJECT_BYTES))) {
+            Ok(r) => views.push((tpuray::get_bytes(&r)?, r)),
+            Err(e) => {
+                full = Some((attempt, e));
+                break;
+            }
+        }
+    }
+    match full {
+        Some((attempt, e)) => {
+            let msg = e.to_string().replace('\n', " | ");
+            say(&format!("FULL after={attempt} kind={} msg={msg}", kind(&e)));
+        }
+        None => say("FULL never"),
+    }
+    drop(views);
+    drop(refs);
+    say("DROPPED");
+    wait_for_file(&done, Duration::from_secs(60))
+}
+
+/// `bytes` bytes of the `spill-objects` pattern for `k` (any length).
+#[tpuray::remote]
+fn pattern_blob(k: usize, bytes: usize) -> tpuray::Blob {
+    tpuray::Blob(spill_pattern(k, bytes))
+}
+
+/// `pulled-copy DONE_FILE`: runs `pattern_blob` on the node with the `far` resource
+/// (2 MB, stored in that node's store), reads it here (pulled into this node's store as
+/// a secondary copy), prints `PULLED id=<object id> size=<bytes> ok=<bool>` and holds
+/// the ref until DONE_FILE appears.
+fn pulled_copy(args: &[String]) -> anyhow::Result<()> {
+    let done = PathBuf::from(arg(args, 0, "done file")?);
+    let opts = TaskOptions {
+        resources: [("far".to_string(), 1.0)].into_iter().collect(),
+        ..Default::default()
+    };
+    let r = pattern_blob::options(opts).remote(7, 2_000_000);
+    let b = tpuray::get(&r)?;
+    let ok = b.0.len() == 2_000_000 && b.0.chunks(251).all(|c| c == &spill_period(7)[..c.len()]);
+    say(&format!("PULLED id={} size={} ok={ok}", r.id(), b.0.len()));
+    wait_for_file(&done, Duration::from_secs(60))
 }
