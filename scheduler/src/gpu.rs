@@ -63,10 +63,8 @@ impl GpuAllocator {
             return Err(GpuError::NotWhole(amount.to_f64()));
         }
         let k = (amount.0 / UNITS_PER_WHOLE) as usize;
-        let ids: Vec<usize> = (0..self.free.len())
-            .filter(|&i| self.free[i].0 == UNITS_PER_WHOLE)
-            .take(k)
-            .collect();
+        let ids: Vec<usize> =
+            (0..self.free.len()).filter(|&i| self.free[i].0 == UNITS_PER_WHOLE).take(k).collect();
         if ids.len() < k {
             return Err(busy(self));
         }

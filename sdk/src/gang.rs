@@ -308,8 +308,9 @@ fn claim_ports(needed: u32, pg_id: &str) -> Result<(u16, Vec<String>), Error> {
     let total = (hi - lo) / BLOCK;
     let key = |b: u32| (lo + b * BLOCK).to_string();
     let mut start = 0;
-    'search: while start + blocks <= total {
+    while start + blocks <= total {
         let mut claimed = Vec::new();
+        let mut taken_at = None;
         for b in start..start + blocks {
             let k = key(b);
             let mut ok = crate::raw::kv_put(PORTS_NAMESPACE, k.as_bytes(), pg_id.into(), false)?;
@@ -318,13 +319,18 @@ fn claim_ports(needed: u32, pg_id: &str) -> Result<(u16, Vec<String>), Error> {
                 ok = crate::raw::kv_put(PORTS_NAMESPACE, k.as_bytes(), pg_id.into(), false)?;
             }
             if !ok {
-                release_ports(&claimed);
-                start = b + 1;
-                continue 'search;
+                taken_at = Some(b);
+                break;
             }
             claimed.push(k);
         }
-        return Ok(((lo + start * BLOCK) as u16, claimed));
+        match taken_at {
+            None => return Ok(((lo + start * BLOCK) as u16, claimed)),
+            Some(b) => {
+                release_ports(&claimed);
+                start = b + 1;
+            }
+        }
     }
     Err(Error::Cluster(format!(
         "no free block of {needed} ports in {}..{} for the gang (every block is held by a live gang)",
@@ -420,18 +426,33 @@ fn launch_members(
     g.members.iter().map(|m| launch(g, m)).collect()
 }
 
-/// Waits for every member's result; stops at the first failure, returning its index.
-fn outcomes(refs: &[RawRef]) -> Result<Vec<Vec<u8>>, (usize, Vec<Option<Vec<u8>>>, Error)> {
+/// What became of one generation's members: the values of those that finished, and the
+/// first failure (member index and error), if any.
+struct Outcome {
+    values: Vec<Option<Vec<u8>>>,
+    failure: Option<(usize, Error)>,
+}
+
+/// Waits for every member's result; stops at the first failure.
+fn outcomes(refs: &[RawRef]) -> Outcome {
+    let mut out = Outcome { values: vec![None; refs.len()], failure: None };
     let core = match core() {
         Ok(c) => c,
-        Err(e) => return Err((0, vec![None; refs.len()], e)),
+        Err(e) => {
+            out.failure = Some((0, e));
+            return out;
+        }
     };
-    let mut values: Vec<Option<Vec<u8>>> = vec![None; refs.len()];
     let mut pending: Vec<usize> = (0..refs.len()).collect();
     while !pending.is_empty() {
         let waiting: Vec<RawRef> = pending.iter().map(|&i| refs[i].clone()).collect();
-        let ready =
-            crate::raw::wait(&waiting, 1, None).map_err(|e| (pending[0], values.clone(), e))?;
+        let ready = match crate::raw::wait(&waiting, 1, None) {
+            Ok(r) => r,
+            Err(e) => {
+                out.failure = Some((pending[0], e));
+                return out;
+            }
+        };
         let mut still = Vec::new();
         for (k, i) in pending.into_iter().enumerate() {
             if !ready[k] {
@@ -439,13 +460,16 @@ fn outcomes(refs: &[RawRef]) -> Result<Vec<Vec<u8>>, (usize, Vec<Option<Vec<u8>>
                 continue;
             }
             match core.rt.block_on(core.get_data(&refs[i], None)) {
-                Ok(data) => values[i] = Some(data.to_vec()),
-                Err(e) => return Err((i, values, e)),
+                Ok(data) => out.values[i] = Some(data.to_vec()),
+                Err(e) => {
+                    out.failure = Some((i, e));
+                    return out;
+                }
             }
         }
         pending = still;
     }
-    Ok(values.into_iter().map(Option::unwrap_or_default).collect())
+    out
 }
 
 fn supervise(
@@ -463,15 +487,16 @@ fn supervise(
         }
     };
     loop {
-        match outcomes(&refs) {
-            Ok(values) => {
+        let Outcome { values, failure } = outcomes(&refs);
+        match failure {
+            None => {
                 g.release();
                 for (p, v) in promises.iter().zip(values) {
-                    core.fulfil(p.id(), Ok(v));
+                    core.fulfil(p.id(), Ok(v.unwrap_or_default()));
                 }
                 return;
             }
-            Err((failed, values, e)) => {
+            Some((failed, e)) => {
                 // Stop the members still running (removing an owned slice would too; an
                 // adopted one stays, so cancel them here).
                 for (r, v) in refs.iter().zip(&values) {

@@ -632,10 +632,7 @@ impl Agent {
         let mut key = key;
         if gpus.0 > 0 {
             key.gpus = self.allocate_gpus(gpus)?;
-            cmd.env(
-                "CUDA_VISIBLE_DEVICES",
-                tpuray_scheduler::gpu::cuda_visible_devices(&key.gpus),
-            );
+            cmd.env("CUDA_VISIBLE_DEVICES", tpuray_scheduler::gpu::cuda_visible_devices(&key.gpus));
         }
         if chips > 0 {
             // A gang member started for one chip names it (TPU_VISIBLE_CHIPS).

@@ -197,6 +197,7 @@ pub struct GangActor {
 
 #[tpuray::actor]
 impl GangActor {
+    #[allow(clippy::new_without_default)]
     pub fn new() -> Self {
         GangActor { env: gang_member_env() }
     }
