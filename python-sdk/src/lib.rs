@@ -353,6 +353,8 @@ fn get(py: Python<'_>, refs: Vec<Bound<'_, PyRef>>, timeout: Option<f64>) -> PyR
     let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
     let mut results: Vec<Option<Result<raw::Data, Error>>> =
         (0..raws.len()).map(|_| None).collect();
+    // Set once the first slice did not finish: this worker's CPUs go back meanwhile.
+    let mut blocked: Option<raw::Blocked> = None;
     loop {
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let slice = left.unwrap_or(SIGNAL_SLICE).min(SIGNAL_SLICE);
@@ -376,7 +378,11 @@ fn get(py: Python<'_>, refs: Vec<Bound<'_, PyRef>>, timeout: Option<f64>) -> PyR
             break;
         }
         py.check_signals()?;
+        if blocked.is_none() {
+            blocked = py.detach(raw::Blocked::enter);
+        }
     }
+    py.detach(move || drop(blocked));
     let out = PyList::empty(py);
     for r in results.into_iter().flatten() {
         match r {
@@ -406,15 +412,20 @@ fn wait(
     let raws: Vec<RawRef> = refs.iter().map(|r| r.get().inner.clone()).collect();
     let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
     let want = num_returns.min(raws.len());
+    let mut blocked: Option<raw::Blocked> = None;
     loop {
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let slice = left.unwrap_or(SIGNAL_SLICE).min(SIGNAL_SLICE);
         let ready =
             py.detach(|| raw::wait(&raws, num_returns, Some(slice))).map_err(cluster_err)?;
         if ready.iter().filter(|r| **r).count() >= want || left.is_some_and(|l| l.is_zero()) {
+            py.detach(move || drop(blocked));
             return Ok(ready);
         }
         py.check_signals()?;
+        if blocked.is_none() {
+            blocked = py.detach(raw::Blocked::enter);
+        }
     }
 }
 

@@ -193,6 +193,9 @@ pub(crate) struct Core {
     clients: Mutex<Clients>,
     /// Objects this process borrows: id -> live counted refs here.
     borrowed: Mutex<HashMap<String, usize>>,
+    /// Threads of this worker blocked in get/wait (AGENT-11): the agent lends the lease's
+    /// CPUs back while it is above zero.
+    blocked_depth: Mutex<usize>,
 }
 
 type AuthChannel = tpuray_proto::client::AuthChannel;
@@ -358,6 +361,7 @@ impl Core {
             events: Mutex::new(Vec::new()),
             clients: Mutex::new(Clients::default()),
             borrowed: Mutex::new(HashMap::new()),
+            blocked_depth: Mutex::new(0),
         }
     }
 
@@ -538,12 +542,44 @@ impl Core {
             self.free_copies(id.to_string(), locations);
         }
         let key = format!("{}#ret:{id}", self.address);
-        for (nid, owner) in o.nested {
-            if owner == self.address {
-                self.serve_update_borrower(&nid, &key, false);
-            } else {
-                self.rt.spawn(self.update_borrower_as(nid, owner, key.clone(), false));
+        if o.nested.is_empty() {
+            return;
+        }
+        // CORE-2: borrows this thread started (say, of refs just read out of this very
+        // value, on an executor thread where they are registered asynchronously) must
+        // reach their owners before this object's hold on the refs goes, or an owner could
+        // free a ref in between. Such releases wait for those registrations.
+        let pending: Vec<_> = PENDING_BORROWS.with(|p| std::mem::take(&mut *p.borrow_mut()));
+        let (Some(core), false) = (try_core(), pending.is_empty()) else {
+            for (nid, owner) in o.nested {
+                if owner == self.address {
+                    self.serve_update_borrower(&nid, &key, false);
+                } else {
+                    self.rt.spawn(self.update_borrower_as(nid, owner, key.clone(), false));
+                }
             }
+            return;
+        };
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let gate = self.rt.spawn(async move {
+            for h in pending {
+                let _ = h.await;
+            }
+            let _ = tx.send(true);
+        });
+        // The executor still waits for them before it replies.
+        PENDING_BORROWS.with(|p| p.borrow_mut().push(gate));
+        for (nid, owner) in o.nested {
+            let mut rx = rx.clone();
+            let key = key.clone();
+            self.rt.spawn(async move {
+                let _ = rx.wait_for(|done| *done).await;
+                if owner == core.address {
+                    core.serve_update_borrower(&nid, &key, false);
+                } else {
+                    core.update_borrower_as(nid, owner, key, false).await;
+                }
+            });
         }
     }
 
@@ -575,6 +611,30 @@ impl Core {
             o.pins = nested;
         }
         Ok(RawRef::adopt(id, self.address.clone()))
+    }
+
+    /// A thread of this process starts (`true`) or stops waiting for objects. In a worker
+    /// process, the first waiter tells the node agent, which lends the task's CPUs back to
+    /// the node until the last waiter stops (AGENT-11; Ray releases a blocked worker's
+    /// CPUs the same way, so nested `get`s cannot deadlock a full node). Call from a
+    /// thread outside the runtime.
+    pub(crate) fn set_blocked(&self, blocked: bool) {
+        if !crate::worker::is_worker_process() {
+            return;
+        }
+        let mut depth = self.blocked_depth.lock().unwrap();
+        let notify = if blocked {
+            *depth += 1;
+            *depth == 1
+        } else {
+            *depth = depth.saturating_sub(1);
+            *depth == 0
+        };
+        if notify && let Ok(mut c) = self.agent_client(&self.agent_address) {
+            let req = pb::NotifyWorkerBlockedRequest { worker_id: self.worker_id.clone(), blocked };
+            // Under the lock, so the agent sees blocked/unblocked in order.
+            let _ = self.rt.block_on(c.notify_worker_blocked(req));
+        }
     }
 
     /// A new owned object that stays pending until [`Core::fulfil`] settles it: the

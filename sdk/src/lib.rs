@@ -86,6 +86,7 @@ pub fn get_timeout<T: DeserializeOwned>(r: &ObjectRef<T>, timeout: Duration) -> 
 
 fn get_inner<T: DeserializeOwned>(r: &ObjectRef<T>, deadline: Option<Instant>) -> Result<T, Error> {
     let core = core::core()?;
+    let _blocked = if core.rt.block_on(core.is_ready(r.raw())) { None } else { raw::Blocked::enter() };
     let data = core.rt.block_on(core.get_data(r.raw(), deadline)).map_err(|e| match e {
         Error::Timeout(..) => Error::Timeout(
             deadline.map(|d| d.saturating_duration_since(Instant::now())).unwrap_or_default(),
@@ -138,7 +139,14 @@ pub fn wait<T>(
     timeout: Option<Duration>,
 ) -> Result<WaitResult<T>, Error> {
     let raws: Vec<RawRef> = refs.iter().map(|r| r.raw().clone()).collect();
-    let ready = raw::wait(&raws, num_returns, timeout)?;
+    let first = raw::wait(&raws, num_returns, Some(Duration::ZERO))?;
+    let enough = first.iter().filter(|x| **x).count() >= num_returns.min(raws.len());
+    let ready = if enough || timeout == Some(Duration::ZERO) {
+        first
+    } else {
+        let _blocked = raw::Blocked::enter();
+        raw::wait(&raws, num_returns, timeout)?
+    };
     let (a, b): (Vec<_>, Vec<_>) = refs.iter().cloned().zip(ready).partition(|(_, r)| *r);
     Ok((a.into_iter().map(|x| x.0).collect(), b.into_iter().map(|x| x.0).collect()))
 }

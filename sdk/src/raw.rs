@@ -149,6 +149,27 @@ pub fn get(refs: &[RawRef], timeout: Option<Duration>) -> Result<Vec<Result<Data
     }))
 }
 
+/// While alive, this thread counts as blocked waiting for objects (a worker's CPUs go back
+/// to its node meanwhile, AGENT-11). Create it only around a wait that did not complete at
+/// once, on a thread outside the SDK's runtime.
+pub struct Blocked(());
+
+impl Blocked {
+    /// Marks the calling thread blocked; `None` when not initialised.
+    pub fn enter() -> Option<Blocked> {
+        core().ok()?.set_blocked(true);
+        Some(Blocked(()))
+    }
+}
+
+impl Drop for Blocked {
+    fn drop(&mut self) {
+        if let Ok(c) = core() {
+            c.set_blocked(false);
+        }
+    }
+}
+
 /// Stores `bytes` as an object owned by this process; `nested` are the refs inside it
 /// (kept alive as long as it lives, CORE-2).
 ///

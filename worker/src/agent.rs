@@ -119,7 +119,10 @@ struct WorkerEntry {
 
 struct Lease {
     worker_id: WorkerId,
+    /// What the lease holds now (without the CPUs lent back while blocked).
     resources: ResourceSet,
+    /// CPUs given back while the worker is blocked in get/wait (AGENT-11).
+    lent_cpu: Amount,
     /// The lease holder's WorkerService address ("" when unknown).
     owner: String,
 }
@@ -298,6 +301,49 @@ impl Agent {
             capped.set(name, amt.min(total));
         }
         st.available = capped;
+    }
+
+    /// AGENT-11: a leased worker blocked in get/wait lends its lease's CPUs back to the
+    /// node (so the work it waits for can run here, as on Ray) and takes them back when it
+    /// runs again (the node may be oversubscribed for a moment). Unknown or unleased
+    /// workers are ignored; repeated notifications change nothing.
+    fn set_blocked(&self, worker: &WorkerId, blocked: bool) {
+        if self.lend_cpus(worker, blocked) && blocked {
+            self.freed.notify_waiters();
+        }
+    }
+
+    /// [`Agent::set_blocked`]'s bookkeeping; whether anything changed.
+    fn lend_cpus(&self, worker: &WorkerId, blocked: bool) -> bool {
+        let mut st = self.lock();
+        let st = &mut *st;
+        let Some(lease) = st.leases.values_mut().find(|l| &l.worker_id == worker) else {
+            return false;
+        };
+        if blocked && lease.lent_cpu == Amount::ZERO {
+            let cpu = lease.resources.get("CPU");
+            if cpu == Amount::ZERO {
+                return false;
+            }
+            lease.resources.set("CPU", Amount::ZERO);
+            lease.lent_cpu = cpu;
+            let mut give = ResourceSet::new();
+            give.set("CPU", cpu);
+            st.available.add(&give);
+            let total = st.total.get("CPU");
+            let now = st.available.get("CPU");
+            st.available.set("CPU", now.min(total));
+        } else if !blocked && lease.lent_cpu != Amount::ZERO {
+            let cpu = lease.lent_cpu;
+            lease.lent_cpu = Amount::ZERO;
+            lease.resources.set("CPU", cpu);
+            let mut take = ResourceSet::new();
+            take.set("CPU", cpu);
+            st.available.saturating_sub(&take);
+        } else {
+            return false;
+        }
+        true
     }
 
     /// The node's total and available resources now.
@@ -1241,7 +1287,12 @@ impl Agent {
             st.available.saturating_sub(&demand);
             st.leases.insert(
                 lease_id.clone(),
-                Lease { worker_id: WorkerId::from_wire(""), resources: demand.clone(), owner },
+                Lease {
+                    worker_id: WorkerId::from_wire(""),
+                    resources: demand.clone(),
+                    lent_cpu: Amount::ZERO,
+                    owner,
+                },
             );
             let reused = self.take_idle(&mut st, &key, chips, gpus, &lease_id);
             if let (Some((wid, _, _)), Some(l)) = (&reused, st.leases.get_mut(&lease_id)) {
@@ -1534,6 +1585,15 @@ impl NodeAgentService for AgentSvc {
             }
         };
         Ok(Response::new(pb::RequestWorkerLeaseReply { outcome: Some(outcome) }))
+    }
+
+    async fn notify_worker_blocked(
+        &self,
+        req: Request<pb::NotifyWorkerBlockedRequest>,
+    ) -> Result<Response<pb::NotifyWorkerBlockedReply>, Status> {
+        let req = req.into_inner();
+        self.0.set_blocked(&WorkerId::from_wire(req.worker_id), req.blocked);
+        Ok(Response::new(pb::NotifyWorkerBlockedReply {}))
     }
 
     async fn return_worker_lease(

@@ -1,0 +1,415 @@
+"""The streaming executor: runs a dataset's operators as tasks and actor pools, block by
+block, with backpressure on the bytes its blocks hold in the object store.
+
+Every block the executor holds a reference to (queued between operators, waiting for the
+consumer, or being produced by a running task, estimated from the operator's output so far)
+counts against ``DataContext.max_bytes_in_flight``; a task is launched only while the total
+stays under the bound (one task may always run, so the pipeline never stalls). The consumer
+drains the last operator first, so a slow consumer holds the upstream operators back.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import tpuray
+from tpuray.data import block as B
+from tpuray.data.context import DataContext
+
+
+@dataclass
+class BlockMeta:
+    """What the executor knows of a block without fetching it."""
+
+    num_rows: int
+    size_bytes: int
+
+
+def _meta(block) -> BlockMeta:
+    return BlockMeta(B.num_rows(block), B.size_bytes(block))
+
+
+@tpuray.remote(num_returns=2)
+def _run_block_fn(fn, *blocks):
+    """A fused chain of per-block transforms (or a read when ``blocks`` is empty)."""
+    out = fn(*blocks)
+    return out, _meta(out)
+
+
+@tpuray.remote
+def _split_block(block, how, arg):
+    """The map half of an all-to-all operator: ``block`` cut into parts, one return object
+    per part (the caller sets ``num_returns``)."""
+    n = B.num_rows(block)
+    if how == "shuffle":
+        parts, seed = arg
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        owner = rng.integers(0, parts, size=n)
+        out = [B.take_indices(block, np.nonzero(owner == j)[0]) for j in range(parts)]
+    else:
+        # repartition: arg = [(output index, start, end) ...] row ranges of this block
+        out = [B.slice_block(block, s, e) for (_, s, e) in arg]
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def _split(ref, how, arg, parts: int) -> list:
+    refs = _split_block.options(num_returns=parts).remote(ref, how, arg)
+    return [refs] if parts == 1 else list(refs)
+
+
+@tpuray.remote(num_returns=2)
+def _merge_parts(how, seed, *pieces):
+    """The reduce half: joins the parts meant for one output block."""
+    out = B.concat(list(pieces))
+    if how == "shuffle" and B.num_rows(out) > 1:
+        import numpy as np
+
+        idx = np.random.default_rng(seed).permutation(B.num_rows(out))
+        out = B.take_indices(out, idx)
+    return out, _meta(out)
+
+
+class _ActorWorker:
+    """Hosts one instance of a user's callable class for ``map_batches``."""
+
+    def __init__(self, cls, args, kwargs):
+        self._fn = cls(*args, **kwargs)
+
+    def process(self, transform, block):
+        out = transform(self._fn, block)
+        return out, _meta(out)
+
+    def ready(self):
+        return True
+
+
+@dataclass
+class _Running:
+    block_ref: Any
+    meta_ref: Any
+    input_bytes: int
+    index: int
+    actor: Any = None
+
+
+@dataclass
+class PhysicalOp:
+    """One stage of the pipeline."""
+
+    name: str
+    kind: str  # "source", "task", "actors", "all_to_all"
+    fn: Optional[Callable] = None
+    remote_args: dict = field(default_factory=dict)
+    read_fns: list = field(default_factory=list)  # sources: one zero-argument read per block
+    blocks: list = field(default_factory=list)  # sources of existing blocks: (ref, meta)
+    actor_cls: Any = None
+    actor_args: tuple = ()
+    actor_kwargs: dict = field(default_factory=dict)
+    concurrency: tuple = (1, 1)
+    all_to_all: tuple = ()  # ("shuffle", n, seed) | ("repartition", n)
+
+
+class _OpState:
+    def __init__(self, op: PhysicalOp, index: int, bars: bool):
+        self.op = op
+        self.index = index
+        self.inqueue: collections.deque = collections.deque()
+        self.outqueue: collections.deque = collections.deque()
+        self.running: list[_Running] = []
+        self.inputs_done = op.kind == "source"
+        self.rows_out = 0
+        self.blocks_out = 0
+        self.bytes_out = 0
+        self.actors: list = []
+        self.busy: dict = {}
+        self.pending_reads = collections.deque(op.read_fns)
+        self.pending_blocks = collections.deque(op.blocks)
+        self.next_index = 0  # sources: the order of the blocks they make
+        self.all_inputs: list = []
+        self.bar = None
+        if bars:
+            try:
+                from tqdm import tqdm
+
+                # disable=None: no bar when stderr is not a terminal (logs stay clean).
+                self.bar = tqdm(desc=f"{op.name}", unit=" rows", position=index, leave=False,
+                                disable=None)
+            except ImportError:
+                self.bar = None
+
+    def done(self) -> bool:
+        return (
+            self.inputs_done
+            and not self.inqueue
+            and not self.running
+            and not self.pending_reads
+            and not self.pending_blocks
+            and not self.all_inputs
+        )
+
+    def expected_output_bytes(self) -> int:
+        """What one more task of this operator is expected to produce (its mean so far)."""
+        if self.blocks_out:
+            return self.bytes_out // self.blocks_out
+        return 0
+
+
+class StreamingExecutor:
+    """Runs ``ops`` (first is a source) and yields ``(block_ref, BlockMeta)`` of the last
+    operator as they are ready.
+
+    ``max_bytes_in_flight``: the backpressure bound in bytes (default from
+    :class:`DataContext`). ``stats`` holds the largest number of bytes the executor held.
+    """
+
+    def __init__(self, ops: list[PhysicalOp], ctx: Optional[DataContext] = None):
+        self.ctx = ctx or DataContext.get_current()
+        self.ops = ops
+        self.peak_bytes = 0
+        self._early: dict = {}
+
+    # ---- accounting ----
+
+    def _bytes_held(self, states) -> int:
+        total = sum(m.size_bytes for _, m in self._early.values())
+        for s in states:
+            total += sum(m.size_bytes for _, m, _ in s.inqueue)
+            total += sum(m.size_bytes for _, m, _ in s.outqueue)
+            total += sum(m.size_bytes for _, m, _ in s.all_inputs)
+            for r in s.running:
+                total += r.input_bytes + s.expected_output_bytes()
+        return total
+
+    def _cpu_cap(self) -> int:
+        try:
+            return max(1, int(tpuray.cluster_resources().get("CPU", 1)))
+        except Exception:
+            return 1
+
+    # ---- launching ----
+
+    def _launch_task(self, s: _OpState, budget_left: int) -> bool:
+        op = s.op
+        if op.kind == "source":
+            index = s.next_index
+            if s.pending_blocks:
+                ref, meta = s.pending_blocks.popleft()
+                s.next_index += 1
+                s.outqueue.append((ref, meta, index))
+                self._count_out(s, meta)
+                return True
+            if not s.pending_reads:
+                return False
+            fn = s.pending_reads.popleft()
+            s.next_index += 1
+            args = ()
+            input_bytes = 0
+        else:
+            if not s.inqueue:
+                return False
+            ref, meta, index = s.inqueue.popleft()
+            fn = op.fn
+            args = (ref,)
+            input_bytes = meta.size_bytes
+        opts = dict(op.remote_args)
+        block_ref, meta_ref = _run_block_fn.options(**opts).remote(fn, *args)
+        s.running.append(_Running(block_ref, meta_ref, input_bytes, index))
+        return True
+
+    def _launch_actor_call(self, s: _OpState) -> bool:
+        if not s.inqueue:
+            return False
+        free = [a for a in s.actors if s.busy.get(id(a), 0) < self.ctx.max_tasks_in_flight_per_actor]
+        if not free:
+            return False
+        actor = min(free, key=lambda a: s.busy.get(id(a), 0))
+        ref, meta, index = s.inqueue.popleft()
+        block_ref, meta_ref = actor.process.options(num_returns=2).remote(s.op.fn, ref)
+        s.busy[id(actor)] = s.busy.get(id(actor), 0) + 1
+        s.running.append(_Running(block_ref, meta_ref, meta.size_bytes, index, actor))
+        return True
+
+    def _scale_actors(self, s: _OpState, upstream_cpus: float) -> None:
+        op = s.op
+        lo, hi = op.concurrency
+        per_actor = float(op.remote_args.get("num_cpus", 1) or 0)
+        if per_actor > 0 and upstream_cpus > 0:
+            # Never let the pool take every CPU the tasks feeding it need (they would
+            # starve, and the pool with them): leave room for one upstream task.
+            room = int((self._cpu_cap() - upstream_cpus) // per_actor)
+            hi = max(1, min(hi, room))
+            lo = min(lo, hi)
+        want = len(s.actors)
+        if want < lo:
+            want = lo
+        elif s.inqueue and want < hi and all(
+            s.busy.get(id(a), 0) >= 1 for a in s.actors
+        ):
+            want += 1
+        while len(s.actors) < want:
+            cls = tpuray.remote(**op.remote_args)(_ActorWorker)
+            s.actors.append(cls.remote(op.actor_cls, op.actor_args, op.actor_kwargs))
+
+    def _run_all_to_all(self, s: _OpState) -> None:
+        how = s.op.all_to_all[0]
+        n = max(1, int(s.op.all_to_all[1]))
+        inputs = sorted(s.all_inputs, key=lambda item: item[2])
+        s.all_inputs = []
+        if not inputs:
+            return
+        if how == "shuffle":
+            seed = s.op.all_to_all[2]
+            base = seed if seed is not None else int(time.time_ns() % (2**31))
+            splits = [
+                _split(ref, "shuffle", (n, base + i), n) for i, (ref, _, _) in enumerate(inputs)
+            ]
+            # Reducer j joins part j of every input block.
+            for j in range(n):
+                parts = [sp[j] for sp in splits]
+                b, m = _merge_parts.remote("shuffle", base + 7919 * (j + 1), *parts)
+                s.running.append(_Running(b, m, 0, j))
+            return
+        total = sum(m.num_rows for _, m, _ in inputs)
+        bounds = [round(total * j / n) for j in range(n + 1)]
+        per_output: list[list] = [[] for _ in range(n)]
+        offset = 0
+        for ref, m, _ in inputs:
+            ranges = []
+            for j in range(n):
+                lo, hi = max(bounds[j], offset), min(bounds[j + 1], offset + m.num_rows)
+                if lo < hi:
+                    ranges.append((j, lo - offset, hi - offset))
+            offset += m.num_rows
+            if not ranges:
+                continue
+            sp = _split(ref, "repartition", ranges, len(ranges))
+            for k, (j, _, _) in enumerate(ranges):
+                per_output[j].append(sp[k])
+        for j in range(n):
+            b, m = _merge_parts.remote("repartition", 0, *per_output[j])
+            s.running.append(_Running(b, m, 0, j))
+
+    def _count_out(self, s: _OpState, meta: BlockMeta) -> None:
+        s.rows_out += meta.num_rows
+        s.blocks_out += 1
+        s.bytes_out += meta.size_bytes
+        if s.bar is not None:
+            s.bar.update(meta.num_rows)
+
+    # ---- the loop ----
+
+    def run(self):
+        ctx = self.ctx
+        states = [_OpState(op, i, ctx.enable_progress_bars) for i, op in enumerate(self.ops)]
+        last = states[-1]
+        # preserve_order: blocks leave in source order (after an all-to-all operator, in
+        # its output order); the ones that finish early wait, counted as held bytes.
+        early = self._early = {}
+        want = 0
+        try:
+            while True:
+                # Hand finished outputs downstream (or to the consumer).
+                self._collect(states)
+                if ctx.preserve_order:
+                    while last.outqueue:
+                        ref, meta, index = last.outqueue.popleft()
+                        early[index] = (ref, meta)
+                    while want in early:
+                        yield early.pop(want)
+                        want += 1
+                    if early and all(s.done() for s in states):
+                        # Indices restart after an all-to-all operator: release the rest.
+                        for k in sorted(early):
+                            yield early.pop(k)
+                else:
+                    while last.outqueue:
+                        ref, meta, _ = last.outqueue.popleft()
+                        yield ref, meta
+                if all(s.done() for s in states) and not last.outqueue and not early:
+                    return
+                self._schedule(states)
+                self.peak_bytes = max(self.peak_bytes, self._bytes_held(states))
+                self._wait(states)
+        finally:
+            for s in states:
+                if s.bar is not None:
+                    s.bar.close()
+                for a in s.actors:
+                    try:
+                        tpuray.kill(a)
+                    except Exception:
+                        pass
+
+    def _collect(self, states) -> None:
+        for i, s in enumerate(states):
+            if s.running:
+                metas = [r.meta_ref for r in s.running]
+                ready, _ = tpuray.wait(metas, num_returns=len(metas), timeout=0)
+                ready_set = set(ready)
+                still = []
+                for r in s.running:
+                    if r.meta_ref in ready_set:
+                        meta = tpuray.get(r.meta_ref)
+                        if r.actor is not None:
+                            s.busy[id(r.actor)] -= 1
+                        s.outqueue.append((r.block_ref, meta, r.index))
+                        self._count_out(s, meta)
+                    else:
+                        still.append(r)
+                s.running = still
+            if s.op.kind == "source" and not s.pending_reads and not s.pending_blocks:
+                s.inputs_done = True
+            if i + 1 < len(states):
+                nxt = states[i + 1]
+                while s.outqueue:
+                    item = s.outqueue.popleft()
+                    if nxt.op.kind == "all_to_all":
+                        nxt.all_inputs.append(item)
+                    else:
+                        nxt.inqueue.append(item)
+                if s.done():
+                    nxt.inputs_done = True
+
+    def _schedule(self, states) -> None:
+        ctx = self.ctx
+        cpu_cap = self._cpu_cap()
+        # Downstream first: draining frees the bytes that hold upstream back.
+        for i in range(len(states) - 1, -1, -1):
+            s = states[i]
+            op = s.op
+            if op.kind == "all_to_all":
+                if s.inputs_done and s.all_inputs and not s.running:
+                    self._run_all_to_all(s)
+                continue
+            if op.kind == "actors":
+                upstream = sum(
+                    float(t.op.remote_args.get("num_cpus", 1) or 0)
+                    for t in states[:i]
+                    if t.op.kind in ("task", "source") and not t.done()
+                )
+                self._scale_actors(s, upstream)
+            cap = ctx.max_tasks_in_flight_per_op or 2 * cpu_cap
+            while len(s.running) < cap:
+                held = self._bytes_held(states)
+                anything_running = any(t.running for t in states)
+                est = s.expected_output_bytes() + (s.inqueue[0][1].size_bytes if s.inqueue else 0)
+                if anything_running and held + est > ctx.max_bytes_in_flight:
+                    break
+                launched = (
+                    self._launch_actor_call(s) if op.kind == "actors" else self._launch_task(s, 0)
+                )
+                if not launched:
+                    break
+
+    def _wait(self, states) -> None:
+        metas = [r.meta_ref for s in states for r in s.running]
+        if metas:
+            tpuray.wait(metas, num_returns=1, timeout=0.5)
+        else:
+            time.sleep(0.001)
+

@@ -1,0 +1,203 @@
+"""``tpuray.data`` on a real local cluster (2 CPUs): sources, transformations, actor pools,
+all-to-all operators, streaming_split, and the two properties the streaming executor
+promises: backpressure bounds the bytes in the object store, and an actor pool never
+starves the tasks that feed it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+np = pytest.importorskip("numpy")
+
+import tpuray as ray  # noqa: E402
+import tpuray.data as data  # noqa: E402
+from tpuray.data import DataContext  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    old = {k: os.environ.get(k) for k in ("HOME", "TPURAY_REGISTRY_DIR", "TPURAY_ADDRESS")}
+    os.environ["HOME"] = str(home)
+    os.environ["TPURAY_REGISTRY_DIR"] = str(home / "registry")
+    os.environ.pop("TPURAY_ADDRESS", None)
+    info = ray.init(num_cpus=2)
+    yield info
+    ray.shutdown()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def run_with_timeout(fn, timeout=120):
+    """Runs ``fn`` on a thread; fails (instead of hanging) when it does not finish."""
+    out = {}
+
+    def target():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # re-raised below
+            out["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"pipeline did not finish within {timeout}s (starved or deadlocked)"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_row_and_batch_transforms_keep_order_and_values():
+    ds = data.range(1000).map(lambda r: {"id": r["id"], "sq": r["id"] ** 2})
+    ds = ds.filter(lambda r: r["id"] % 3 == 0)
+    rows = ds.take_all()
+    assert [r["id"] for r in rows] == list(range(0, 1000, 3))
+    assert all(r["sq"] == r["id"] ** 2 for r in rows)
+    assert ds.count() == 334
+    doubled = data.range(100).map_batches(lambda b: {"x": b["id"] * 2}, batch_size=7)
+    assert [r["x"] for r in doubled.take(5)] == [0, 2, 4, 6, 8]
+    fm = data.from_items(["a", "bb"]).flat_map(lambda r: [r, {"item": r["item"].upper()}])
+    assert [r["item"] for r in fm.take_all()] == ["a", "A", "bb", "BB"]
+    batches = list(data.range(10).iter_batches(batch_size=4))
+    assert [len(b["id"]) for b in batches] == [4, 4, 2]
+    assert [len(b["id"]) for b in data.range(10).iter_batches(batch_size=4, drop_last=True)] == [4, 4]
+
+
+def test_callable_class_runs_on_an_actor_pool_constructed_once_per_actor():
+    class AddPid:
+        def __init__(self, k):
+            self.k = k
+            self.pid = os.getpid()
+
+        def __call__(self, batch):
+            return {"y": batch["id"] + self.k, "pid": np.full(len(batch["id"]), self.pid)}
+
+    rows = data.range(400).map_batches(
+        AddPid, fn_constructor_args=(5,), concurrency=(1, 2), batch_size=50, num_cpus=1
+    ).take_all()
+    assert [r["y"] for r in rows] == [i + 5 for i in range(400)]
+    pids = {r["pid"] for r in rows}
+    assert 1 <= len(pids) <= 2 and os.getpid() not in pids
+    with pytest.raises(ValueError, match="concurrency"):
+        data.range(4).map_batches(lambda b: b, concurrency=2)
+
+
+def test_actor_pool_asking_for_every_cpu_still_gets_its_input():
+    class Slow:
+        def __call__(self, batch):
+            time.sleep(0.01)
+            return {"v": batch["id"] * 10}
+
+    # The reads and the map feeding the pool need a CPU each; the pool asks for both CPUs.
+    ds = data.range(2000, override_num_blocks=20).map(lambda r: {"id": r["id"] + 1})
+    ds = ds.map_batches(Slow, concurrency=2, num_cpus=1, batch_size=100)
+    total = run_with_timeout(lambda: sum(int(r["v"]) for r in ds.iter_rows()))
+    assert total == 10 * sum(range(1, 2001))
+
+
+def _store_used_bytes() -> int:
+    """Bytes in memory in every node's object store, from `tpuray memory --format json`."""
+    from tpuray._private import worker
+
+    head = worker.process_info()["head_address"]
+    r = subprocess.run([sys.executable, "-m", "tpuray", "memory", "--format", "json",
+                        "--address", head], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    nodes = json.loads(r.stdout)
+    if isinstance(nodes, dict):
+        nodes = nodes.get("nodes", [nodes])
+    return sum(int(n.get("used_bytes", 0)) + int(n.get("writing_bytes", 0)) for n in nodes)
+
+
+def test_backpressure_keeps_object_store_use_under_its_bound():
+    mb = 1024 * 1024
+    bound = 8 * mb
+    ctx = DataContext.get_current()
+    old = ctx.max_bytes_in_flight
+    ctx.max_bytes_in_flight = bound
+    try:
+        # 80 blocks of 1 MiB each: ten times the bound, made by read tasks and a map.
+        ds = data.range(80, override_num_blocks=80).map_batches(
+            lambda b: {"payload": np.full((len(b["id"]), mb // 8), b["id"][0], dtype=np.float64)},
+            batch_size=None,
+        )
+        baseline = _store_used_bytes()
+        peak = [0]
+        stop = threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], _store_used_bytes() - baseline)
+                time.sleep(0.05)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        seen = 0
+        for batch in ds.iter_batches(batch_size=None):
+            assert batch["payload"].shape == (1, mb // 8)
+            seen += 1
+            time.sleep(0.05)  # a slow consumer
+        stop.set()
+        sampler.join()
+    finally:
+        ctx.max_bytes_in_flight = old
+    assert seen == 80
+    # The bound, plus one block being made when the bound was reached, plus one freed block
+    # whose deletion was still on its way.
+    assert 0 < peak[0] <= bound + 2 * mb, f"object store held {peak[0]} bytes (bound {bound})"
+
+
+def test_all_to_all_operators():
+    ds = data.from_items([{"a": i} for i in range(50)])
+    shuffled = [r["a"] for r in ds.random_shuffle(seed=3).take_all()]
+    assert sorted(shuffled) == list(range(50)) and shuffled != list(range(50))
+    assert [r["a"] for r in ds.random_shuffle(seed=3).take_all()] == shuffled, "same seed, same order"
+    sizes = [len(b["id"]) for b in data.range(100).repartition(3).iter_batches(batch_size=None)]
+    assert sizes == [33, 34, 33]
+    assert [r["id"] for r in data.range(100).repartition(3).take_all()] == list(range(100))
+
+
+def test_file_sources(tmp_path):
+    (tmp_path / "a.csv").write_text("x,name\n1,one\n2,two\n")
+    (tmp_path / "b.csv").write_text("x,name\n3,three\n")
+    rows = data.read_csv(str(tmp_path)).take_all()
+    assert rows == [{"x": 1, "name": "one"}, {"x": 2, "name": "two"}, {"x": 3, "name": "three"}]
+    (tmp_path / "c.jsonl").write_text('{"k": 1}\n{"k": 2}\n')
+    assert [r["k"] for r in data.read_json(str(tmp_path / "c.jsonl")).take_all()] == [1, 2]
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        data.read_csv(str(tmp_path / "missing.csv"))
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"v": [1.5, 2.5]}), tmp_path / "d.parquet")
+    assert [r["v"] for r in data.read_parquet(str(tmp_path / "d.parquet")).take_all()] == [1.5, 2.5]
+    arr = np.arange(12).reshape(6, 2)
+    got = data.from_numpy(arr).take_all()
+    assert [list(r["data"]) for r in got] == arr.tolist()
+
+
+def test_streaming_split_feeds_each_consumer_a_share_once_per_epoch():
+    its = data.range(1000, override_num_blocks=10).streaming_split(2)
+
+    @ray.remote
+    def consume(it, epochs):
+        return [sorted(int(x) for b in it.iter_batches(batch_size=64) for x in b["id"])
+                for _ in range(epochs)]
+
+    a, b = ray.get([consume.remote(its[0], 2), consume.remote(its[1], 2)], timeout=120)
+    for epoch in range(2):
+        assert sorted(a[epoch] + b[epoch]) == list(range(1000))
+        assert a[epoch] and b[epoch]
+    equal = data.range(101, override_num_blocks=5).streaming_split(2, equal=True)
+    counts = ray.get([consume.remote(it, 1) for it in equal], timeout=120)
+    assert len(counts[0][0]) == len(counts[1][0]) == 50
