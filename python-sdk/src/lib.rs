@@ -357,7 +357,9 @@ fn get(py: Python<'_>, refs: Vec<Bound<'_, PyRef>>, timeout: Option<f64>) -> PyR
     let mut blocked: Option<raw::Blocked> = None;
     loop {
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        let slice = left.unwrap_or(SIGNAL_SLICE).min(SIGNAL_SLICE);
+        // A short first slice: a get that has to wait marks the worker blocked soon.
+        let first = if blocked.is_none() { FIRST_SLICE } else { SIGNAL_SLICE };
+        let slice = left.unwrap_or(first).min(first);
         let todo: Vec<usize> = (0..raws.len()).filter(|&i| results[i].is_none()).collect();
         let batch: Vec<RawRef> = todo.iter().map(|&i| raws[i].clone()).collect();
         let got = py.detach(|| raw::get(&batch, Some(slice))).map_err(cluster_err)?;
@@ -415,7 +417,8 @@ fn wait(
     let mut blocked: Option<raw::Blocked> = None;
     loop {
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        let slice = left.unwrap_or(SIGNAL_SLICE).min(SIGNAL_SLICE);
+        let first = if blocked.is_none() { FIRST_SLICE } else { SIGNAL_SLICE };
+        let slice = left.unwrap_or(first).min(first);
         let ready =
             py.detach(|| raw::wait(&raws, num_returns, Some(slice))).map_err(cluster_err)?;
         if ready.iter().filter(|r| **r).count() >= want || left.is_some_and(|l| l.is_zero()) {
@@ -431,6 +434,9 @@ fn wait(
 
 /// How long a blocking call waits between checks for Ctrl-C.
 const SIGNAL_SLICE: Duration = Duration::from_millis(100);
+/// How long a get/wait waits before it counts as blocked (its worker's CPUs go back to the
+/// node, AGENT-11).
+const FIRST_SLICE: Duration = Duration::from_millis(5);
 
 /// Sends a worker's output lines to the job's driver.
 #[pyfunction]

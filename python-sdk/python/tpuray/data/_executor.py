@@ -172,6 +172,7 @@ class StreamingExecutor:
         self.ops = ops
         self.peak_bytes = 0
         self._early: dict = {}
+        self._cpus: Optional[int] = None
 
     # ---- accounting ----
 
@@ -186,10 +187,13 @@ class StreamingExecutor:
         return total
 
     def _cpu_cap(self) -> int:
-        try:
-            return max(1, int(tpuray.cluster_resources().get("CPU", 1)))
-        except Exception:
-            return 1
+        """The cluster's CPUs (asked of the head once per execution)."""
+        if self._cpus is None:
+            try:
+                self._cpus = max(1, int(tpuray.cluster_resources().get("CPU", 1)))
+            except Exception:
+                self._cpus = 1
+        return self._cpus
 
     # ---- launching ----
 
