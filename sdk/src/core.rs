@@ -14,6 +14,13 @@
 //!   (sent by one ordered sender; the actor releases them by sequence number).
 //! - CORE-5: a task whose worker dies is retried up to `max_retries`;
 //!   application errors only with `retry_exceptions`.
+//! - CORE-6: the owner keeps the spec (and pinned arguments) of the task that
+//!   made each stored object it owns while the object lives; when every copy
+//!   is lost with its node, the task runs again (same return ids) if retries
+//!   remain, and readers wait for the new copy. Arguments lost too are made
+//!   again the same way when the new run reads them. A lost `put` object fails
+//!   with `ObjectLost`; a borrower whose owner is gone gets an `ObjectLost`
+//!   saying the owner died ([`OWNER_DIED`]).
 //!
 //! Threads: all networking runs on this module's tokio runtime; user code
 //! calls the blocking API (`get`, `wait`, submission) from its own threads.
@@ -51,6 +58,10 @@ fn pipeline_depth() -> usize {
             .unwrap_or(1)
     })
 }
+/// How an `ObjectLost` error whose owner process is gone begins (Python raises
+/// `OwnerDiedError` for it).
+pub const OWNER_DIED: &str = "owner died";
+
 /// How long an idle lease waits for another task of its class before it
 /// is returned.
 const LEASE_LINGER: Duration = Duration::from_millis(100);
@@ -113,8 +124,28 @@ impl ObjState {
     }
 }
 
+/// What the owner keeps to make a task's stored returns again (CORE-6).
+struct Lineage {
+    /// The spec as it last ran (arguments resolved).
+    spec: pb::TaskSpec,
+    class: Arc<Class>,
+    /// Retries left after that run (negative: unlimited).
+    retries_left: i32,
+    retry_exceptions: bool,
+    /// Argument refs, kept alive (and so reconstructible) with the returns.
+    pins: Vec<RawRef>,
+}
+
+/// An owned object that is ready.
+enum Ready {
+    Inline(Arc<Vec<u8>>),
+    Stored(Vec<pb::ObjectLocation>),
+}
+
 struct Owned {
     state: ObjState,
+    /// The task that made it, when it can run again (CORE-6).
+    lineage: Option<Arc<Lineage>>,
     /// References alive in this process plus one per borrowing process
     /// (CORE-2).
     refs: usize,
@@ -139,8 +170,9 @@ struct Queued {
     spec: pb::TaskSpec,
     retries_left: i32,
     retry_exceptions: bool,
-    /// Argument refs kept alive until the task ends (CORE-2).
-    _pins: Vec<RawRef>,
+    /// Argument refs kept alive until the task ends (CORE-2), then by its
+    /// lineage (CORE-6).
+    pins: Vec<RawRef>,
 }
 
 struct Class {
@@ -504,6 +536,7 @@ impl Core {
             id.to_string(),
             Owned {
                 state,
+                lineage: None,
                 refs: 1,
                 task_id,
                 borrowers: Default::default(),
@@ -514,11 +547,17 @@ impl Core {
     }
 
     fn set_state(&self, id: &str, state: ObjState) {
+        self.set_state_with(id, state, None);
+    }
+
+    /// Sets an owned object's state and the lineage that can make it again.
+    fn set_state_with(&self, id: &str, state: ObjState, lineage: Option<Arc<Lineage>>) {
         let freed = {
             let mut objs = self.objects.lock().unwrap();
             match objs.get_mut(id) {
                 Some(o) => {
                     o.state = state;
+                    o.lineage = lineage;
                     // Nobody holds a ref any more: free at once (CORE-2).
                     if o.refs == 0 { objs.remove(id) } else { None }
                 }
@@ -640,56 +679,133 @@ impl Core {
         }
     }
 
-    /// Waits until `r` is ready; its bytes.
+    /// Waits until `r` is ready; its bytes. Copies that cannot be read are
+    /// reported lost (to this process's table, or to the owner), which makes
+    /// the object again from lineage or fails it (CORE-6).
     pub(crate) async fn get_data(
-        &self,
+        self: &Arc<Self>,
         r: &RawRef,
         deadline: Option<Instant>,
     ) -> Result<Data, Error> {
         let id = r.id();
-        let (inline, locations) = if r.owner() == self.address {
-            loop {
-                let notified = self.objects_changed.notified();
-                let state = self.objects.lock().unwrap().get(id).map(|o| o.state.clone());
-                match state {
-                    None => {
-                        return Err(Error::ObjectLost {
-                            id: id.into(),
-                            message: "freed by its owner".into(),
-                        });
-                    }
-                    Some(ObjState::Pending) => {}
-                    Some(ObjState::Inline(b)) => return Ok(Data::Inline(b)),
-                    Some(ObjState::Stored { locations, .. }) => break (None, locations),
-                    Some(ObjState::Failed(e)) => return Err(Error::from_wire(&e, "")),
+        let mut lost: Vec<String> = Vec::new();
+        loop {
+            let locations = if r.owner() == self.address {
+                if !lost.is_empty() {
+                    self.object_lost(id, &std::mem::take(&mut lost));
                 }
-                match deadline {
-                    Some(d) => {
-                        if tokio::time::timeout_at(d.into(), notified).await.is_err() {
-                            return Err(Error::Timeout(
-                                d.saturating_duration_since(Instant::now()),
-                                1,
-                            ));
-                        }
-                    }
-                    None => notified.await,
+                match self.wait_owned(id, deadline).await? {
+                    Ready::Inline(b) => return Ok(Data::Inline(b)),
+                    Ready::Stored(locations) => locations,
                 }
+            } else {
+                match self.ask_owner(r, deadline, std::mem::take(&mut lost)).await? {
+                    Ready::Inline(b) => return Ok(Data::Inline(b)),
+                    Ready::Stored(locations) => locations,
+                }
+            };
+            match self.fetch(id, r.owner(), &locations).await {
+                Ok(d) => return Ok(d),
+                Err((e, failed)) if failed.is_empty() => return Err(e),
+                Err((_, failed)) => lost = failed,
             }
-        } else {
-            self.ask_owner(r, deadline).await?
-        };
-        if let Some(b) = inline {
-            return Ok(Data::Inline(b));
         }
-        self.fetch(id, r.owner(), &locations).await
     }
 
-    /// A borrower asks the owner for the object (long poll).
+    /// Waits until owned object `id` is ready (inline bytes or locations).
+    async fn wait_owned(&self, id: &str, deadline: Option<Instant>) -> Result<Ready, Error> {
+        loop {
+            let notified = self.objects_changed.notified();
+            let state = self.objects.lock().unwrap().get(id).map(|o| o.state.clone());
+            match state {
+                None => {
+                    return Err(Error::ObjectLost {
+                        id: id.into(),
+                        message: "freed by its owner".into(),
+                    });
+                }
+                Some(ObjState::Pending) => {}
+                Some(ObjState::Inline(b)) => return Ok(Ready::Inline(b)),
+                Some(ObjState::Stored { locations, .. }) => return Ok(Ready::Stored(locations)),
+                Some(ObjState::Failed(e)) => return Err(Error::from_wire(&e, id)),
+            }
+            match deadline {
+                Some(d) => {
+                    if tokio::time::timeout_at(d.into(), notified).await.is_err() {
+                        return Err(Error::Timeout(d.saturating_duration_since(Instant::now()), 1));
+                    }
+                }
+                None => notified.await,
+            }
+        }
+    }
+
+    /// Copies of owned object `id` on the nodes `lost` cannot be read: drops
+    /// those locations and, when none is left, runs the task that made it
+    /// again (CORE-6) or, without lineage or retries, fails it as lost.
+    fn object_lost(self: &Arc<Self>, id: &str, lost: &[String]) {
+        let redo = {
+            let mut objs = self.objects.lock().unwrap();
+            let Some(o) = objs.get_mut(id) else { return };
+            let ObjState::Stored { locations, .. } = &mut o.state else { return };
+            locations.retain(|l| !lost.contains(&l.node_id));
+            if !locations.is_empty() {
+                return;
+            }
+            match o.lineage.clone() {
+                Some(l) if l.retries_left != 0 => {
+                    // Every stored return of that task comes back with the new run.
+                    for rid in &l.spec.return_ids {
+                        if let Some(r) = objs.get_mut(rid)
+                            && matches!(r.state, ObjState::Stored { .. })
+                        {
+                            r.state = ObjState::Pending;
+                            r.lineage = None;
+                        }
+                    }
+                    l
+                }
+                l => {
+                    let why = if l.is_some() {
+                        "the task that made it has no retries left"
+                    } else {
+                        "it was made by put, so no task can make it again"
+                    };
+                    o.state = ObjState::Failed(pb::TaskError {
+                        kind: Kind::ObjectLost as i32,
+                        message: format!("every copy was lost with its node and {why}"),
+                        function_name: id.to_string(),
+                        ..Default::default()
+                    });
+                    drop(objs);
+                    self.objects_changed.notify_waiters();
+                    return;
+                }
+            }
+        };
+        self.objects_changed.notify_waiters();
+        let mut spec = redo.spec.clone();
+        spec.attempt += 1;
+        self.event(&spec, "RETRYING", "reconstructing a lost return object");
+        let left = if redo.retries_left < 0 { redo.retries_left } else { redo.retries_left - 1 };
+        redo.class.queue.lock().unwrap().push_back(Queued {
+            spec,
+            retries_left: left,
+            retry_exceptions: redo.retry_exceptions,
+            pins: redo.pins.clone(),
+        });
+        redo.class.queued.notify_one();
+        self.ensure_leases(&redo.class);
+    }
+
+    /// A borrower asks the owner for the object (long poll), first reporting
+    /// the nodes whose copies it could not read.
     async fn ask_owner(
         &self,
         r: &RawRef,
         deadline: Option<Instant>,
-    ) -> Result<(Option<Arc<Vec<u8>>>, Vec<pb::ObjectLocation>), Error> {
+        mut lost: Vec<String>,
+    ) -> Result<Ready, Error> {
         let mut client =
             self.worker_client(r.owner()).map_err(|e| Error::Cluster(e.to_string()))?;
         loop {
@@ -700,27 +816,32 @@ impl Core {
             let mut req = Request::new(pb::GetObjectRequest {
                 object_id: r.id().to_string(),
                 timeout_ms: wait.as_millis() as u64,
+                lost_node_ids: std::mem::take(&mut lost),
             });
             req.set_timeout(wait + Duration::from_secs(10));
             let reply = client.get_object(req).await.map_err(|s| Error::ObjectLost {
                 id: r.id().to_string(),
-                message: format!(
-                    "its owner at {} is unreachable (owner died?): {}",
-                    r.owner(),
-                    s.message()
-                ),
+                message: if s.code() == tonic::Code::Unavailable {
+                    format!(
+                        "{OWNER_DIED}: its owner at {} cannot be reached: {}",
+                        r.owner(),
+                        s.message()
+                    )
+                } else {
+                    format!("its owner at {} did not answer: {}", r.owner(), s.message())
+                },
             })?;
             let reply = reply.into_inner();
             match pb::get_object_reply::Status::try_from(reply.status) {
                 Ok(pb::get_object_reply::Status::Ready) => {
                     return Ok(if reply.locations.is_empty() {
-                        (Some(Arc::new(reply.inline_value)), vec![])
+                        Ready::Inline(Arc::new(reply.inline_value))
                     } else {
-                        (None, reply.locations)
+                        Ready::Stored(reply.locations)
                     });
                 }
                 Ok(pb::get_object_reply::Status::Failed) => {
-                    return Err(Error::from_wire(&reply.error.unwrap_or_default(), ""));
+                    return Err(Error::from_wire(&reply.error.unwrap_or_default(), r.id()));
                 }
                 Ok(pb::get_object_reply::Status::Unknown) => {
                     return Err(Error::ObjectLost {
@@ -738,16 +859,23 @@ impl Core {
     }
 
     /// Maps the local copy, or pulls one from another node into this node's
-    /// store first (a secondary copy, evictable, recording `owner`).
+    /// store first (a secondary copy, evictable, recording `owner`). On
+    /// failure also the nodes whose copies could not be read (this node's
+    /// own when its listed copy is gone): the caller reports them lost.
     async fn fetch(
         &self,
         id: &str,
         owner: &str,
         locations: &[pb::ObjectLocation],
-    ) -> Result<Data, Error> {
+    ) -> Result<Data, (Error, Vec<String>)> {
         let local_dir = self.store.dir().display().to_string();
-        if let Ok(Some(v)) = self.map_local(id).await {
-            return Ok(Data::Mapped(Arc::new(v)));
+        let mut failed = Vec::new();
+        match self.map_local(id).await {
+            Ok(Some(v)) => return Ok(Data::Mapped(Arc::new(v))),
+            Ok(None) => failed.extend(
+                locations.iter().filter(|l| l.store_dir == local_dir).map(|l| l.node_id.clone()),
+            ),
+            Err(_) => {}
         }
         let mut last = String::from("no copy is known");
         for loc in locations.iter().filter(|l| l.store_dir != local_dir) {
@@ -757,13 +885,20 @@ impl Core {
                     Ok(None) => last = "the pulled copy was evicted before it was read".into(),
                     Err(e) => last = e,
                 },
-                Err(e) => last = e,
+                Err(PullError::Source(e)) => {
+                    failed.push(loc.node_id.clone());
+                    last = e;
+                }
+                Err(PullError::Local(e)) => last = e,
             }
         }
-        Err(Error::ObjectLost {
-            id: id.to_string(),
-            message: format!("no node could provide it: {last}"),
-        })
+        Err((
+            Error::ObjectLost {
+                id: id.to_string(),
+                message: format!("no node could provide it: {last}"),
+            },
+            failed,
+        ))
     }
 
     /// Maps this node's copy of `id`. Off the runtime threads: a spilled
@@ -779,17 +914,18 @@ impl Core {
     /// Pulls `id` from the agent at `agent` into this node's store as a
     /// secondary copy. Store calls (reserving room may spill or evict) run
     /// off the runtime threads, one chunk at a time.
-    async fn pull(&self, id: &str, owner: &str, agent: &str) -> Result<(), String> {
-        let mut c = self.objects_client(agent).map_err(|e| e.to_string())?;
+    async fn pull(&self, id: &str, owner: &str, agent: &str) -> Result<(), PullError> {
+        let source = |m: String| PullError::Source(format!("{agent}: {m}"));
+        let mut c = self.objects_client(agent).map_err(|e| source(e.to_string()))?;
         let mut stream = c
             .pull(pb::PullRequest { object_id: id.to_string(), chunk_size: 0 })
             .await
-            .map_err(|s| format!("{agent}: {}", s.message()))?
+            .map_err(|s| source(s.message().to_string()))?
             .into_inner();
         let mut w: Option<Writer> = None;
         let mut total = None;
         while let Some(chunk) =
-            stream.message().await.map_err(|s| format!("{agent}: {}", s.message()))?
+            stream.message().await.map_err(|s| source(s.message().to_string()))?
         {
             total = Some(chunk.total_size);
             let writer = w.take();
@@ -813,15 +949,17 @@ impl Core {
                     Ok::<_, String>(w)
                 })
                 .await
-                .map_err(|e| e.to_string())??,
+                .map_err(|e| PullError::Local(e.to_string()))?
+                .map_err(PullError::Local)?,
             );
         }
         let Some(w) = w else {
-            return Err(format!("{agent}: the pull of {id} ended without data"));
+            return Err(source(format!("the pull of {id} ended without data")));
         };
         tokio::task::spawn_blocking(move || w.seal(total).map_err(|e| e.to_string()))
             .await
-            .map_err(|e| e.to_string())?
+            .map_err(|e| PullError::Local(e.to_string()))?
+            .map_err(PullError::Local)
     }
 
     /// Whether `r` is ready now (for `wait`).
@@ -836,7 +974,10 @@ impl Core {
                 return true;
             };
             match c
-                .get_object(pb::GetObjectRequest { object_id: r.id().to_string(), timeout_ms: 0 })
+                .get_object(pb::GetObjectRequest {
+                    object_id: r.id().to_string(),
+                    ..Default::default()
+                })
                 .await
             {
                 Ok(rep) => rep.into_inner().status != pb::get_object_reply::Status::Pending as i32,
@@ -851,9 +992,18 @@ impl Core {
         self.objects_changed.notified()
     }
 
-    /// Owner side of `GetObject`.
-    pub(crate) async fn serve_get_object(&self, id: &str, timeout: Duration) -> pb::GetObjectReply {
+    /// Owner side of `GetObject`; `lost`: nodes whose copies the caller
+    /// could not read (CORE-6).
+    pub(crate) async fn serve_get_object(
+        self: &Arc<Self>,
+        id: &str,
+        timeout: Duration,
+        lost: &[String],
+    ) -> pb::GetObjectReply {
         use pb::get_object_reply::Status;
+        if !lost.is_empty() {
+            self.object_lost(id, lost);
+        }
         let deadline = Instant::now() + timeout;
         loop {
             let notified = self.objects_changed.notified();
@@ -920,15 +1070,17 @@ impl Core {
                 }
                 Arg::Ref(r) => {
                     if r.owner() == self.address {
-                        match self.get_data(&r, None).await {
-                            Ok(Data::Inline(b)) => {
+                        // A stored value travels as a ref: the executor pulls it
+                        // (this process never copies it in just to look).
+                        match self.wait_owned(r.id(), None).await {
+                            Ok(Ready::Inline(b)) => {
                                 out.push(pb::TaskArg {
                                     kind: Some(pb::task_arg::Kind::Value(b.to_vec())),
                                     nested: vec![],
                                 });
                                 continue;
                             }
-                            Ok(Data::Mapped(_)) => {}
+                            Ok(Ready::Stored(_)) => {}
                             Err(e) => {
                                 return Err(err(
                                     Kind::Application,
@@ -1078,7 +1230,7 @@ impl Core {
                         spec,
                         retries_left: retries,
                         retry_exceptions,
-                        _pins: pins,
+                        pins,
                     });
                     class.queued.notify_one();
                     core.ensure_leases(&class);
@@ -1374,10 +1526,34 @@ impl Core {
             self.finish_failed(&q.spec, e);
             return;
         }
-        self.finish_ok(&q.spec, reply);
+        // CORE-6: stored returns keep what it takes to run the task again.
+        let stored = reply
+            .returns
+            .iter()
+            .any(|r| matches!(r.data, Some(pb::return_object::Data::Location(_))));
+        let spec = q.spec.clone();
+        let lineage = (stored && !q.spec.streaming && q.retries_left != 0).then(|| {
+            Arc::new(Lineage {
+                spec: q.spec,
+                class: Arc::clone(class),
+                retries_left: q.retries_left,
+                retry_exceptions: q.retry_exceptions,
+                pins: q.pins,
+            })
+        });
+        self.finish_ok_with(&spec, reply, lineage);
     }
 
     fn finish_ok(&self, spec: &pb::TaskSpec, reply: pb::PushTaskReply) {
+        self.finish_ok_with(spec, reply, None);
+    }
+
+    fn finish_ok_with(
+        &self,
+        spec: &pb::TaskSpec,
+        reply: pb::PushTaskReply,
+        lineage: Option<Arc<Lineage>>,
+    ) {
         let (node, worker) = (reply.node_id, reply.worker_id);
         let returns = reply.returns;
         if let (Some(first), false) = (spec.return_ids.first(), reply.nested_in_return.is_empty()) {
@@ -1392,6 +1568,7 @@ impl Core {
                     // Already freed by the caller: release at once.
                     let o = Owned {
                         state: ObjState::Pending,
+                        lineage: None,
                         refs: 0,
                         task_id: None,
                         borrowers: Default::default(),
@@ -1404,7 +1581,9 @@ impl Core {
         }
         for r in returns {
             let id = r.object_id.clone();
-            self.set_state(&id, ObjState::from_return(r));
+            let state = ObjState::from_return(r);
+            let keep = matches!(state, ObjState::Stored { .. }).then(|| lineage.clone()).flatten();
+            self.set_state_with(&id, state, keep);
         }
         if spec.streaming {
             self.generators
@@ -1448,6 +1627,7 @@ impl Core {
             item.object_id.clone(),
             Owned {
                 state,
+                lineage: None,
                 refs: 1,
                 task_id: None,
                 borrowers: Default::default(),
@@ -1794,6 +1974,13 @@ impl Core {
             });
         }
     }
+}
+
+/// Why a pull failed: the source (its node is gone, or it no longer has the
+/// object: that copy is lost) or this node (its store cannot take the copy).
+enum PullError {
+    Source(String),
+    Local(String),
 }
 
 /// True when a call failed before reaching the server (nothing ran).

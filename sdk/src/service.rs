@@ -92,7 +92,9 @@ impl WorkerService for SvcRef {
     ) -> Result<Response<pb::GetObjectReply>, Status> {
         let req = req.into_inner();
         let wait = Duration::from_millis(req.timeout_ms.min(60_000));
-        Ok(Response::new(self.0.core.serve_get_object(&req.object_id, wait).await))
+        Ok(Response::new(
+            self.0.core.serve_get_object(&req.object_id, wait, &req.lost_node_ids).await,
+        ))
     }
 
     async fn report_generator_item(

@@ -288,7 +288,10 @@ def _raise(err) -> None:
     if kind == "timeout":
         raise exceptions.GetTimeoutError(f"Get timed out: {message}")
     if kind == "object_lost":
-        raise exceptions.ObjectLostError(f"object {function} was lost: {message}")
+        # The core says "owner died: ..." when the object's owner process is gone.
+        owner_died = message.startswith("owner died")
+        cls = exceptions.OwnerDiedError if owner_died else exceptions.ObjectLostError
+        raise cls(f"object {function} was lost: {message}")
     if kind == "infeasible":
         raise exceptions.RaySchedulingError(message)
     raise exceptions.RaySystemError(message)
