@@ -666,6 +666,39 @@ impl Core {
         RawRef::adopt(id, self.address.clone())
     }
 
+    /// Stores the concatenation of `parts` as a new owned object (`put` of a
+    /// value serialized in pieces: a pickle and the buffers it refers to). A
+    /// large one is written part by part straight into this node's store,
+    /// never joined in memory first. `nested` as for [`Core::put_bytes`].
+    pub(crate) fn put_parts(&self, parts: &[&[u8]], nested: Vec<RawRef>) -> Result<RawRef, Error> {
+        let size = parts.iter().map(|p| p.len()).sum::<usize>();
+        if size <= INLINE_MAX_BYTES {
+            return self.put_bytes(parts.concat(), nested);
+        }
+        let id = tpuray_proto::ids::ObjectId::random().to_string();
+        let size = size as u64;
+        let opts = CreateOptions {
+            size: Some(size),
+            owner: Some(self.address.clone()),
+            ..Default::default()
+        };
+        let cluster = |e: tpuray_objectstore::StoreError| Error::Cluster(e.to_string());
+        // OBJ-7: a store that cannot take it fails at once, naming the sizes.
+        let mut w = self.store.create_with(&id, &opts).map_err(cluster)?;
+        for p in parts {
+            w.write(p).map_err(|e| Error::Cluster(e.to_string()))?;
+        }
+        w.seal(Some(size)).map_err(cluster)?;
+        let state = ObjState::Stored { locations: vec![self.location()], size };
+        self.register_owned(&id, state, None);
+        if !nested.is_empty()
+            && let Some(o) = self.objects.lock().unwrap().get_mut(&id)
+        {
+            o.pins = nested;
+        }
+        Ok(RawRef::adopt(id, self.address.clone()))
+    }
+
     /// Inline when small, else written to this node's store.
     fn make_state(&self, id: &str, bytes: Vec<u8>) -> Result<ObjState, Error> {
         if bytes.len() <= INLINE_MAX_BYTES {

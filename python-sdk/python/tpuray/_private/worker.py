@@ -22,7 +22,13 @@ import traceback
 from typing import Any
 
 from tpuray import _tpuray, exceptions
-from tpuray._private.serialization import ObjectRef, deserialize, serialize
+from tpuray._private.serialization import (
+    ObjectRef,
+    deserialize,
+    mapped_view,
+    serialize,
+    serialize_parts,
+)
 
 #: KV namespace of pickled functions and classes, keyed by content hash.
 FUNCTION_NAMESPACE = "fn"
@@ -329,7 +335,8 @@ def get(refs, timeout=None):
     for tag, v in results:
         if tag == 1:
             _raise(v)
-        values.append(deserialize(v))
+        # 2: a store object mapped read-only; its buffers come back without a copy.
+        values.append(deserialize(mapped_view(v) if tag == 2 else v))
     return values[0] if single else values
 
 
@@ -337,8 +344,8 @@ def put(value) -> ObjectRef:
     check_connected()
     if isinstance(value, ObjectRef):
         raise TypeError("Calling 'put' on an ObjectRef is not allowed")
-    data, nested = serialize(value)
-    return ObjectRef(_tpuray.put(data, nested))
+    parts, nested = serialize_parts(value)
+    return ObjectRef(_tpuray.put(parts, nested))
 
 
 def wait(refs, *, num_returns=1, timeout=None, fetch_local=True):
