@@ -62,6 +62,17 @@ fn pipeline_depth() -> usize {
 /// `OwnerDiedError` for it).
 pub const OWNER_DIED: &str = "owner died";
 
+/// Pulls of one object the owner lets run at once from one copy; later
+/// pullers wait for a copy to finish and then pull from it (a tree broadcast).
+const MAX_PULLS_PER_SOURCE: usize = 2;
+/// An assigned pull not reported done within this long no longer holds its
+/// source (its puller died or hung).
+const PULL_SLOT_TTL: Duration = Duration::from_secs(120);
+/// Pulls one process runs at once. Each has at most the agent's channel of
+/// chunks plus the one being written in flight (about 20 MiB), so a process
+/// holds at most about 80 MiB of object bytes in transit.
+const MAX_PULLS_PER_PROCESS: usize = 4;
+
 /// How long an idle lease waits for another task of its class before it
 /// is returned.
 const LEASE_LINGER: Duration = Duration::from_millis(100);
@@ -142,6 +153,23 @@ enum Ready {
     Stored(Vec<pb::ObjectLocation>),
 }
 
+/// What waiting for an owned object found.
+enum Got {
+    /// Ready, with its size in bytes.
+    Ready(Ready, u64),
+    Failed(pb::TaskError),
+    /// Not in the table (freed, or never owned here).
+    Unknown,
+    TimedOut,
+}
+
+/// A pull the owner assigned: `puller` (a node) copies from `source` (a node).
+struct PullSlot {
+    source: String,
+    puller: String,
+    since: Instant,
+}
+
 struct Owned {
     state: ObjState,
     /// The task that made it, when it can run again (CORE-6).
@@ -158,6 +186,10 @@ struct Owned {
     pins: Vec<RawRef>,
     /// The task that makes it, for cancellation.
     task_id: Option<String>,
+    /// Pulls assigned and not reported done (stored objects, OBJ-8).
+    pulls: Vec<PullSlot>,
+    /// Pulls assigned to each source node so far (ties go to the least used).
+    served: HashMap<String, u32>,
 }
 
 struct GenState {
@@ -225,6 +257,8 @@ pub(crate) struct Core {
     clients: Mutex<Clients>,
     /// Objects this process borrows: id -> live counted refs here.
     borrowed: Mutex<HashMap<String, usize>>,
+    /// Bounds the pulls this process runs at once.
+    pull_permits: tokio::sync::Semaphore,
 }
 
 type AuthChannel = tpuray_proto::client::AuthChannel;
@@ -390,6 +424,7 @@ impl Core {
             events: Mutex::new(Vec::new()),
             clients: Mutex::new(Clients::default()),
             borrowed: Mutex::new(HashMap::new()),
+            pull_permits: tokio::sync::Semaphore::new(MAX_PULLS_PER_PROCESS),
         }
     }
 
@@ -537,6 +572,8 @@ impl Core {
             Owned {
                 state,
                 lineage: None,
+                pulls: Vec::new(),
+                served: HashMap::new(),
                 refs: 1,
                 task_id,
                 borrowers: Default::default(),
@@ -727,7 +764,7 @@ impl Core {
                 if !lost.is_empty() {
                     self.object_lost(id, &std::mem::take(&mut lost));
                 }
-                match self.wait_owned(id, deadline).await? {
+                match self.wait_owned(id, &self.node_id, deadline).await? {
                     Ready::Inline(b) => return Ok(Data::Inline(b)),
                     Ready::Stored(locations) => locations,
                 }
@@ -745,32 +782,118 @@ impl Core {
         }
     }
 
-    /// Waits until owned object `id` is ready (inline bytes or locations).
-    async fn wait_owned(&self, id: &str, deadline: Option<Instant>) -> Result<Ready, Error> {
+    /// Waits until owned object `id` is ready (inline bytes or locations);
+    /// `puller` as in [`Core::wait_ready`].
+    async fn wait_owned(
+        &self,
+        id: &str,
+        puller: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Ready, Error> {
+        match self.wait_ready(id, puller, deadline).await {
+            Got::Ready(r, _) => Ok(r),
+            Got::Failed(e) => Err(Error::from_wire(&e, id)),
+            Got::Unknown => {
+                Err(Error::ObjectLost { id: id.into(), message: "freed by its owner".into() })
+            }
+            Got::TimedOut => Err(Error::Timeout(Duration::ZERO, 1)),
+        }
+    }
+
+    /// Waits until owned object `id` is ready or failed. For a stored object
+    /// and a `puller` node ("" for none), waits also until a copy can serve
+    /// it and answers with that one source ([`assign_source`], OBJ-8).
+    async fn wait_ready(&self, id: &str, puller: &str, deadline: Option<Instant>) -> Got {
         loop {
             let notified = self.objects_changed.notified();
-            let state = self.objects.lock().unwrap().get(id).map(|o| o.state.clone());
-            match state {
-                None => {
-                    return Err(Error::ObjectLost {
-                        id: id.into(),
-                        message: "freed by its owner".into(),
-                    });
+            {
+                let mut objs = self.objects.lock().unwrap();
+                let Some(o) = objs.get_mut(id) else { return Got::Unknown };
+                match &o.state {
+                    ObjState::Pending => {}
+                    ObjState::Inline(b) => {
+                        return Got::Ready(Ready::Inline(Arc::clone(b)), b.len() as u64);
+                    }
+                    ObjState::Failed(e) => return Got::Failed(e.clone()),
+                    ObjState::Stored { locations, size } => {
+                        let size = *size;
+                        if puller.is_empty() {
+                            return Got::Ready(Ready::Stored(locations.clone()), size);
+                        }
+                        if let Some(l) = assign_source(o, puller) {
+                            return Got::Ready(Ready::Stored(l), size);
+                        }
+                    }
                 }
-                Some(ObjState::Pending) => {}
-                Some(ObjState::Inline(b)) => return Ok(Ready::Inline(b)),
-                Some(ObjState::Stored { locations, .. }) => return Ok(Ready::Stored(locations)),
-                Some(ObjState::Failed(e)) => return Err(Error::from_wire(&e, id)),
             }
             match deadline {
                 Some(d) => {
                     if tokio::time::timeout_at(d.into(), notified).await.is_err() {
-                        return Err(Error::Timeout(d.saturating_duration_since(Instant::now()), 1));
+                        return Got::TimedOut;
                     }
                 }
                 None => notified.await,
             }
         }
+    }
+
+    /// A pull the owner assigned ended (owner side of `ReportObjectCopy`):
+    /// frees its source and, when it succeeded, adds the puller's copy as a
+    /// source for later pullers (OBJ-8).
+    pub(crate) fn copy_done(
+        &self,
+        id: &str,
+        source: &str,
+        puller: &str,
+        copy: Option<pb::ObjectLocation>,
+    ) {
+        let orphan = {
+            let mut objs = self.objects.lock().unwrap();
+            match objs.get_mut(id) {
+                Some(o) => {
+                    if let Some(i) =
+                        o.pulls.iter().position(|p| p.source == source && p.puller == puller)
+                    {
+                        o.pulls.remove(i);
+                    }
+                    if let (Some(c), ObjState::Stored { locations, .. }) = (copy, &mut o.state)
+                        && !locations.iter().any(|l| l.node_id == c.node_id)
+                    {
+                        locations.push(c);
+                    }
+                    None
+                }
+                // Freed while it was pulled: that copy goes too (CORE-2).
+                None => copy,
+            }
+        };
+        if let Some(c) = orphan {
+            self.free_copies(id.to_string(), vec![c]);
+        }
+        self.objects_changed.notify_waiters();
+    }
+
+    /// Tells `owner` that this node's pull of `id` from `source` ended.
+    async fn report_copy(
+        &self,
+        id: &str,
+        owner: &str,
+        source: &str,
+        copy: Option<pb::ObjectLocation>,
+    ) {
+        if owner == self.address {
+            self.copy_done(id, source, &self.node_id, copy);
+            return;
+        }
+        let Ok(mut c) = self.worker_client(owner) else { return };
+        let mut req = Request::new(pb::ReportObjectCopyRequest {
+            object_id: id.to_string(),
+            source_node_id: source.to_string(),
+            puller_node_id: self.node_id.clone(),
+            copy,
+        });
+        req.set_timeout(Duration::from_secs(10));
+        let _ = c.report_object_copy(req).await;
     }
 
     /// Copies of owned object `id` on the nodes `lost` cannot be read: drops
@@ -780,6 +903,7 @@ impl Core {
         let redo = {
             let mut objs = self.objects.lock().unwrap();
             let Some(o) = objs.get_mut(id) else { return };
+            o.pulls.retain(|p| !lost.contains(&p.source));
             let ObjState::Stored { locations, .. } = &mut o.state else { return };
             locations.retain(|l| !lost.contains(&l.node_id));
             if !locations.is_empty() {
@@ -850,6 +974,7 @@ impl Core {
                 object_id: r.id().to_string(),
                 timeout_ms: wait.as_millis() as u64,
                 lost_node_ids: std::mem::take(&mut lost),
+                puller_node_id: self.node_id.clone(),
             });
             req.set_timeout(wait + Duration::from_secs(10));
             let reply = client.get_object(req).await.map_err(|s| Error::ObjectLost {
@@ -904,7 +1029,17 @@ impl Core {
         let local_dir = self.store.dir().display().to_string();
         let mut failed = Vec::new();
         match self.map_local(id).await {
-            Ok(Some(v)) => return Ok(Data::Mapped(Arc::new(v))),
+            Ok(Some(v)) => {
+                if let Some(src) = locations
+                    .first()
+                    .filter(|_| !locations.iter().any(|l| l.store_dir == local_dir))
+                {
+                    // A copy here the owner did not know of: it frees the source
+                    // it assigned and hands this one out from now on.
+                    self.report_copy(id, owner, &src.node_id, Some(self.location())).await;
+                }
+                return Ok(Data::Mapped(Arc::new(v)));
+            }
             Ok(None) => failed.extend(
                 locations.iter().filter(|l| l.store_dir == local_dir).map(|l| l.node_id.clone()),
             ),
@@ -912,7 +1047,15 @@ impl Core {
         }
         let mut last = String::from("no copy is known");
         for loc in locations.iter().filter(|l| l.store_dir != local_dir) {
-            match self.pull(id, owner, &loc.agent_address).await {
+            let pulled = self.pull(id, owner, &loc.agent_address).await;
+            // The owner frees the source it assigned; a lost source is
+            // reported with the next request instead (CORE-6).
+            match &pulled {
+                Ok(()) => self.report_copy(id, owner, &loc.node_id, Some(self.location())).await,
+                Err(PullError::Local(_)) => self.report_copy(id, owner, &loc.node_id, None).await,
+                Err(PullError::Source(_)) => {}
+            }
+            match pulled {
                 Ok(()) => match self.map_local(id).await {
                     Ok(Some(v)) => return Ok(Data::Mapped(Arc::new(v))),
                     Ok(None) => last = "the pulled copy was evicted before it was read".into(),
@@ -949,6 +1092,8 @@ impl Core {
     /// off the runtime threads, one chunk at a time.
     async fn pull(&self, id: &str, owner: &str, agent: &str) -> Result<(), PullError> {
         let source = |m: String| PullError::Source(format!("{agent}: {m}"));
+        let _permit =
+            self.pull_permits.acquire().await.map_err(|e| PullError::Local(e.to_string()))?;
         let mut c = self.objects_client(agent).map_err(|e| source(e.to_string()))?;
         let mut stream = c
             .pull(pb::PullRequest { object_id: id.to_string(), chunk_size: 0 })
@@ -1026,53 +1171,44 @@ impl Core {
     }
 
     /// Owner side of `GetObject`; `lost`: nodes whose copies the caller
-    /// could not read (CORE-6).
+    /// could not read (CORE-6); `puller`: the caller's node when it will pull
+    /// (answered with one assigned source, OBJ-8).
     pub(crate) async fn serve_get_object(
         self: &Arc<Self>,
         id: &str,
         timeout: Duration,
         lost: &[String],
+        puller: &str,
     ) -> pb::GetObjectReply {
         use pb::get_object_reply::Status;
         if !lost.is_empty() {
             self.object_lost(id, lost);
         }
         let deadline = Instant::now() + timeout;
-        loop {
-            let notified = self.objects_changed.notified();
-            let state = self.objects.lock().unwrap().get(id).map(|o| o.state.clone());
-            let reply = match state {
-                None => pb::GetObjectReply { status: Status::Unknown as i32, ..Default::default() },
-                Some(ObjState::Pending) => {
-                    if Instant::now() >= deadline
-                        || tokio::time::timeout_at(deadline.into(), notified).await.is_err()
-                    {
-                        return pb::GetObjectReply {
-                            status: Status::Pending as i32,
-                            ..Default::default()
-                        };
-                    }
-                    continue;
-                }
-                Some(ObjState::Inline(b)) => pb::GetObjectReply {
-                    status: Status::Ready as i32,
-                    size: b.len() as u64,
-                    inline_value: b.to_vec(),
-                    ..Default::default()
-                },
-                Some(ObjState::Stored { locations, size }) => pb::GetObjectReply {
-                    status: Status::Ready as i32,
-                    locations,
-                    size,
-                    ..Default::default()
-                },
-                Some(ObjState::Failed(e)) => pb::GetObjectReply {
-                    status: Status::Failed as i32,
-                    error: Some(e),
-                    ..Default::default()
-                },
-            };
-            return reply;
+        match self.wait_ready(id, puller, Some(deadline)).await {
+            Got::Ready(Ready::Inline(b), size) => pb::GetObjectReply {
+                status: Status::Ready as i32,
+                size,
+                inline_value: b.to_vec(),
+                ..Default::default()
+            },
+            Got::Ready(Ready::Stored(locations), size) => pb::GetObjectReply {
+                status: Status::Ready as i32,
+                locations,
+                size,
+                ..Default::default()
+            },
+            Got::Failed(e) => pb::GetObjectReply {
+                status: Status::Failed as i32,
+                error: Some(e),
+                ..Default::default()
+            },
+            Got::Unknown => {
+                pb::GetObjectReply { status: Status::Unknown as i32, ..Default::default() }
+            }
+            Got::TimedOut => {
+                pb::GetObjectReply { status: Status::Pending as i32, ..Default::default() }
+            }
         }
     }
 
@@ -1105,7 +1241,7 @@ impl Core {
                     if r.owner() == self.address {
                         // A stored value travels as a ref: the executor pulls it
                         // (this process never copies it in just to look).
-                        match self.wait_owned(r.id(), None).await {
+                        match self.wait_owned(r.id(), "", None).await {
                             Ok(Ready::Inline(b)) => {
                                 out.push(pb::TaskArg {
                                     kind: Some(pb::task_arg::Kind::Value(b.to_vec())),
@@ -1602,6 +1738,8 @@ impl Core {
                     let o = Owned {
                         state: ObjState::Pending,
                         lineage: None,
+                        pulls: Vec::new(),
+                        served: HashMap::new(),
                         refs: 0,
                         task_id: None,
                         borrowers: Default::default(),
@@ -1661,6 +1799,8 @@ impl Core {
             Owned {
                 state,
                 lineage: None,
+                pulls: Vec::new(),
+                served: HashMap::new(),
                 refs: 1,
                 task_id: None,
                 borrowers: Default::default(),
@@ -2007,6 +2147,41 @@ impl Core {
             });
         }
     }
+}
+
+/// OBJ-8: the source a puller on node `puller` copies stored object `o` from:
+/// every location when its own node has a copy; else the copy with the fewest
+/// pulls in flight, under [`MAX_PULLS_PER_SOURCE`], then the one that served
+/// least, then the newest (so later pullers copy from earlier ones instead of
+/// all from the first). `None` while every copy is busy or another process of
+/// the same node is pulling it already: wait for one to finish.
+fn assign_source(o: &mut Owned, puller: &str) -> Option<Vec<pb::ObjectLocation>> {
+    let Owned { state, pulls, served, .. } = o;
+    let ObjState::Stored { locations, .. } = state else { return None };
+    if locations.iter().any(|l| l.node_id == puller) {
+        return Some(locations.clone());
+    }
+    let now = Instant::now();
+    pulls.retain(|p| now.duration_since(p.since) < PULL_SLOT_TTL);
+    if pulls.iter().any(|p| p.puller == puller) {
+        return None;
+    }
+    let in_flight = |n: &str| pulls.iter().filter(|p| p.source == n).count();
+    let best = locations
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| in_flight(&l.node_id) < MAX_PULLS_PER_SOURCE)
+        .min_by_key(|(i, l)| {
+            (
+                in_flight(&l.node_id),
+                served.get(&l.node_id).copied().unwrap_or(0),
+                std::cmp::Reverse(*i),
+            )
+        })
+        .map(|(_, l)| l.clone())?;
+    pulls.push(PullSlot { source: best.node_id.clone(), puller: puller.to_string(), since: now });
+    *served.entry(best.node_id.clone()).or_default() += 1;
+    Some(vec![best])
 }
 
 /// Why a pull failed: the source (its node is gone, or it no longer has the

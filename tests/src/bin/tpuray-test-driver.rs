@@ -694,6 +694,8 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
         "lineage" => lineage(args)?,
         // An object borrowed from an actor that is then killed: see `owner_died`.
         "owner-died" => owner_died(args)?,
+        // One large object read on several nodes at once: see `broadcast`.
+        "broadcast" => broadcast(args)?,
         other => bail!("unknown scenario {other:?}"),
     }
     Ok(())
@@ -922,5 +924,51 @@ fn owner_died(_args: &[String]) -> anyhow::Result<()> {
             say(&format!("OWNERDIED kind={} ms={} msg={msg}", kind(&e), t.elapsed().as_millis()));
         }
     }
+    Ok(())
+}
+
+/// Maps the object in `refs[0]` (no decode copy) and checks that its last `bytes` bytes
+/// are the `spill-objects` pattern `k`: (bytes right, object size, ms, node id).
+#[tpuray::remote]
+fn read_pattern(
+    refs: Vec<tpuray::ObjectRef<tpuray::Blob>>,
+    k: usize,
+    bytes: usize,
+) -> Result<(bool, usize, u64, String), String> {
+    let t = Instant::now();
+    let data = tpuray::get_bytes(&refs[0]).map_err(|e| e.to_string())?;
+    let period = spill_period(k);
+    let ok = data.len() >= bytes
+        && data[data.len() - bytes..].chunks(251).all(|c| c == &period[..c.len()]);
+    let ms = t.elapsed().as_millis() as u64;
+    Ok((ok, data.len(), ms, tpuray::node_id().unwrap_or_default()))
+}
+
+/// `broadcast BYTES NAMES`: puts `BYTES` bytes of pattern 3 here (the head node), then
+/// reads it at once from one task per custom resource in the comma-separated NAMES (one
+/// node each), each checking every byte: `READ name=<n> ok=<bool> len=<object bytes>
+/// ms=<read time> node=<node id>` per reader, then `DONE ms=<elapsed>`.
+fn broadcast(args: &[String]) -> anyhow::Result<()> {
+    let bytes: usize = arg(args, 0, "bytes")?.parse()?;
+    let names = arg(args, 1, "resource names")?;
+    let t = Instant::now();
+    let r = tpuray::put(&tpuray::Blob(spill_pattern(3, bytes)))?;
+    say(&format!("PUT ms={}", t.elapsed().as_millis()));
+    let t = Instant::now();
+    let readers: Vec<_> = names
+        .split(',')
+        .map(|n| {
+            let opts = TaskOptions {
+                resources: [(n.to_string(), 1.0)].into_iter().collect(),
+                ..Default::default()
+            };
+            (n, read_pattern::options(opts).remote(vec![r.clone()], 3, bytes))
+        })
+        .collect();
+    for (n, x) in readers {
+        let (ok, len, ms, node) = tpuray::get_timeout(&x, Duration::from_secs(600))?;
+        say(&format!("READ name={n} ok={ok} len={len} ms={ms} node={node}"));
+    }
+    say(&format!("DONE ms={}", t.elapsed().as_millis()));
     Ok(())
 }
