@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::{procs, show};
+use crate::{microbench, procs, show};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -30,6 +30,8 @@ pub enum Command {
     Memory(MemoryArgs),
     /// Stop every tpuray process started on this machine.
     Stop(StopArgs),
+    /// Ray's `ray microbenchmark` cases (Python SDK; `--rust`: Rust SDK), after the floor.
+    Microbenchmark(MicrobenchmarkArgs),
     #[command(name = "_head", hide = true)]
     Head(HeadArgs),
     #[command(name = "_agent", hide = true)]
@@ -210,6 +212,41 @@ pub struct StopArgs {
     pub force: bool,
 }
 
+#[derive(Args, Debug, Default)]
+pub struct MicrobenchmarkArgs {
+    /// Run the task, actor and object cases from the Rust SDK instead of the Python SDK's.
+    #[arg(long)]
+    pub rust: bool,
+    /// One JSON object per case ({"name", "mean", "sd", "unit"}) instead of text lines.
+    #[arg(long)]
+    pub json: bool,
+    /// A short run for trying things out: no idle pause, one trial of 0.5 s per case.
+    #[arg(long)]
+    pub quick: bool,
+    /// Only the cases whose name contains PATTERN (Ray's TESTS_TO_RUN; a|b: either).
+    #[arg(long, value_name = "PATTERN")]
+    pub filter: Option<String>,
+    /// Leave out the cases whose name contains PATTERN (Ray's TESTS_TO_SKIP; a|b: either).
+    #[arg(long, value_name = "PATTERN")]
+    pub skip: Option<String>,
+    /// Idle seconds before each case (default 10 as Ray's; 0 with --quick).
+    #[arg(long, value_name = "SECONDS")]
+    pub warmup_sleep: Option<f64>,
+    /// Timed trials per case (default 4 as Ray's; 1 with --quick).
+    #[arg(long)]
+    pub trials: Option<usize>,
+    /// Seconds per trial (default 2 as Ray's; 0.5 with --quick).
+    #[arg(long, value_name = "SECONDS")]
+    pub trial_seconds: Option<f64>,
+    /// The Python interpreter with tpuray installed (default: the one running this CLI
+    /// under `python -m tpuray`, else python3).
+    #[arg(long)]
+    pub python: Option<String>,
+    /// Do not measure the floor (loopback RPC, memcpy).
+    #[arg(long)]
+    pub no_floor: bool,
+}
+
 #[derive(Args, Debug)]
 pub struct HeadArgs {
     #[arg(long)]
@@ -258,6 +295,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Memory(a) => show::memory(&resolve_address(a.address.address)?, a.format, a.top),
         Command::Stop(a) => procs::stop(a.force),
+        Command::Microbenchmark(a) => microbench::run(a),
         Command::Head(a) => {
             ignore_sigpipe();
             procs::run_head(a)

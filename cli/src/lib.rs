@@ -1,11 +1,13 @@
 //! The `tpuray` command line as a library function ([`run`]), called by the
 //! native binary and by the Python package's console script (DESIGN.md §1).
 //!
-//! Verbs follow Ray's CLI (DESIGN.md §6): `start`, `status`, `list`, `stop`.
+//! Verbs follow Ray's CLI (DESIGN.md §6): `start`, `status`, `list`, `stop`,
+//! `memory`, `microbenchmark`.
 //! Hidden verbs `_head`, `_agent` and `_worker` are the long-running
 //! processes that `start` spawns; they are not for users.
 
 mod args;
+mod microbench;
 mod procs;
 mod show;
 

@@ -19,7 +19,7 @@ const READY_TIMEOUT: Duration = Duration::from_secs(45);
 /// The program and leading arguments that run this CLI again. The Python
 /// package sets `TPURAY_SELF_COMMAND` (a JSON list), since its executable is
 /// the interpreter.
-fn self_command() -> Result<Vec<String>> {
+pub(crate) fn self_command() -> Result<Vec<String>> {
     if let Ok(j) = std::env::var("TPURAY_SELF_COMMAND") {
         let v: Vec<String> = serde_json::from_str(&j)
             .with_context(|| format!("TPURAY_SELF_COMMAND is not a JSON list of strings: {j}"))?;

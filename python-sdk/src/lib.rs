@@ -1,7 +1,9 @@
 //! `tpuray._tpuray`: the Python extension module. It exposes the command line
 //! ([`tpuray_cli::run`]) and the Rust core worker through `tpuray::raw` (DESIGN.md §1: one
 //! implementation, no second core in Python). The Python package (`python/tpuray`) builds
-//! Ray's API on these calls; values cross as bytes that Python pickles itself.
+//! Ray's API on these calls; values cross as bytes that Python pickles itself, and
+//! objects of the node's store come back as read-only mappings ([`ObjectBuffer`]), so
+//! large buffers (numpy arrays) are read without a copy.
 //!
 //! Blocking calls release the GIL. In a worker process, [`run_worker`] installs a
 //! [`tpuray::foreign::ForeignRuntime`] that calls back into the Python runtime object for
@@ -341,8 +343,9 @@ fn error_tuple(py: Python<'_>, e: Error) -> PyResult<Py<PyAny>> {
     Ok(t.into_pyobject(py)?.into_any().unbind())
 }
 
-/// The values of `refs`: per ref `(0, bytes)` or `(1, (kind, message, payload, function,
-/// node, pid))`, waiting at most `timeout` seconds for all together.
+/// The values of `refs`: per ref `(0, bytes)` (a small object, inline), `(2,
+/// ObjectBuffer)` (a store object mapped without copying) or `(1, (kind, message, payload,
+/// function, node, pid))`, waiting at most `timeout` seconds for all together.
 ///
 /// Waits in slices of 100 ms, checking for signals between them, so Ctrl-C interrupts a
 /// blocked `get` at once (`KeyboardInterrupt`).
@@ -388,18 +391,128 @@ fn get(py: Python<'_>, refs: Vec<Bound<'_, PyRef>>, timeout: Option<f64>) -> PyR
     let out = PyList::empty(py);
     for r in results.into_iter().flatten() {
         match r {
-            Ok(data) => out.append((0, PyBytes::new(py, &data)))?,
+            Ok(raw::Data::Inline(b)) => out.append((0, PyBytes::new(py, &b)))?,
+            Ok(data @ raw::Data::Mapped(_)) => out.append((2, ObjectBuffer { data }))?,
             Err(e) => out.append((1, error_tuple(py, e)?))?,
         }
     }
     Ok(out.unbind())
 }
 
-/// Stores `data` (with the refs nested in it) as an object owned by this process.
+/// A sealed object of this node's store, mapped read-only: `get` hands these out instead
+/// of copying the bytes. Python wraps [`ObjectBuffer::address`] in a read-only memoryview
+/// that keeps this object alive (`serialization._mapped_view`), so the mapping lives, and
+/// the object stays pinned in memory (OBJ-6), as long as any view or array made from it.
+#[pyclass(name = "ObjectBuffer", module = "tpuray._tpuray", frozen)]
+struct ObjectBuffer {
+    data: raw::Data,
+}
+
+#[pymethods]
+impl ObjectBuffer {
+    /// The address of the first byte of the mapping.
+    fn address(&self) -> usize {
+        self.data.as_ptr() as usize
+    }
+    /// The object's size in bytes.
+    fn __len__(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Stores the concatenation of `parts` (bytes-like objects: a pickle and the buffers it
+/// refers to) as an object owned by this process, with the refs nested in it. A large
+/// object is written part by part into the node's store, without the GIL and without
+/// joining the parts first.
 #[pyfunction]
-fn put(py: Python<'_>, data: Vec<u8>, nested: Vec<Bound<'_, PyRef>>) -> PyResult<PyRef> {
+fn put(
+    py: Python<'_>,
+    parts: Vec<Bound<'_, PyAny>>,
+    nested: Vec<Bound<'_, PyRef>>,
+) -> PyResult<PyRef> {
     let nested: Vec<RawRef> = nested.iter().map(|r| r.get().inner.clone()).collect();
-    py.detach(|| raw::put(data, nested)).map(wrap).map_err(cluster_err)
+    let views = parts.iter().map(buffer::ByteView::get).collect::<PyResult<Vec<_>>>()?;
+    let slices: Vec<&[u8]> = views.iter().map(buffer::ByteView::as_slice).collect();
+    py.detach(|| raw::put_parts(&slices, nested)).map(wrap).map_err(cluster_err)
+}
+
+/// Reading a Python object's bytes through the buffer protocol.
+///
+/// pyo3 offers the buffer protocol only for `abi3-py311` and later, but `Py_buffer` and
+/// the two functions below have had this exact layout and these signatures since Python
+/// 3.3 (3.11 added them to the stable ABI unchanged), so declaring them here keeps one
+/// abi3 wheel for Python 3.9 and 3.10 as well.
+mod buffer {
+    use std::ffi::{c_char, c_int, c_void};
+
+    use pyo3::exceptions::PyBufferError;
+    use pyo3::ffi::{Py_ssize_t, PyObject};
+    use pyo3::prelude::*;
+
+    #[repr(C)]
+    struct PyBuffer {
+        buf: *mut c_void,
+        obj: *mut PyObject,
+        len: Py_ssize_t,
+        itemsize: Py_ssize_t,
+        readonly: c_int,
+        ndim: c_int,
+        format: *mut c_char,
+        shape: *mut Py_ssize_t,
+        strides: *mut Py_ssize_t,
+        suboffsets: *mut Py_ssize_t,
+        internal: *mut c_void,
+    }
+
+    /// `PyBUF_SIMPLE`: one contiguous run of bytes, read-only access is enough.
+    const SIMPLE: c_int = 0;
+
+    unsafe extern "C" {
+        fn PyObject_GetBuffer(obj: *mut PyObject, view: *mut PyBuffer, flags: c_int) -> c_int;
+        fn PyBuffer_Release(view: *mut PyBuffer);
+    }
+
+    /// A held export of an object's bytes: the exporter keeps them in place (a
+    /// `bytearray` cannot resize, an array cannot be freed) until this is dropped. Create
+    /// and drop it with the GIL held; the bytes may be read without it.
+    pub(crate) struct ByteView {
+        // Boxed: the exporter may keep pointers into the struct until it is released.
+        view: Box<PyBuffer>,
+    }
+
+    impl ByteView {
+        /// Exports the bytes of `obj`, which must be one contiguous buffer.
+        pub(crate) fn get(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+            // SAFETY: all-zero is a valid empty Py_buffer; it is filled by the call below.
+            let mut view: Box<PyBuffer> = Box::new(unsafe { std::mem::zeroed() });
+            // SAFETY: the GIL is held (`obj` is bound) and `view` outlives the export.
+            if unsafe { PyObject_GetBuffer(obj.as_ptr(), &mut *view, SIMPLE) } != 0 {
+                return Err(PyErr::take(obj.py()).unwrap_or_else(|| {
+                    PyBufferError::new_err("object does not export a contiguous buffer")
+                }));
+            }
+            Ok(Self { view })
+        }
+
+        pub(crate) fn as_slice(&self) -> &[u8] {
+            if self.view.len <= 0 || self.view.buf.is_null() {
+                return &[];
+            }
+            // SAFETY: a PyBUF_SIMPLE export is `len` contiguous bytes at `buf`, held
+            // in place until the export is released in `drop`.
+            unsafe {
+                std::slice::from_raw_parts(self.view.buf as *const u8, self.view.len as usize)
+            }
+        }
+    }
+
+    impl Drop for ByteView {
+        fn drop(&mut self) {
+            // SAFETY: releases the export made in `get`, with the GIL held (attached
+            // again when dropped without it).
+            Python::attach(|_| unsafe { PyBuffer_Release(&mut *self.view) });
+        }
+    }
 }
 
 /// Which refs are ready, once `num_returns` are or `timeout` seconds pass.
@@ -994,6 +1107,7 @@ fn run_worker(py: Python<'_>, runtime: Py<PyAny>) -> PyResult<i32> {
 fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_class::<PyRef>()?;
+    m.add_class::<ObjectBuffer>()?;
     for f in [
         wrap_pyfunction!(init_driver, m)?,
         wrap_pyfunction!(process_info, m)?,

@@ -14,6 +14,13 @@
 //!   (sent by one ordered sender; the actor releases them by sequence number).
 //! - CORE-5: a task whose worker dies is retried up to `max_retries`;
 //!   application errors only with `retry_exceptions`.
+//! - CORE-6: the owner keeps the spec (and pinned arguments) of the task that
+//!   made each stored object it owns while the object lives; when every copy
+//!   is lost with its node, the task runs again (same return ids) if retries
+//!   remain, and readers wait for the new copy. Arguments lost too are made
+//!   again the same way when the new run reads them. A lost `put` object fails
+//!   with `ObjectLost`; a borrower whose owner is gone gets an `ObjectLost`
+//!   saying the owner died ([`OWNER_DIED`]).
 //!
 //! Threads: all networking runs on this module's tokio runtime; user code
 //! calls the blocking API (`get`, `wait`, submission) from its own threads.
@@ -51,6 +58,21 @@ fn pipeline_depth() -> usize {
             .unwrap_or(1)
     })
 }
+/// How an `ObjectLost` error whose owner process is gone begins (Python raises
+/// `OwnerDiedError` for it).
+pub const OWNER_DIED: &str = "owner died";
+
+/// Pulls of one object the owner lets run at once from one copy; later
+/// pullers wait for a copy to finish and then pull from it (a tree broadcast).
+const MAX_PULLS_PER_SOURCE: usize = 2;
+/// An assigned pull not reported done within this long no longer holds its
+/// source (its puller died or hung).
+const PULL_SLOT_TTL: Duration = Duration::from_secs(120);
+/// Pulls one process runs at once. Each has at most the agent's channel of
+/// chunks plus the one being written in flight (about 20 MiB), so a process
+/// holds at most about 80 MiB of object bytes in transit.
+const MAX_PULLS_PER_PROCESS: usize = 4;
+
 /// How long an idle lease waits for another task of its class before it
 /// is returned.
 const LEASE_LINGER: Duration = Duration::from_millis(100);
@@ -113,8 +135,45 @@ impl ObjState {
     }
 }
 
+/// What the owner keeps to make a task's stored returns again (CORE-6).
+struct Lineage {
+    /// The spec as it last ran (arguments resolved).
+    spec: pb::TaskSpec,
+    class: Arc<Class>,
+    /// Retries left after that run (negative: unlimited).
+    retries_left: i32,
+    retry_exceptions: bool,
+    /// Argument refs, kept alive (and so reconstructible) with the returns.
+    pins: Vec<RawRef>,
+}
+
+/// An owned object that is ready.
+enum Ready {
+    Inline(Arc<Vec<u8>>),
+    Stored(Vec<pb::ObjectLocation>),
+}
+
+/// What waiting for an owned object found.
+enum Got {
+    /// Ready, with its size in bytes.
+    Ready(Ready, u64),
+    Failed(pb::TaskError),
+    /// Not in the table (freed, or never owned here).
+    Unknown,
+    TimedOut,
+}
+
+/// A pull the owner assigned: `puller` (a node) copies from `source` (a node).
+struct PullSlot {
+    source: String,
+    puller: String,
+    since: Instant,
+}
+
 struct Owned {
     state: ObjState,
+    /// The task that made it, when it can run again (CORE-6).
+    lineage: Option<Arc<Lineage>>,
     /// References alive in this process plus one per borrowing process
     /// (CORE-2).
     refs: usize,
@@ -127,6 +186,10 @@ struct Owned {
     pins: Vec<RawRef>,
     /// The task that makes it, for cancellation.
     task_id: Option<String>,
+    /// Pulls assigned and not reported done (stored objects, OBJ-8).
+    pulls: Vec<PullSlot>,
+    /// Pulls assigned to each source node so far (ties go to the least used).
+    served: HashMap<String, u32>,
 }
 
 struct GenState {
@@ -139,8 +202,9 @@ struct Queued {
     spec: pb::TaskSpec,
     retries_left: i32,
     retry_exceptions: bool,
-    /// Argument refs kept alive until the task ends (CORE-2).
-    _pins: Vec<RawRef>,
+    /// Argument refs kept alive until the task ends (CORE-2), then by its
+    /// lineage (CORE-6).
+    pins: Vec<RawRef>,
 }
 
 struct Class {
@@ -196,6 +260,8 @@ pub(crate) struct Core {
     /// Threads of this worker blocked in get/wait (AGENT-11): the agent lends the lease's
     /// CPUs back while it is above zero.
     blocked_depth: Mutex<usize>,
+    /// Bounds the pulls this process runs at once.
+    pull_permits: tokio::sync::Semaphore,
 }
 
 type AuthChannel = tpuray_proto::client::AuthChannel;
@@ -362,6 +428,7 @@ impl Core {
             clients: Mutex::new(Clients::default()),
             borrowed: Mutex::new(HashMap::new()),
             blocked_depth: Mutex::new(0),
+            pull_permits: tokio::sync::Semaphore::new(MAX_PULLS_PER_PROCESS),
         }
     }
 
@@ -508,6 +575,9 @@ impl Core {
             id.to_string(),
             Owned {
                 state,
+                lineage: None,
+                pulls: Vec::new(),
+                served: HashMap::new(),
                 refs: 1,
                 task_id,
                 borrowers: Default::default(),
@@ -518,11 +588,17 @@ impl Core {
     }
 
     fn set_state(&self, id: &str, state: ObjState) {
+        self.set_state_with(id, state, None);
+    }
+
+    /// Sets an owned object's state and the lineage that can make it again.
+    fn set_state_with(&self, id: &str, state: ObjState, lineage: Option<Arc<Lineage>>) {
         let freed = {
             let mut objs = self.objects.lock().unwrap();
             match objs.get_mut(id) {
                 Some(o) => {
                     o.state = state;
+                    o.lineage = lineage;
                     // Nobody holds a ref any more: free at once (CORE-2).
                     if o.refs == 0 { objs.remove(id) } else { None }
                 }
@@ -687,6 +763,39 @@ impl Core {
         RawRef::adopt(id, self.address.clone())
     }
 
+    /// Stores the concatenation of `parts` as a new owned object (`put` of a
+    /// value serialized in pieces: a pickle and the buffers it refers to). A
+    /// large one is written part by part straight into this node's store,
+    /// never joined in memory first. `nested` as for [`Core::put_bytes`].
+    pub(crate) fn put_parts(&self, parts: &[&[u8]], nested: Vec<RawRef>) -> Result<RawRef, Error> {
+        let size = parts.iter().map(|p| p.len()).sum::<usize>();
+        if size <= INLINE_MAX_BYTES {
+            return self.put_bytes(parts.concat(), nested);
+        }
+        let id = tpuray_proto::ids::ObjectId::random().to_string();
+        let size = size as u64;
+        let opts = CreateOptions {
+            size: Some(size),
+            owner: Some(self.address.clone()),
+            ..Default::default()
+        };
+        let cluster = |e: tpuray_objectstore::StoreError| Error::Cluster(e.to_string());
+        // OBJ-7: a store that cannot take it fails at once, naming the sizes.
+        let mut w = self.store.create_with(&id, &opts).map_err(cluster)?;
+        for p in parts {
+            w.write(p).map_err(|e| Error::Cluster(e.to_string()))?;
+        }
+        w.seal(Some(size)).map_err(cluster)?;
+        let state = ObjState::Stored { locations: vec![self.location()], size };
+        self.register_owned(&id, state, None);
+        if !nested.is_empty()
+            && let Some(o) = self.objects.lock().unwrap().get_mut(&id)
+        {
+            o.pins = nested;
+        }
+        Ok(RawRef::adopt(id, self.address.clone()))
+    }
+
     /// Inline when small, else written to this node's store.
     fn make_state(&self, id: &str, bytes: Vec<u8>) -> Result<ObjState, Error> {
         if bytes.len() <= INLINE_MAX_BYTES {
@@ -700,56 +809,220 @@ impl Core {
         }
     }
 
-    /// Waits until `r` is ready; its bytes.
+    /// Waits until `r` is ready; its bytes. Copies that cannot be read are
+    /// reported lost (to this process's table, or to the owner), which makes
+    /// the object again from lineage or fails it (CORE-6).
     pub(crate) async fn get_data(
-        &self,
+        self: &Arc<Self>,
         r: &RawRef,
         deadline: Option<Instant>,
     ) -> Result<Data, Error> {
         let id = r.id();
-        let (inline, locations) = if r.owner() == self.address {
-            loop {
-                let notified = self.objects_changed.notified();
-                let state = self.objects.lock().unwrap().get(id).map(|o| o.state.clone());
-                match state {
-                    None => {
-                        return Err(Error::ObjectLost {
-                            id: id.into(),
-                            message: "freed by its owner".into(),
-                        });
-                    }
-                    Some(ObjState::Pending) => {}
-                    Some(ObjState::Inline(b)) => return Ok(Data::Inline(b)),
-                    Some(ObjState::Stored { locations, .. }) => break (None, locations),
-                    Some(ObjState::Failed(e)) => return Err(Error::from_wire(&e, "")),
+        let mut lost: Vec<String> = Vec::new();
+        loop {
+            let locations = if r.owner() == self.address {
+                if !lost.is_empty() {
+                    self.object_lost(id, &std::mem::take(&mut lost));
                 }
-                match deadline {
-                    Some(d) => {
-                        if tokio::time::timeout_at(d.into(), notified).await.is_err() {
-                            return Err(Error::Timeout(
-                                d.saturating_duration_since(Instant::now()),
-                                1,
-                            ));
-                        }
-                    }
-                    None => notified.await,
+                match self.wait_owned(id, &self.node_id, deadline).await? {
+                    Ready::Inline(b) => return Ok(Data::Inline(b)),
+                    Ready::Stored(locations) => locations,
                 }
+            } else {
+                match self.ask_owner(r, deadline, std::mem::take(&mut lost)).await? {
+                    Ready::Inline(b) => return Ok(Data::Inline(b)),
+                    Ready::Stored(locations) => locations,
+                }
+            };
+            match self.fetch(id, r.owner(), &locations).await {
+                Ok(d) => return Ok(d),
+                Err((e, failed)) if failed.is_empty() => return Err(e),
+                Err((_, failed)) => lost = failed,
             }
-        } else {
-            self.ask_owner(r, deadline).await?
-        };
-        if let Some(b) = inline {
-            return Ok(Data::Inline(b));
         }
-        self.fetch(id, r.owner(), &locations).await
     }
 
-    /// A borrower asks the owner for the object (long poll).
+    /// Waits until owned object `id` is ready (inline bytes or locations);
+    /// `puller` as in [`Core::wait_ready`].
+    async fn wait_owned(
+        &self,
+        id: &str,
+        puller: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Ready, Error> {
+        match self.wait_ready(id, puller, deadline).await {
+            Got::Ready(r, _) => Ok(r),
+            Got::Failed(e) => Err(Error::from_wire(&e, id)),
+            Got::Unknown => {
+                Err(Error::ObjectLost { id: id.into(), message: "freed by its owner".into() })
+            }
+            Got::TimedOut => Err(Error::Timeout(Duration::ZERO, 1)),
+        }
+    }
+
+    /// Waits until owned object `id` is ready or failed. For a stored object
+    /// and a `puller` node ("" for none), waits also until a copy can serve
+    /// it and answers with that one source ([`assign_source`], OBJ-8).
+    async fn wait_ready(&self, id: &str, puller: &str, deadline: Option<Instant>) -> Got {
+        loop {
+            let notified = self.objects_changed.notified();
+            {
+                let mut objs = self.objects.lock().unwrap();
+                let Some(o) = objs.get_mut(id) else { return Got::Unknown };
+                match &o.state {
+                    ObjState::Pending => {}
+                    ObjState::Inline(b) => {
+                        return Got::Ready(Ready::Inline(Arc::clone(b)), b.len() as u64);
+                    }
+                    ObjState::Failed(e) => return Got::Failed(e.clone()),
+                    ObjState::Stored { locations, size } => {
+                        let size = *size;
+                        if puller.is_empty() {
+                            return Got::Ready(Ready::Stored(locations.clone()), size);
+                        }
+                        if let Some(l) = assign_source(o, puller) {
+                            return Got::Ready(Ready::Stored(l), size);
+                        }
+                    }
+                }
+            }
+            match deadline {
+                Some(d) => {
+                    if tokio::time::timeout_at(d.into(), notified).await.is_err() {
+                        return Got::TimedOut;
+                    }
+                }
+                None => notified.await,
+            }
+        }
+    }
+
+    /// A pull the owner assigned ended (owner side of `ReportObjectCopy`):
+    /// frees its source and, when it succeeded, adds the puller's copy as a
+    /// source for later pullers (OBJ-8).
+    pub(crate) fn copy_done(
+        &self,
+        id: &str,
+        source: &str,
+        puller: &str,
+        copy: Option<pb::ObjectLocation>,
+    ) {
+        let orphan = {
+            let mut objs = self.objects.lock().unwrap();
+            match objs.get_mut(id) {
+                Some(o) => {
+                    if let Some(i) =
+                        o.pulls.iter().position(|p| p.source == source && p.puller == puller)
+                    {
+                        o.pulls.remove(i);
+                    }
+                    if let (Some(c), ObjState::Stored { locations, .. }) = (copy, &mut o.state)
+                        && !locations.iter().any(|l| l.node_id == c.node_id)
+                    {
+                        locations.push(c);
+                    }
+                    None
+                }
+                // Freed while it was pulled: that copy goes too (CORE-2).
+                None => copy,
+            }
+        };
+        if let Some(c) = orphan {
+            self.free_copies(id.to_string(), vec![c]);
+        }
+        self.objects_changed.notify_waiters();
+    }
+
+    /// Tells `owner` that this node's pull of `id` from `source` ended.
+    async fn report_copy(
+        &self,
+        id: &str,
+        owner: &str,
+        source: &str,
+        copy: Option<pb::ObjectLocation>,
+    ) {
+        if owner == self.address {
+            self.copy_done(id, source, &self.node_id, copy);
+            return;
+        }
+        let Ok(mut c) = self.worker_client(owner) else { return };
+        let mut req = Request::new(pb::ReportObjectCopyRequest {
+            object_id: id.to_string(),
+            source_node_id: source.to_string(),
+            puller_node_id: self.node_id.clone(),
+            copy,
+        });
+        req.set_timeout(Duration::from_secs(10));
+        let _ = c.report_object_copy(req).await;
+    }
+
+    /// Copies of owned object `id` on the nodes `lost` cannot be read: drops
+    /// those locations and, when none is left, runs the task that made it
+    /// again (CORE-6) or, without lineage or retries, fails it as lost.
+    fn object_lost(self: &Arc<Self>, id: &str, lost: &[String]) {
+        let redo = {
+            let mut objs = self.objects.lock().unwrap();
+            let Some(o) = objs.get_mut(id) else { return };
+            o.pulls.retain(|p| !lost.contains(&p.source));
+            let ObjState::Stored { locations, .. } = &mut o.state else { return };
+            locations.retain(|l| !lost.contains(&l.node_id));
+            if !locations.is_empty() {
+                return;
+            }
+            match o.lineage.clone() {
+                Some(l) if l.retries_left != 0 => {
+                    // Every stored return of that task comes back with the new run.
+                    for rid in &l.spec.return_ids {
+                        if let Some(r) = objs.get_mut(rid)
+                            && matches!(r.state, ObjState::Stored { .. })
+                        {
+                            r.state = ObjState::Pending;
+                            r.lineage = None;
+                        }
+                    }
+                    l
+                }
+                l => {
+                    let why = if l.is_some() {
+                        "the task that made it has no retries left"
+                    } else {
+                        "it was made by put, so no task can make it again"
+                    };
+                    o.state = ObjState::Failed(pb::TaskError {
+                        kind: Kind::ObjectLost as i32,
+                        message: format!("every copy was lost with its node and {why}"),
+                        function_name: id.to_string(),
+                        ..Default::default()
+                    });
+                    drop(objs);
+                    self.objects_changed.notify_waiters();
+                    return;
+                }
+            }
+        };
+        self.objects_changed.notify_waiters();
+        let mut spec = redo.spec.clone();
+        spec.attempt += 1;
+        self.event(&spec, "RETRYING", "reconstructing a lost return object");
+        let left = if redo.retries_left < 0 { redo.retries_left } else { redo.retries_left - 1 };
+        redo.class.queue.lock().unwrap().push_back(Queued {
+            spec,
+            retries_left: left,
+            retry_exceptions: redo.retry_exceptions,
+            pins: redo.pins.clone(),
+        });
+        redo.class.queued.notify_one();
+        self.ensure_leases(&redo.class);
+    }
+
+    /// A borrower asks the owner for the object (long poll), first reporting
+    /// the nodes whose copies it could not read.
     async fn ask_owner(
         &self,
         r: &RawRef,
         deadline: Option<Instant>,
-    ) -> Result<(Option<Arc<Vec<u8>>>, Vec<pb::ObjectLocation>), Error> {
+        mut lost: Vec<String>,
+    ) -> Result<Ready, Error> {
         let mut client =
             self.worker_client(r.owner()).map_err(|e| Error::Cluster(e.to_string()))?;
         loop {
@@ -760,27 +1033,33 @@ impl Core {
             let mut req = Request::new(pb::GetObjectRequest {
                 object_id: r.id().to_string(),
                 timeout_ms: wait.as_millis() as u64,
+                lost_node_ids: std::mem::take(&mut lost),
+                puller_node_id: self.node_id.clone(),
             });
             req.set_timeout(wait + Duration::from_secs(10));
             let reply = client.get_object(req).await.map_err(|s| Error::ObjectLost {
                 id: r.id().to_string(),
-                message: format!(
-                    "its owner at {} is unreachable (owner died?): {}",
-                    r.owner(),
-                    s.message()
-                ),
+                message: if s.code() == tonic::Code::Unavailable {
+                    format!(
+                        "{OWNER_DIED}: its owner at {} cannot be reached: {}",
+                        r.owner(),
+                        s.message()
+                    )
+                } else {
+                    format!("its owner at {} did not answer: {}", r.owner(), s.message())
+                },
             })?;
             let reply = reply.into_inner();
             match pb::get_object_reply::Status::try_from(reply.status) {
                 Ok(pb::get_object_reply::Status::Ready) => {
                     return Ok(if reply.locations.is_empty() {
-                        (Some(Arc::new(reply.inline_value)), vec![])
+                        Ready::Inline(Arc::new(reply.inline_value))
                     } else {
-                        (None, reply.locations)
+                        Ready::Stored(reply.locations)
                     });
                 }
                 Ok(pb::get_object_reply::Status::Failed) => {
-                    return Err(Error::from_wire(&reply.error.unwrap_or_default(), ""));
+                    return Err(Error::from_wire(&reply.error.unwrap_or_default(), r.id()));
                 }
                 Ok(pb::get_object_reply::Status::Unknown) => {
                     return Err(Error::ObjectLost {
@@ -798,32 +1077,64 @@ impl Core {
     }
 
     /// Maps the local copy, or pulls one from another node into this node's
-    /// store first (a secondary copy, evictable, recording `owner`).
+    /// store first (a secondary copy, evictable, recording `owner`). On
+    /// failure also the nodes whose copies could not be read (this node's
+    /// own when its listed copy is gone): the caller reports them lost.
     async fn fetch(
         &self,
         id: &str,
         owner: &str,
         locations: &[pb::ObjectLocation],
-    ) -> Result<Data, Error> {
+    ) -> Result<Data, (Error, Vec<String>)> {
         let local_dir = self.store.dir().display().to_string();
-        if let Ok(Some(v)) = self.map_local(id).await {
-            return Ok(Data::Mapped(Arc::new(v)));
+        let mut failed = Vec::new();
+        match self.map_local(id).await {
+            Ok(Some(v)) => {
+                if let Some(src) = locations
+                    .first()
+                    .filter(|_| !locations.iter().any(|l| l.store_dir == local_dir))
+                {
+                    // A copy here the owner did not know of: it frees the source
+                    // it assigned and hands this one out from now on.
+                    self.report_copy(id, owner, &src.node_id, Some(self.location())).await;
+                }
+                return Ok(Data::Mapped(Arc::new(v)));
+            }
+            Ok(None) => failed.extend(
+                locations.iter().filter(|l| l.store_dir == local_dir).map(|l| l.node_id.clone()),
+            ),
+            Err(_) => {}
         }
         let mut last = String::from("no copy is known");
         for loc in locations.iter().filter(|l| l.store_dir != local_dir) {
-            match self.pull(id, owner, &loc.agent_address).await {
+            let pulled = self.pull(id, owner, &loc.agent_address).await;
+            // The owner frees the source it assigned; a lost source is
+            // reported with the next request instead (CORE-6).
+            match &pulled {
+                Ok(()) => self.report_copy(id, owner, &loc.node_id, Some(self.location())).await,
+                Err(PullError::Local(_)) => self.report_copy(id, owner, &loc.node_id, None).await,
+                Err(PullError::Source(_)) => {}
+            }
+            match pulled {
                 Ok(()) => match self.map_local(id).await {
                     Ok(Some(v)) => return Ok(Data::Mapped(Arc::new(v))),
                     Ok(None) => last = "the pulled copy was evicted before it was read".into(),
                     Err(e) => last = e,
                 },
-                Err(e) => last = e,
+                Err(PullError::Source(e)) => {
+                    failed.push(loc.node_id.clone());
+                    last = e;
+                }
+                Err(PullError::Local(e)) => last = e,
             }
         }
-        Err(Error::ObjectLost {
-            id: id.to_string(),
-            message: format!("no node could provide it: {last}"),
-        })
+        Err((
+            Error::ObjectLost {
+                id: id.to_string(),
+                message: format!("no node could provide it: {last}"),
+            },
+            failed,
+        ))
     }
 
     /// Maps this node's copy of `id`. Off the runtime threads: a spilled
@@ -839,17 +1150,20 @@ impl Core {
     /// Pulls `id` from the agent at `agent` into this node's store as a
     /// secondary copy. Store calls (reserving room may spill or evict) run
     /// off the runtime threads, one chunk at a time.
-    async fn pull(&self, id: &str, owner: &str, agent: &str) -> Result<(), String> {
-        let mut c = self.objects_client(agent).map_err(|e| e.to_string())?;
+    async fn pull(&self, id: &str, owner: &str, agent: &str) -> Result<(), PullError> {
+        let source = |m: String| PullError::Source(format!("{agent}: {m}"));
+        let _permit =
+            self.pull_permits.acquire().await.map_err(|e| PullError::Local(e.to_string()))?;
+        let mut c = self.objects_client(agent).map_err(|e| source(e.to_string()))?;
         let mut stream = c
             .pull(pb::PullRequest { object_id: id.to_string(), chunk_size: 0 })
             .await
-            .map_err(|s| format!("{agent}: {}", s.message()))?
+            .map_err(|s| source(s.message().to_string()))?
             .into_inner();
         let mut w: Option<Writer> = None;
         let mut total = None;
         while let Some(chunk) =
-            stream.message().await.map_err(|s| format!("{agent}: {}", s.message()))?
+            stream.message().await.map_err(|s| source(s.message().to_string()))?
         {
             total = Some(chunk.total_size);
             let writer = w.take();
@@ -873,15 +1187,17 @@ impl Core {
                     Ok::<_, String>(w)
                 })
                 .await
-                .map_err(|e| e.to_string())??,
+                .map_err(|e| PullError::Local(e.to_string()))?
+                .map_err(PullError::Local)?,
             );
         }
         let Some(w) = w else {
-            return Err(format!("{agent}: the pull of {id} ended without data"));
+            return Err(source(format!("the pull of {id} ended without data")));
         };
         tokio::task::spawn_blocking(move || w.seal(total).map_err(|e| e.to_string()))
             .await
-            .map_err(|e| e.to_string())?
+            .map_err(|e| PullError::Local(e.to_string()))?
+            .map_err(PullError::Local)
     }
 
     /// Whether `r` is ready now (for `wait`).
@@ -896,7 +1212,10 @@ impl Core {
                 return true;
             };
             match c
-                .get_object(pb::GetObjectRequest { object_id: r.id().to_string(), timeout_ms: 0 })
+                .get_object(pb::GetObjectRequest {
+                    object_id: r.id().to_string(),
+                    ..Default::default()
+                })
                 .await
             {
                 Ok(rep) => rep.into_inner().status != pb::get_object_reply::Status::Pending as i32,
@@ -911,45 +1230,45 @@ impl Core {
         self.objects_changed.notified()
     }
 
-    /// Owner side of `GetObject`.
-    pub(crate) async fn serve_get_object(&self, id: &str, timeout: Duration) -> pb::GetObjectReply {
+    /// Owner side of `GetObject`; `lost`: nodes whose copies the caller
+    /// could not read (CORE-6); `puller`: the caller's node when it will pull
+    /// (answered with one assigned source, OBJ-8).
+    pub(crate) async fn serve_get_object(
+        self: &Arc<Self>,
+        id: &str,
+        timeout: Duration,
+        lost: &[String],
+        puller: &str,
+    ) -> pb::GetObjectReply {
         use pb::get_object_reply::Status;
+        if !lost.is_empty() {
+            self.object_lost(id, lost);
+        }
         let deadline = Instant::now() + timeout;
-        loop {
-            let notified = self.objects_changed.notified();
-            let state = self.objects.lock().unwrap().get(id).map(|o| o.state.clone());
-            let reply = match state {
-                None => pb::GetObjectReply { status: Status::Unknown as i32, ..Default::default() },
-                Some(ObjState::Pending) => {
-                    if Instant::now() >= deadline
-                        || tokio::time::timeout_at(deadline.into(), notified).await.is_err()
-                    {
-                        return pb::GetObjectReply {
-                            status: Status::Pending as i32,
-                            ..Default::default()
-                        };
-                    }
-                    continue;
-                }
-                Some(ObjState::Inline(b)) => pb::GetObjectReply {
-                    status: Status::Ready as i32,
-                    size: b.len() as u64,
-                    inline_value: b.to_vec(),
-                    ..Default::default()
-                },
-                Some(ObjState::Stored { locations, size }) => pb::GetObjectReply {
-                    status: Status::Ready as i32,
-                    locations,
-                    size,
-                    ..Default::default()
-                },
-                Some(ObjState::Failed(e)) => pb::GetObjectReply {
-                    status: Status::Failed as i32,
-                    error: Some(e),
-                    ..Default::default()
-                },
-            };
-            return reply;
+        match self.wait_ready(id, puller, Some(deadline)).await {
+            Got::Ready(Ready::Inline(b), size) => pb::GetObjectReply {
+                status: Status::Ready as i32,
+                size,
+                inline_value: b.to_vec(),
+                ..Default::default()
+            },
+            Got::Ready(Ready::Stored(locations), size) => pb::GetObjectReply {
+                status: Status::Ready as i32,
+                locations,
+                size,
+                ..Default::default()
+            },
+            Got::Failed(e) => pb::GetObjectReply {
+                status: Status::Failed as i32,
+                error: Some(e),
+                ..Default::default()
+            },
+            Got::Unknown => {
+                pb::GetObjectReply { status: Status::Unknown as i32, ..Default::default() }
+            }
+            Got::TimedOut => {
+                pb::GetObjectReply { status: Status::Pending as i32, ..Default::default() }
+            }
         }
     }
 
@@ -980,15 +1299,17 @@ impl Core {
                 }
                 Arg::Ref(r) => {
                     if r.owner() == self.address {
-                        match self.get_data(&r, None).await {
-                            Ok(Data::Inline(b)) => {
+                        // A stored value travels as a ref: the executor pulls it
+                        // (this process never copies it in just to look).
+                        match self.wait_owned(r.id(), "", None).await {
+                            Ok(Ready::Inline(b)) => {
                                 out.push(pb::TaskArg {
                                     kind: Some(pb::task_arg::Kind::Value(b.to_vec())),
                                     nested: vec![],
                                 });
                                 continue;
                             }
-                            Ok(Data::Mapped(_)) => {}
+                            Ok(Ready::Stored(_)) => {}
                             Err(e) => {
                                 return Err(err(
                                     Kind::Application,
@@ -1138,7 +1459,7 @@ impl Core {
                         spec,
                         retries_left: retries,
                         retry_exceptions,
-                        _pins: pins,
+                        pins,
                     });
                     class.queued.notify_one();
                     core.ensure_leases(&class);
@@ -1434,10 +1755,34 @@ impl Core {
             self.finish_failed(&q.spec, e);
             return;
         }
-        self.finish_ok(&q.spec, reply);
+        // CORE-6: stored returns keep what it takes to run the task again.
+        let stored = reply
+            .returns
+            .iter()
+            .any(|r| matches!(r.data, Some(pb::return_object::Data::Location(_))));
+        let spec = q.spec.clone();
+        let lineage = (stored && !q.spec.streaming && q.retries_left != 0).then(|| {
+            Arc::new(Lineage {
+                spec: q.spec,
+                class: Arc::clone(class),
+                retries_left: q.retries_left,
+                retry_exceptions: q.retry_exceptions,
+                pins: q.pins,
+            })
+        });
+        self.finish_ok_with(&spec, reply, lineage);
     }
 
     fn finish_ok(&self, spec: &pb::TaskSpec, reply: pb::PushTaskReply) {
+        self.finish_ok_with(spec, reply, None);
+    }
+
+    fn finish_ok_with(
+        &self,
+        spec: &pb::TaskSpec,
+        reply: pb::PushTaskReply,
+        lineage: Option<Arc<Lineage>>,
+    ) {
         let (node, worker) = (reply.node_id, reply.worker_id);
         let returns = reply.returns;
         if let (Some(first), false) = (spec.return_ids.first(), reply.nested_in_return.is_empty()) {
@@ -1452,6 +1797,9 @@ impl Core {
                     // Already freed by the caller: release at once.
                     let o = Owned {
                         state: ObjState::Pending,
+                        lineage: None,
+                        pulls: Vec::new(),
+                        served: HashMap::new(),
                         refs: 0,
                         task_id: None,
                         borrowers: Default::default(),
@@ -1464,7 +1812,9 @@ impl Core {
         }
         for r in returns {
             let id = r.object_id.clone();
-            self.set_state(&id, ObjState::from_return(r));
+            let state = ObjState::from_return(r);
+            let keep = matches!(state, ObjState::Stored { .. }).then(|| lineage.clone()).flatten();
+            self.set_state_with(&id, state, keep);
         }
         if spec.streaming {
             self.generators
@@ -1508,6 +1858,9 @@ impl Core {
             item.object_id.clone(),
             Owned {
                 state,
+                lineage: None,
+                pulls: Vec::new(),
+                served: HashMap::new(),
                 refs: 1,
                 task_id: None,
                 borrowers: Default::default(),
@@ -1854,6 +2207,48 @@ impl Core {
             });
         }
     }
+}
+
+/// OBJ-8: the source a puller on node `puller` copies stored object `o` from:
+/// every location when its own node has a copy; else the copy with the fewest
+/// pulls in flight, under [`MAX_PULLS_PER_SOURCE`], then the one that served
+/// least, then the newest (so later pullers copy from earlier ones instead of
+/// all from the first). `None` while every copy is busy or another process of
+/// the same node is pulling it already: wait for one to finish.
+fn assign_source(o: &mut Owned, puller: &str) -> Option<Vec<pb::ObjectLocation>> {
+    let Owned { state, pulls, served, .. } = o;
+    let ObjState::Stored { locations, .. } = state else { return None };
+    if locations.iter().any(|l| l.node_id == puller) {
+        return Some(locations.clone());
+    }
+    let now = Instant::now();
+    pulls.retain(|p| now.duration_since(p.since) < PULL_SLOT_TTL);
+    if pulls.iter().any(|p| p.puller == puller) {
+        return None;
+    }
+    let in_flight = |n: &str| pulls.iter().filter(|p| p.source == n).count();
+    let best = locations
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| in_flight(&l.node_id) < MAX_PULLS_PER_SOURCE)
+        .min_by_key(|(i, l)| {
+            (
+                in_flight(&l.node_id),
+                served.get(&l.node_id).copied().unwrap_or(0),
+                std::cmp::Reverse(*i),
+            )
+        })
+        .map(|(_, l)| l.clone())?;
+    pulls.push(PullSlot { source: best.node_id.clone(), puller: puller.to_string(), since: now });
+    *served.entry(best.node_id.clone()).or_default() += 1;
+    Some(vec![best])
+}
+
+/// Why a pull failed: the source (its node is gone, or it no longer has the
+/// object: that copy is lost) or this node (its store cannot take the copy).
+enum PullError {
+    Source(String),
+    Local(String),
 }
 
 /// True when a call failed before reaching the server (nothing ran).

@@ -179,6 +179,16 @@ pub fn put(bytes: Vec<u8>, nested: Vec<RawRef>) -> Result<RawRef, Error> {
     core()?.put_bytes(bytes, nested)
 }
 
+/// Stores the concatenation of `parts` as an object owned by this process, as [`put`]
+/// does with one buffer: a value serialized in pieces (a pickle and the buffers it refers
+/// to) is written piece by piece into the node's store, without joining them first.
+///
+/// # Errors
+/// The node's object store cannot take it.
+pub fn put_parts(parts: &[&[u8]], nested: Vec<RawRef>) -> Result<RawRef, Error> {
+    core()?.put_parts(parts, nested)
+}
+
 /// Which refs are ready once `num_returns` of them are or `timeout` passes (Ray's `wait`).
 ///
 /// # Errors

@@ -92,7 +92,12 @@ impl WorkerService for SvcRef {
     ) -> Result<Response<pb::GetObjectReply>, Status> {
         let req = req.into_inner();
         let wait = Duration::from_millis(req.timeout_ms.min(60_000));
-        Ok(Response::new(self.0.core.serve_get_object(&req.object_id, wait).await))
+        Ok(Response::new(
+            self.0
+                .core
+                .serve_get_object(&req.object_id, wait, &req.lost_node_ids, &req.puller_node_id)
+                .await,
+        ))
     }
 
     async fn report_generator_item(
@@ -114,6 +119,15 @@ impl WorkerService for SvcRef {
         let known =
             self.0.core.serve_update_borrower(&req.object_id, &req.borrower_address, req.add);
         Ok(Response::new(pb::UpdateBorrowerReply { known }))
+    }
+
+    async fn report_object_copy(
+        &self,
+        req: Request<pb::ReportObjectCopyRequest>,
+    ) -> Result<Response<pb::ReportObjectCopyReply>, Status> {
+        let req = req.into_inner();
+        self.0.core.copy_done(&req.object_id, &req.source_node_id, &req.puller_node_id, req.copy);
+        Ok(Response::new(pb::ReportObjectCopyReply {}))
     }
 
     async fn cancel_task(

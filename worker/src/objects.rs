@@ -6,6 +6,7 @@
 //! `spawn_blocking`, never on the runtime threads that answer RPCs.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -15,6 +16,10 @@ use tpuray_proto::pb::object_transfer_service_server::ObjectTransferService;
 
 /// Chunk size of a pull when the puller names none (4 MiB).
 const DEFAULT_CHUNK: usize = 4 * 1024 * 1024;
+
+/// Object bytes this agent sent to pullers (one agent per process), in
+/// `GetStoreUsage` as `bytes_served`.
+static BYTES_SERVED: AtomicU64 = AtomicU64::new(0);
 
 #[derive(Clone)]
 pub struct ObjectsSvc {
@@ -83,6 +88,7 @@ impl ObjectTransferService for ObjectsSvc {
                 if tx.blocking_send(Ok(c)).is_err() {
                     return;
                 }
+                BYTES_SERVED.fetch_add((end - offset) as u64, Ordering::Relaxed);
                 offset = end;
             }
         });
@@ -123,6 +129,7 @@ impl ObjectTransferService for ObjectsSvc {
         let mut reply = usage_to_proto(usage);
         reply.store_dir = self.store.dir().display().to_string();
         reply.spill_dir = spill.map(|s| s.display().to_string()).unwrap_or_default();
+        reply.bytes_served = BYTES_SERVED.load(Ordering::Relaxed);
         Ok(Response::new(reply))
     }
 }
@@ -146,6 +153,7 @@ fn usage_to_proto(u: StoreUsage) -> pb::GetStoreUsageReply {
         spilled_count: u.spilled_count,
         store_dir: String::new(),
         spill_dir: String::new(),
+        bytes_served: 0,
         objects: u
             .largest
             .into_iter()

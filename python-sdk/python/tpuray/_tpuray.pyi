@@ -54,11 +54,25 @@ def create_actor(class_key: str, display: str, args: list[Arg], options: dict[st
     ``max_restarts``, ``max_concurrency``, ``get_if_exists``, ``label_selector``,
     ``scheduling``."""
 def call_actor(actor_id: str, display: str, method: str, args: list[Arg], num_returns: int) -> list[RefCore]: ...
+class ObjectBuffer:
+    """A store object mapped read-only (what ``get`` returns for large objects). Keep it
+    alive for as long as its memory is read; the object stays pinned in memory until
+    then."""
+
+    def address(self) -> int:
+        """The address of the first byte of the mapping."""
+    def __len__(self) -> int:
+        """The object's size in bytes."""
+
 def get(refs: list[RefCore], timeout: Optional[float] = None) -> list[tuple[int, Any]]:
-    """Per ref ``(0, bytes)`` or ``(1, (kind, message, payload, function, node, pid))``
-    where kind is one of ``task``, ``worker_died``, ``actor_died``, ``cancelled``,
-    ``timeout``, ``object_lost``, ``infeasible``, ``decode``, ``cluster``."""
-def put(data: bytes, nested: list[RefCore]) -> RefCore: ...
+    """Per ref ``(0, bytes)`` (inline), ``(2, ObjectBuffer)`` (mapped from the node's
+    store, not copied) or ``(1, (kind, message, payload, function, node, pid))`` where
+    kind is one of ``task``, ``worker_died``, ``actor_died``, ``cancelled``, ``timeout``,
+    ``object_lost``, ``infeasible``, ``decode``, ``cluster``."""
+def put(parts: list[Any], nested: list[RefCore]) -> RefCore:
+    """Stores the concatenation of ``parts`` (bytes-like objects, each one contiguous
+    buffer) as an object owned by this process; large ones are written into the node's
+    store part by part, without the GIL."""
 def wait(refs: list[RefCore], num_returns: int, timeout: Optional[float] = None) -> list[bool]: ...
 def deserialize_ref(id: str, owner: str) -> RefCore:
     """A ref rebuilt while unpickling; registers this process as a borrower."""

@@ -689,6 +689,13 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
         "spill-objects" => spill_objects(args)?,
         // A result made on the node with the `far` resource, read here: see `pulled_copy`.
         "pulled-copy" => pulled_copy(args)?,
+        // A chain of results on the node with the `x` resource, made again after the test
+        // kills that node: see `lineage`.
+        "lineage" => lineage(args)?,
+        // An object borrowed from an actor that is then killed: see `owner_died`.
+        "owner-died" => owner_died(args)?,
+        // One large object read on several nodes at once: see `broadcast`.
+        "broadcast" => broadcast(args)?,
         other => bail!("unknown scenario {other:?}"),
     }
     Ok(())
@@ -790,4 +797,178 @@ fn pulled_copy(args: &[String]) -> anyhow::Result<()> {
     let ok = b.0.len() == 2_000_000 && b.0.chunks(251).all(|c| c == &spill_period(7)[..c.len()]);
     say(&format!("PULLED id={} size={} ok={ok}", r.id(), b.0.len()));
     wait_for_file(&done, Duration::from_secs(60))
+}
+
+/// Adds one to the number in `path` (0 when missing): how often a task ran.
+fn bump(path: &str) {
+    let n = std::fs::read_to_string(path).ok().and_then(|s| s.trim().parse::<u32>().ok());
+    std::fs::write(path, (n.unwrap_or(0) + 1).to_string()).expect("write counter file");
+}
+
+fn runs(path: &Path) -> u32 {
+    std::fs::read_to_string(path).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+}
+
+/// Counts its run in `count_file`, then returns `bytes` bytes of pattern `k`.
+#[tpuray::remote]
+fn counted_pattern(count_file: String, k: usize, bytes: usize) -> tpuray::Blob {
+    bump(&count_file);
+    tpuray::Blob(spill_pattern(k, bytes))
+}
+
+/// Counts its run in `count_file`, then returns `src` with one added to every byte.
+#[tpuray::remote]
+fn counted_shift(count_file: String, src: tpuray::Blob) -> tpuray::Blob {
+    bump(&count_file);
+    tpuray::Blob(src.0.iter().map(|b| b.wrapping_add(1)).collect())
+}
+
+/// Size of the results of the `lineage` scenario (10 MB: stored, not inline).
+const LINEAGE_BYTES: usize = 10_000_000;
+
+/// `lineage WORK_DIR`: on the node with the `x` resource, `a` makes 10 MB of pattern 5 and
+/// `b` shifts `a`'s bytes by one; a task there also puts 10 MB and returns the ref. Once
+/// both results are ready (never read here, so their only copies stay on that node) it
+/// drops its ref to `a` (`b`'s lineage keeps it) and prints `READY`; the test kills the
+/// node and starts another with `x`, then creates `WORK_DIR/go`. Then `b` is read:
+/// `RESULT ok=<bytes right> len=<bytes> a_runs=<n> b_runs=<n> ms=<elapsed>`, and the put
+/// object: `PUTLOST kind=<error kind> msg=<message>` (or `PUTLOST ok` if it was read).
+fn lineage(args: &[String]) -> anyhow::Result<()> {
+    let dir = PathBuf::from(arg(args, 0, "work dir")?);
+    let on_x = TaskOptions {
+        resources: [("x".to_string(), 1.0)].into_iter().collect(),
+        ..Default::default()
+    };
+    let (a_count, b_count) = (dir.join("a.count"), dir.join("b.count"));
+    let a = counted_pattern::options(on_x.clone()).remote(
+        a_count.display().to_string(),
+        5,
+        LINEAGE_BYTES,
+    );
+    let b = counted_shift::options(on_x.clone()).remote(b_count.display().to_string(), &a);
+    let outer = make_ref::options(on_x).remote(LINEAGE_BYTES);
+    let (ready, _) = tpuray::wait(&[a.clone(), b.clone()], 2, Some(Duration::from_secs(60)))?;
+    if ready.len() != 2 {
+        bail!("the results on node x were not ready in 60 s");
+    }
+    let put = tpuray::get_timeout(&outer, Duration::from_secs(60))?;
+    drop((a, ready, outer));
+    say(&format!("READY a_runs={} b_runs={}", runs(&a_count), runs(&b_count)));
+    wait_for_file(&dir.join("go"), Duration::from_secs(120))?;
+    let t = Instant::now();
+    match tpuray::get_timeout(&b, Duration::from_secs(90)) {
+        Ok(v) => {
+            let want: Vec<u8> = spill_period(5).iter().map(|x| x + 1).collect();
+            let ok = v.0.len() == LINEAGE_BYTES && v.0.chunks(251).all(|c| c == &want[..c.len()]);
+            say(&format!(
+                "RESULT ok={ok} len={} a_runs={} b_runs={} ms={}",
+                v.0.len(),
+                runs(&a_count),
+                runs(&b_count),
+                t.elapsed().as_millis()
+            ));
+        }
+        Err(e) => print_error(&e, t),
+    }
+    match tpuray::get_timeout(&put, Duration::from_secs(30)) {
+        Ok(_) => say("PUTLOST ok"),
+        Err(e) => {
+            let msg = e.to_string().replace('\n', " | ");
+            say(&format!("PUTLOST kind={} msg={msg}", kind(&e)));
+        }
+    }
+    Ok(())
+}
+
+/// An actor that puts objects: it owns them, its callers borrow them.
+#[derive(Default)]
+pub struct Putter;
+
+#[tpuray::actor]
+impl Putter {
+    pub fn new() -> Self {
+        Putter
+    }
+    /// Puts `bytes` bytes; the ref and this process's pid.
+    pub fn put(&self, bytes: usize) -> Result<(tpuray::ObjectRef<tpuray::Blob>, u32), String> {
+        let r = tpuray::put(&tpuray::Blob(vec![9u8; bytes])).map_err(|e| e.to_string())?;
+        Ok((r, std::process::id()))
+    }
+}
+
+/// `owner-died`: an actor puts 10 MB and hands back the ref; this driver reads it
+/// (`BORROWED len=<bytes>`), SIGKILLs the actor's process, reads it again and prints
+/// `OWNERDIED kind=<error kind> msg=<message>` (or `OWNERDIED ok` if that worked).
+fn owner_died(_args: &[String]) -> anyhow::Result<()> {
+    let p = Putter::remote()?;
+    let (r, pid) = tpuray::get_timeout(&p.put(LINEAGE_BYTES), Duration::from_secs(60))?;
+    let b = tpuray::get_timeout(&r, Duration::from_secs(30))?;
+    say(&format!("BORROWED len={} pid={pid}", b.0.len()));
+    drop(b);
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| !s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+    {
+        if Instant::now() > deadline {
+            bail!("the actor's process {pid} is still alive 20 s after SIGKILL");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let t = Instant::now();
+    match tpuray::get_timeout(&r, Duration::from_secs(30)) {
+        Ok(_) => say("OWNERDIED ok"),
+        Err(e) => {
+            let msg = e.to_string().replace('\n', " | ");
+            say(&format!("OWNERDIED kind={} ms={} msg={msg}", kind(&e), t.elapsed().as_millis()));
+        }
+    }
+    Ok(())
+}
+
+/// Maps the object in `refs[0]` (no decode copy) and checks that its last `bytes` bytes
+/// are the `spill-objects` pattern `k`: (bytes right, object size, ms, node id).
+#[tpuray::remote]
+fn read_pattern(
+    refs: Vec<tpuray::ObjectRef<tpuray::Blob>>,
+    k: usize,
+    bytes: usize,
+) -> Result<(bool, usize, u64, String), String> {
+    let t = Instant::now();
+    let data = tpuray::get_bytes(&refs[0]).map_err(|e| e.to_string())?;
+    let period = spill_period(k);
+    let ok = data.len() >= bytes
+        && data[data.len() - bytes..].chunks(251).all(|c| c == &period[..c.len()]);
+    let ms = t.elapsed().as_millis() as u64;
+    Ok((ok, data.len(), ms, tpuray::node_id().unwrap_or_default()))
+}
+
+/// `broadcast BYTES NAMES`: puts `BYTES` bytes of pattern 3 here (the head node), then
+/// reads it at once from one task per custom resource in the comma-separated NAMES (one
+/// node each), each checking every byte: `READ name=<n> ok=<bool> len=<object bytes>
+/// ms=<read time> node=<node id>` per reader, then `DONE ms=<elapsed>`.
+fn broadcast(args: &[String]) -> anyhow::Result<()> {
+    let bytes: usize = arg(args, 0, "bytes")?.parse()?;
+    let names = arg(args, 1, "resource names")?;
+    let t = Instant::now();
+    let r = tpuray::put(&tpuray::Blob(spill_pattern(3, bytes)))?;
+    say(&format!("PUT ms={}", t.elapsed().as_millis()));
+    let t = Instant::now();
+    let readers: Vec<_> = names
+        .split(',')
+        .map(|n| {
+            let opts = TaskOptions {
+                resources: [(n.to_string(), 1.0)].into_iter().collect(),
+                ..Default::default()
+            };
+            (n, read_pattern::options(opts).remote(vec![r.clone()], 3, bytes))
+        })
+        .collect();
+    for (n, x) in readers {
+        let (ok, len, ms, node) = tpuray::get_timeout(&x, Duration::from_secs(600))?;
+        say(&format!("READ name={n} ok={ok} len={len} ms={ms} node={node}"));
+    }
+    say(&format!("DONE ms={}", t.elapsed().as_millis()));
+    Ok(())
 }

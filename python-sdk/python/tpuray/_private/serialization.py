@@ -1,11 +1,24 @@
 """Values to bytes and back: cloudpickle (protocol 5), with the object refs nested in a
 value captured while it is pickled, so the core worker keeps them alive for as long as
 the value lives (CORE-2) and a process that unpickles one registers as its borrower.
+
+Large buffers (numpy arrays and anything else that pickles through ``PickleBuffer``) go
+out of band: a value with such buffers is serialized as ::
+
+    [header: magic, pickle length, buffer count, (offset, length) per buffer]
+    [pickle bytes]
+    [each buffer, at an offset that is a multiple of 64]
+
+in pieces that the extension writes straight into the object store, and read back with
+each buffer a read-only view of the bytes it was given (for a store object, of the
+shared-memory mapping itself: no copy, Ray's behaviour). Values without such buffers are
+plain pickle bytes, as before.
 """
 
 from __future__ import annotations
 
 import pickle
+import struct
 import threading
 
 import cloudpickle
@@ -127,32 +140,110 @@ def _rebuild_ref(object_id: str, owner: str) -> ObjectRef:
 _PLAIN = (int, float, str, bytes, bool, type(None))
 _NO_REFS: list = []
 
+#: The first bytes of a value with out-of-band buffers (a pickle starts with 0x80).
+_MAGIC = b"TPRAYOB1"
+#: magic, pickle length, buffer count; then one (offset, length) per buffer.
+_HEAD = struct.Struct("<8sQQ")
+_ENTRY = struct.Struct("<QQ")
+#: Buffers start at multiples of this (from the start of the object, which a mapping
+#: places on a page boundary): a cache line, and enough for any numpy dtype or SIMD load.
+_ALIGN = 64
+_PAD = bytes(_ALIGN)
+#: Buffers smaller than this stay inside the pickle (copied, like any other value).
+OUT_OF_BAND_MIN_BYTES = 1024
 
-def serialize(value) -> tuple[bytes, list]:
-    """Pickles ``value``; returns the bytes and the refs nested in it (core handles).
+
+def serialize_parts(value) -> tuple[list, list]:
+    """Pickles ``value`` into pieces whose concatenation is its serialized form: plain
+    pickle bytes, or the layout in the module docstring with large buffers as views of
+    the value's own memory (not copied). Returns the pieces and the refs nested in it
+    (core handles).
 
     Raises:
         TypeError: the value (or something inside it) cannot be pickled; the message
             names its type.
     """
     if type(value) in _PLAIN:
-        return pickle.dumps(value, protocol=5), _NO_REFS
+        return [pickle.dumps(value, protocol=5)], _NO_REFS
+    buffers: list = []
+
+    def out_of_band(pb) -> bool:
+        # False: out of band (appended here); True: inside the pickle stream.
+        try:
+            raw = pb.raw()
+        except BufferError:  # not contiguous: pickle copies it in band
+            return True
+        if raw.nbytes < OUT_OF_BAND_MIN_BYTES:
+            return True
+        buffers.append(raw)
+        return False
+
     prev = getattr(_capture, "refs", None)
     _capture.refs = []
     try:
-        data = cloudpickle.dumps(value, protocol=5)
-        return data, _capture.refs
+        data = cloudpickle.dumps(value, protocol=5, buffer_callback=out_of_band)
+        refs = _capture.refs
     except Exception as e:  # noqa: BLE001 - re-raised with the offending object named
         raise TypeError(
             f"could not serialize {type(value).__name__} object {_short_repr(value)}: {e}"
         ) from e
     finally:
         _capture.refs = prev
+    if not buffers:
+        return [data], refs
+    offset = _HEAD.size + _ENTRY.size * len(buffers) + len(data)
+    entries = [_HEAD.pack(_MAGIC, len(data), len(buffers))]
+    parts = [None, data]
+    for b in buffers:
+        pad = -offset % _ALIGN
+        if pad:
+            parts.append(_PAD[:pad])
+            offset += pad
+        entries.append(_ENTRY.pack(offset, b.nbytes))
+        parts.append(b)
+        offset += b.nbytes
+    parts[0] = b"".join(entries)
+    return parts, refs
 
 
-def deserialize(data: bytes):
-    """Unpickles bytes made by :func:`serialize` (refs inside become borrowed refs)."""
-    return pickle.loads(data)
+def serialize(value) -> tuple[bytes, list]:
+    """Pickles ``value``; returns the bytes (see :func:`serialize_parts`) and the refs
+    nested in it (core handles).
+
+    Raises:
+        TypeError: the value (or something inside it) cannot be pickled; the message
+            names its type.
+    """
+    parts, refs = serialize_parts(value)
+    return (parts[0] if len(parts) == 1 else b"".join(parts)), refs
+
+
+def deserialize(data):
+    """Unpickles what :func:`serialize` made, from bytes or any bytes-like object (a
+    mapped store object): out-of-band buffers come back as read-only views of ``data``,
+    which they keep alive. Refs inside become borrowed refs."""
+    if data[: len(_MAGIC)] != _MAGIC:
+        return pickle.loads(data)
+    view = memoryview(data)
+    _, size, count = _HEAD.unpack_from(view)
+    start = _HEAD.size + _ENTRY.size * count
+    buffers = [view[o : o + n] for o, n in _ENTRY.iter_unpack(view[_HEAD.size : start])]
+    return pickle.loads(view[start : start + size], buffers=buffers)
+
+
+def mapped_view(buf) -> memoryview:
+    """A read-only memoryview of a store object the extension mapped (an
+    ``ObjectBuffer``); it and every view or array made from it keep the mapping alive."""
+    import ctypes
+
+    size = len(buf)
+    if size == 0:
+        return memoryview(b"")
+    exporter = (ctypes.c_char * size).from_address(buf.address())
+    # The ctypes array only points at the mapping; it owns the ObjectBuffer, and every
+    # memoryview made from it (slices included) owns the array.
+    exporter._tpuray_object = buf
+    return memoryview(exporter).cast("B").toreadonly()
 
 
 def _short_repr(value) -> str:

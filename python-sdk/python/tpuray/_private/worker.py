@@ -22,7 +22,13 @@ import traceback
 from typing import Any
 
 from tpuray import _tpuray, exceptions
-from tpuray._private.serialization import ObjectRef, deserialize, serialize
+from tpuray._private.serialization import (
+    ObjectRef,
+    deserialize,
+    mapped_view,
+    serialize,
+    serialize_parts,
+)
 
 #: KV namespace of pickled functions and classes, keyed by content hash.
 FUNCTION_NAMESPACE = "fn"
@@ -288,7 +294,10 @@ def _raise(err) -> None:
     if kind == "timeout":
         raise exceptions.GetTimeoutError(f"Get timed out: {message}")
     if kind == "object_lost":
-        raise exceptions.ObjectLostError(f"object {function} was lost: {message}")
+        # The core says "owner died: ..." when the object's owner process is gone.
+        owner_died = message.startswith("owner died")
+        cls = exceptions.OwnerDiedError if owner_died else exceptions.ObjectLostError
+        raise cls(f"object {function} was lost: {message}")
     if kind == "infeasible":
         raise exceptions.RaySchedulingError(message)
     raise exceptions.RaySystemError(message)
@@ -326,7 +335,8 @@ def get(refs, timeout=None):
     for tag, v in results:
         if tag == 1:
             _raise(v)
-        values.append(deserialize(v))
+        # 2: a store object mapped read-only; its buffers come back without a copy.
+        values.append(deserialize(mapped_view(v) if tag == 2 else v))
     return values[0] if single else values
 
 
@@ -334,8 +344,8 @@ def put(value) -> ObjectRef:
     check_connected()
     if isinstance(value, ObjectRef):
         raise TypeError("Calling 'put' on an ObjectRef is not allowed")
-    data, nested = serialize(value)
-    return ObjectRef(_tpuray.put(data, nested))
+    parts, nested = serialize_parts(value)
+    return ObjectRef(_tpuray.put(parts, nested))
 
 
 def wait(refs, *, num_returns=1, timeout=None, fetch_local=True):

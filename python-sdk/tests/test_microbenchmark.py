@@ -1,0 +1,42 @@
+"""`tpuray microbenchmark`: a tiny run of the Python and the Rust cases, each
+printed under Ray's case name, with the floor measured in the same run."""
+
+import json
+import subprocess
+import sys
+
+FAST = ["--json", "--warmup-sleep", "0", "--trials", "1", "--trial-seconds", "0.2"]
+
+
+def microbenchmark(*args):
+    out = subprocess.run(
+        [sys.executable, "-m", "tpuray", "microbenchmark", *FAST, *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_python_cases_print_rays_names_after_the_floor():
+    rows = microbenchmark("--filter", "single client tasks sync|1:1 actor calls sync")
+    names = [r["name"] for r in rows]
+    assert names[:2] == [
+        "floor: empty tonic unary RPC round trip (loopback)",
+        "floor: memcpy 100 MB (GB)",
+    ]
+    assert names[2:] == ["single client tasks sync", "1:1 actor calls sync"]
+    assert all(r["mean"] > 0 and r["sd"] >= 0 for r in rows)
+    assert rows[1]["unit"] == "GB per second"
+
+
+def test_rust_cases_run_from_the_cli_and_report_what_they_skip():
+    rows = microbenchmark(
+        "--rust", "--no-floor", "--filter", "single client tasks sync|1:1 async-actor calls sync"
+    )
+    assert rows[0]["name"] == "single client tasks sync" and rows[0]["mean"] > 0
+    assert rows[1] == {
+        "name": "1:1 async-actor calls sync",
+        "skipped": "the Rust SDK has no async actors",
+    }
