@@ -16,7 +16,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 # maturin's build hook runs `maturin` from PATH.
 export PATH="$PWD/$venv/bin:$PATH"
-"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy
+"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow
 # No build isolation: use the maturin installed above rather than fetching a
 # fresh one into a throw-away environment on every run.
 MATURIN_PEP517_ARGS="${MATURIN_PEP517_ARGS---profile dev}" \
