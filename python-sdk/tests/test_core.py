@@ -21,20 +21,9 @@ from tpuray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cluster(tmp_path_factory):
-    home = tmp_path_factory.mktemp("home")
-    old = {k: os.environ.get(k) for k in ("HOME", "TPURAY_REGISTRY_DIR", "TPURAY_ADDRESS")}
-    os.environ["HOME"] = str(home)
-    os.environ["TPURAY_REGISTRY_DIR"] = str(home / "registry")
-    os.environ.pop("TPURAY_ADDRESS", None)
-    info = ray.init(num_cpus=4)
-    yield info
-    ray.shutdown()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+def _shared_cluster(cluster):
+    """The session's in-process cluster (conftest.py)."""
+    return cluster
 
 
 @ray.remote

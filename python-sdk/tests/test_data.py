@@ -1,4 +1,4 @@
-"""``tpuray.data`` on a real local cluster (2 CPUs): sources, transformations, actor pools,
+"""``tpuray.data`` on the session's local cluster (conftest.py, 4 CPUs): sources, transformations, actor pools,
 all-to-all operators, streaming_split, and the two properties the streaming executor
 promises: backpressure bounds the bytes in the object store, and an actor pool never
 starves the tasks that feed it."""
@@ -22,20 +22,9 @@ from tpuray.data import DataContext  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cluster(tmp_path_factory):
-    home = tmp_path_factory.mktemp("home")
-    old = {k: os.environ.get(k) for k in ("HOME", "TPURAY_REGISTRY_DIR", "TPURAY_ADDRESS")}
-    os.environ["HOME"] = str(home)
-    os.environ["TPURAY_REGISTRY_DIR"] = str(home / "registry")
-    os.environ.pop("TPURAY_ADDRESS", None)
-    info = ray.init(num_cpus=2)
-    yield info
-    ray.shutdown()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+def _shared_cluster(cluster):
+    """The session's in-process cluster (conftest.py)."""
+    return cluster
 
 
 def run_with_timeout(fn, timeout=120):
@@ -98,9 +87,10 @@ def test_actor_pool_asking_for_every_cpu_still_gets_its_input():
             time.sleep(0.01)
             return {"v": batch["id"] * 10}
 
-    # The reads and the map feeding the pool need a CPU each; the pool asks for both CPUs.
+    # The reads and the map feeding the pool need a CPU each; the pool asks for every CPU.
+    cpus = int(ray.cluster_resources()["CPU"])
     ds = data.range(2000, override_num_blocks=20).map(lambda r: {"id": r["id"] + 1})
-    ds = ds.map_batches(Slow, concurrency=2, num_cpus=1, batch_size=100)
+    ds = ds.map_batches(Slow, concurrency=cpus, num_cpus=1, batch_size=100)
     total = run_with_timeout(lambda: sum(int(r["v"]) for r in ds.iter_rows()))
     assert total == 10 * sum(range(1, 2001))
 

@@ -86,7 +86,8 @@ pub fn get_timeout<T: DeserializeOwned>(r: &ObjectRef<T>, timeout: Duration) -> 
 
 fn get_inner<T: DeserializeOwned>(r: &ObjectRef<T>, deadline: Option<Instant>) -> Result<T, Error> {
     let core = core::core()?;
-    let _blocked = if core.rt.block_on(core.is_ready(r.raw())) { None } else { raw::Blocked::enter() };
+    let _blocked =
+        if core.rt.block_on(core.is_ready(r.raw())) { None } else { raw::Blocked::enter() };
     let data = core.rt.block_on(core.get_data(r.raw(), deadline)).map_err(|e| match e {
         Error::Timeout(..) => Error::Timeout(
             deadline.map(|d| d.saturating_duration_since(Instant::now())).unwrap_or_default(),
