@@ -139,29 +139,12 @@ def test_ctrl_c_interrupts_a_driver_blocked_in_get(tmp_path, env):
 def test_slice_placement_group_on_simulated_tpu_hosts(tmp_path, env):
     """tpuray.util.tpu.slice_placement_group reserves every host of one v6e-16 slice
     (4 simulated hosts, TPU.md's line); bundle i runs on TPU_WORKER_ID i with its chips."""
-    import socket
+    from conftest import CliCluster
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    addr = f"127.0.0.1:{port}"
-    cli = [sys.executable, "-m", "tpuray"]
-
-    def start(args, extra_env=None):
-        e = dict(env)
-        e.update(extra_env or {})
-        r = subprocess.run(cli + ["start", *args], env=e, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr
-
+    c = CliCluster(tmp_path, env)
+    addr = c.address
     try:
-        start(["--head", "--port", str(port), "--num-cpus", "1", "--temp-dir", str(tmp_path / "head")])
-        for w in range(4):
-            start(
-                ["--address", addr, "--num-cpus", "1", "--resources", '{"TPU": 4}',
-                 "--temp-dir", str(tmp_path / f"host{w}")],
-                {"TPU_ACCELERATOR_TYPE": "v6e-16", "TPU_NAME": "sa", "TPU_TOPOLOGY": "4x4",
-                 "TPU_WORKER_ID": str(w)},
-            )
+        c.head().tpu_slice("sa")
         r = run_script(tmp_path, env, f"""
             import os
             import tpuray as ray
@@ -194,7 +177,7 @@ def test_slice_placement_group_on_simulated_tpu_hosts(tmp_path, env):
             assert f"bundle {i} ('{i}', '0,1,2,3', 'sa')" in out, r.stdout
         assert any(l.startswith("refused:") and "3x3" in l for l in out), r.stdout
     finally:
-        subprocess.run(cli + ["stop"], env=env, capture_output=True, timeout=120)
+        c.stop()
 
 
 def test_gpu_tasks_see_only_their_gpus(tmp_path, env):

@@ -8,47 +8,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
-
-CLI = [sys.executable, "-m", "tpuray"]
-
+from conftest import CliCluster
 
 @pytest.fixture(scope="module")
 def slice_cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gang")
-    env = dict(os.environ)
-    env["HOME"] = str(tmp / "home")
-    env["TPURAY_REGISTRY_DIR"] = str(tmp / "registry")
-    env.pop("TPURAY_ADDRESS", None)
-    os.makedirs(env["HOME"], exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    addr = f"127.0.0.1:{port}"
-
-    def start(args, extra=None):
-        e = dict(env)
-        e.update(extra or {})
-        r = subprocess.run(CLI + ["start", *args], env=e, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr
-
+    c = CliCluster(tmp_path_factory.mktemp("gang"))
     try:
-        start(["--head", "--port", str(port), "--num-cpus", "2", "--temp-dir", str(tmp / "head")])
-        for w in range(4):
-            start(
-                ["--address", addr, "--num-cpus", "1", "--resources", '{"TPU": 4}',
-                 "--temp-dir", str(tmp / f"host{w}")],
-                {"TPU_ACCELERATOR_TYPE": "v6e-16", "TPU_NAME": "sa", "TPU_TOPOLOGY": "4x4",
-                 "TPU_WORKER_ID": str(w)},
-            )
-        yield addr, env, tmp
+        c.head(num_cpus=2).tpu_slice("sa")
+        yield c.address, c.env, c.tmp
     finally:
-        subprocess.run(CLI + ["stop"], env=env, capture_output=True, timeout=120)
+        c.stop()
 
 
 def run_script(tmp, env, body: str, timeout: float = 240):
