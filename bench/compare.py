@@ -174,7 +174,8 @@ def parse(text: str) -> tuple[dict[str, float], dict[str, str]]:
 
 
 def run(label: str, argv: list[str], env: dict, out: Path, timeout: float) -> str:
-    print(f"  {label}: {' '.join(argv[:4])} ...", file=sys.stderr, flush=True)
+    shown = " ".join(a if len(a) < 80 else "<ray_perf wrapper>" for a in argv)
+    print(f"  {label}: {shown}", file=sys.stderr, flush=True)
     t = time.time()
     with open(out, "w") as f:
         try:
