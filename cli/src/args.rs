@@ -295,7 +295,12 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Memory(a) => show::memory(&resolve_address(a.address.address)?, a.format, a.top),
         Command::Stop(a) => procs::stop(a.force),
-        Command::Microbenchmark(a) => microbench::run(a),
+        Command::Microbenchmark(a) => {
+            // A driver of a cluster for minutes (--rust): a peer that hangs up must fail
+            // that connection, not kill the run.
+            ignore_sigpipe();
+            microbench::run(a)
+        }
         Command::Head(a) => {
             ignore_sigpipe();
             procs::run_head(a)
