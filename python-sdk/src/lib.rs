@@ -55,6 +55,17 @@ fn cluster_err(e: Error) -> PyErr {
     PyRuntimeError::new_err(e.to_string())
 }
 
+/// Bad task options (a chip or GPU count, a bundle index, a label selector) are Python
+/// `ValueError`s, as on Ray; anything else as [`cluster_err`].
+fn options_err(e: Error) -> PyErr {
+    match e {
+        Error::Cluster(m) if m.starts_with("task options:") || m.starts_with("label_selector:") => {
+            PyValueError::new_err(m)
+        }
+        e => cluster_err(e),
+    }
+}
+
 /// Arguments from Python: `("v", bytes, [RefCore...])` values with their nested refs, or
 /// `("r", RefCore)` top-level refs the executor resolves.
 fn args_from(items: &Bound<'_, PyList>) -> PyResult<Vec<Arg>> {
@@ -222,7 +233,7 @@ fn submit(
 ) -> PyResult<Vec<PyRef>> {
     let args = args_from(args)?;
     let opts = task_options(options)?;
-    let refs = py.detach(|| raw::submit(&function, args, &opts)).map_err(cluster_err)?;
+    let refs = py.detach(|| raw::submit(&function, args, &opts)).map_err(options_err)?;
     Ok(refs.into_iter().map(wrap).collect())
 }
 

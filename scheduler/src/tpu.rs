@@ -424,7 +424,8 @@ impl TpuHostInfo {
 pub enum ChipError {
     /// Not 1, 2, 4, 8 or the whole host (SCHED-13).
     #[error(
-        "invalid TPU chip count {requested} (valid counts: 1, 2, 4, 8 or the whole host of {host_chips})"
+        "invalid TPU chip count {requested} (valid counts: 1, 2, 4, 8{})",
+        whole_host(*host_chips)
     )]
     InvalidCount { requested: String, host_chips: u32 },
     /// Valid count, but no aligned block of that size is free now.
@@ -436,6 +437,11 @@ pub enum ChipError {
 
 /// Checks a `TPU` demand: whole chips 1, 2, 4, 8, or exactly `host_chips` when given
 /// (SCHED-13). Errors name the valid counts: `0.5` and `3` are rejected.
+/// The "or the whole host" part of a chip-count error (nothing while no host is known).
+fn whole_host(host_chips: u32) -> String {
+    if host_chips == 0 { String::new() } else { format!(" or the whole host of {host_chips}") }
+}
+
 pub fn chip_count(amount: Amount, host_chips: Option<u32>) -> Result<u32, ChipError> {
     let n = host_chips.unwrap_or(0);
     let bad = || ChipError::InvalidCount { requested: amount.to_string(), host_chips: n };

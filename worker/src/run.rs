@@ -96,6 +96,10 @@ pub fn build_resources(o: &AgentOptions) -> Result<(ResourceSet, Labels), StartE
         o.env.get("TPURAY_ACCELERATOR_ROOT").map(String::as_str).unwrap_or("/"),
     );
     let gpus = match o.num_gpus {
+        // GPU ids are whole devices (AGENT-10); Ray's `--num-gpus` is an integer too.
+        Some(g) if g.fract() != 0.0 || g < 0.0 => {
+            return Err(bad(format!("--num-gpus: {g} is not a whole number of GPUs")));
+        }
         Some(g) => g,
         None => f64::from(detect::detect_gpus_in(&root)),
     };
@@ -472,6 +476,15 @@ mod tests {
         let o = AgentOptions { resources_json: Some(r#"{"CPU": 2}"#.into()), ..Default::default() };
         let e = build_resources(&o).unwrap_err().to_string();
         assert!(e.contains("--num-cpus"), "{e}");
+    }
+
+    #[test]
+    fn fractional_gpus_are_refused_naming_the_flag() {
+        let o = AgentOptions { num_gpus: Some(1.5), ..Default::default() };
+        let e = build_resources(&o).unwrap_err().to_string();
+        assert!(e.contains("--num-gpus") && e.contains("whole number"), "{e}");
+        let o = AgentOptions { num_gpus: Some(2.0), ..Default::default() };
+        assert_eq!(build_resources(&o).unwrap().0.get("GPU").to_f64(), 2.0);
     }
 
     #[test]
