@@ -195,6 +195,9 @@ pub struct Cluster {
     /// heads were started behind them: `links[i][j]` carries replica i+1's traffic to
     /// replica j+1 (`i == j`: clients' traffic to it).
     links: Vec<Vec<Option<Proxy>>>,
+    /// Nodes this cluster started: their shared-memory store folders are removed on drop
+    /// (a node agent killed by a test cannot remove its own).
+    node_ids: std::sync::Mutex<Vec<String>>,
 }
 
 impl Default for Cluster {
@@ -217,6 +220,7 @@ impl Cluster {
             heads: Vec::new(),
             head_starts: 0,
             links: Vec::new(),
+            node_ids: std::sync::Mutex::new(Vec::new()),
         };
         c.set_env("TPURAY_HEARTBEAT_INTERVAL_MS", &HEARTBEAT_MS.to_string());
         c.set_env("TPURAY_NODE_DEATH_TIMEOUT_MS", &DEATH_TIMEOUT_MS.to_string());
@@ -325,6 +329,7 @@ impl Cluster {
         let pid = n["pid"].as_u64().expect("node pid") as u32;
         assert!(pid > 0 && pid_alive(pid), "agent pid {pid} of node {node_id} is not alive");
         let address = n["address"].as_str().expect("node address").to_string();
+        self.node_ids.lock().unwrap().push(node_id.clone());
         NodeHandle { pid, node_id, address, temp_dir }
     }
 
@@ -620,6 +625,11 @@ impl Drop for Cluster {
         }
         if !left.is_empty() {
             eprintln!("tpuray-tests: SIGKILLed processes `tpuray stop --force` left: {left:?}");
+        }
+        // Store folders of agents a test killed (a stopped agent removes its own).
+        for id in self.node_ids.lock().unwrap().iter() {
+            let dir = tpuray_objectstore::LocalStore::default_dir(id, &std::env::temp_dir());
+            let _ = std::fs::remove_dir_all(dir);
         }
     }
 }

@@ -145,6 +145,13 @@ def init(
                 "Maybe you called tpuray.init twice by accident? This error can be "
                 "suppressed by passing in 'ignore_reinit_error=True'."
             )
+        if _tpuray.is_initialized():
+            # The core starts once per process; say so before starting a cluster that
+            # nothing would then stop.
+            raise RuntimeError(
+                "tpuray.init was already called in this process and shut down: the core "
+                "worker starts once per process (start a new process for a new driver)"
+            )
         if address in ("local",):
             address = None
         elif address in (None, "auto"):
