@@ -129,9 +129,10 @@ def test_actor_group_restarts_whole_when_a_member_dies(slice_cluster):
     assert restarts == 1
 
 
-def test_torch_device_falls_back_to_cpu_and_sets_jax_platforms(tmp_path):
-    pytest.importorskip("torch")
+def _device_and_jax_platforms(**extra_env) -> list:
+    """``torch_device().type`` and the ``JAX_PLATFORMS`` it set, from a fresh process."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env.update(extra_env)
     r = subprocess.run(
         [sys.executable, "-c",
          "import os; from tpuray.util.tpu import torch_device; d = torch_device(); "
@@ -139,7 +140,12 @@ def test_torch_device_falls_back_to_cpu_and_sets_jax_platforms(tmp_path):
         env=env, capture_output=True, text=True, timeout=120,
     )
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["cpu", "cpu"]
+    return r.stdout.split()
+
+
+def test_torch_device_falls_back_to_cpu_and_sets_jax_platforms(tmp_path):
+    pytest.importorskip("torch")
+    assert _device_and_jax_platforms() == ["cpu", "cpu"]
 
 
 @pytest.mark.parametrize("tpu_module,cuda,want", [(True, True, "tpu"), (False, True, "cuda"), (False, False, "cpu")])
@@ -160,13 +166,4 @@ def test_torch_device_prefers_tpu_then_cuda_then_cpu(tmp_path, tpu_module, cuda,
     """))
     if tpu_module:
         (fake / "torch_tpu.py").write_text("")
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    env["PYTHONPATH"] = str(fake)
-    r = subprocess.run(
-        [sys.executable, "-c",
-         "import os; from tpuray.util.tpu import torch_device; d = torch_device(); "
-         "print(d.type, os.environ['JAX_PLATFORMS'])"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == [want, want]
+    assert _device_and_jax_platforms(PYTHONPATH=str(fake)) == [want, want]

@@ -344,7 +344,9 @@ fn holder_is_gone(key: &str) -> bool {
             let pg = String::from_utf8_lossy(&pg).to_string();
             match state_of_id(&pg, Duration::ZERO) {
                 Ok(s) => s.state == "REMOVED",
-                Err(e) => e.to_string().contains("not known") || e.to_string().contains("no "),
+                // The head answers "no placement group with id ..." for one it never had
+                // or has forgotten; any other failure (head unreachable) keeps the claim.
+                Err(e) => e.to_string().contains("no placement group"),
             }
         }
         Ok(None) => true,

@@ -517,15 +517,7 @@ impl Agent {
             Ok(c) => Ok(c),
             Err(e @ ChipError::InvalidCount { .. }) => Err(Status::invalid_argument(e.to_string())),
             Err(e) => {
-                let mut stopped = 0;
-                for w in st.workers.values_mut() {
-                    if !w.key.tpu_chips.is_empty() && matches!(w.state, WorkerState::Idle { .. }) {
-                        w.exit_intended = true;
-                        w.state = WorkerState::Starting;
-                        signal(w.pid, libc::SIGKILL);
-                        stopped += 1;
-                    }
-                }
+                let stopped = stop_idle_holders(st, |k| !k.tpu_chips.is_empty());
                 Err(Status::unavailable(format!(
                     "{e}; stopped {stopped} idle worker(s) holding chips, retry shortly"
                 )))
@@ -561,15 +553,7 @@ impl Agent {
                 Err(Status::invalid_argument(e.to_string()))
             }
             Err(e) => {
-                let mut stopped = 0;
-                for w in st.workers.values_mut() {
-                    if !w.key.gpus.is_empty() && matches!(w.state, WorkerState::Idle { .. }) {
-                        w.exit_intended = true;
-                        w.state = WorkerState::Starting;
-                        signal(w.pid, libc::SIGKILL);
-                        stopped += 1;
-                    }
-                }
+                let stopped = stop_idle_holders(st, |k| !k.gpus.is_empty());
                 Err(Status::unavailable(format!(
                     "{e}; stopped {stopped} idle worker(s) holding GPUs, retry shortly"
                 )))
@@ -1377,6 +1361,22 @@ fn startup_concurrency(total: &ResourceSet) -> usize {
 }
 
 /// Chips on this host: the whole `TPU` amount of its own resources (1..=64), if any.
+/// Stops the idle workers whose pool key `holds` devices (chips or GPUs) that a request
+/// could not otherwise get; they give them back when they exit (AGENT-7, AGENT-10).
+/// Returns how many were stopped.
+fn stop_idle_holders(st: &mut AgentState, holds: impl Fn(&PoolKey) -> bool) -> usize {
+    let mut stopped = 0;
+    for w in st.workers.values_mut() {
+        if holds(&w.key) && matches!(w.state, WorkerState::Idle { .. }) {
+            w.exit_intended = true;
+            w.state = WorkerState::Starting;
+            signal(w.pid, libc::SIGKILL);
+            stopped += 1;
+        }
+    }
+    stopped
+}
+
 /// Whole GPUs of the node (AGENT-10), when it has any.
 fn node_gpus(total: &ResourceSet) -> Option<u32> {
     let whole = total.get("GPU").0 / tpuray_scheduler::resources::UNITS_PER_WHOLE;
