@@ -28,7 +28,8 @@
 //! object being written, `flock`ed exclusively by its writer, its length the
 //! bytes reserved), `.m.<id>` (a sidecar with the copy kind and the owner,
 //! only when not primary or an owner is set), `.lock` (the ledger, see
-//! `ledger.rs`). In the spill folder: `<id>` and `.w.*` temporaries.
+//! `ledger.rs`), `.pool/<size>.<pid>.<n>` (recycled files, `pool.rs`). In
+//! the spill folder: `<id>` and `.w.*` temporaries.
 //!
 //! # Invariants
 //!
@@ -58,14 +59,15 @@
 //! - OBJ-7: nothing waits for room: a reservation that cannot be met fails
 //!   at once naming the requested size, the capacity and the pinned bytes.
 //!
-//! Not done yet: the recycled, pre-faulted arena of DESIGN.md §11 (one file
-//! per object costs page faults on every write).
+//! - OBJ-9, OBJ-10: freed objects' files are recycled for later writes, with
+//!   their pages (the arena of DESIGN.md §11; see `pool.rs`).
 //!
 //! All functions block on the filesystem; none needs a runtime. Locks are
 //! held only for bookkeeping and for copying an object being spilled or
 //! restored, never while waiting on another process.
 
 mod ledger;
+mod pool;
 mod pressure;
 mod writer;
 
@@ -191,7 +193,8 @@ pub struct ObjectInfo {
 pub struct StoreUsage {
     /// `None` when unlimited.
     pub capacity_bytes: Option<u64>,
-    /// In memory: sealed objects plus `writing_bytes`. At most the capacity.
+    /// In memory: sealed objects plus `writing_bytes`. With `pooled_bytes`,
+    /// at most the capacity.
     pub used_bytes: u64,
     /// Reserved by writers that are still writing (part of `used_bytes`).
     pub writing_bytes: u64,
@@ -206,6 +209,9 @@ pub struct StoreUsage {
     /// The largest sealed objects, largest first: [`USAGE_TOP`] of them from
     /// [`LocalStore::usage`], as many as asked from [`LocalStore::usage_top`].
     pub largest: Vec<ObjectInfo>,
+    /// Freed objects' memory kept for reuse by later writes (OBJ-9), given
+    /// back first when room is needed; not part of `used_bytes`.
+    pub pooled_bytes: u64,
 }
 
 /// One node's store folder. Cheap to clone (clones share the ledger file).
@@ -246,18 +252,30 @@ pub(crate) fn check_id(id: &str) -> Result<()> {
 }
 
 /// Opens `path` and maps it with a shared `flock` held (OBJ-6); `None` when
-/// it does not exist or was unlinked (spilled, evicted, deleted) between the
-/// open and the lock. Blocks only while a spiller copies the object.
+/// it does not exist or was moved (spilled, evicted, deleted, recycled)
+/// between the open and the lock: once locked, `path` must still name the
+/// inode opened (OBJ-10). Blocks only while a spiller copies the object.
 fn open_view(path: &Path) -> io::Result<Option<ObjectView>> {
-    let f = match File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e),
-    };
+    match File::open(path) {
+        Ok(f) => view_of(path, f),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The second half of [`open_view`]: `f` was opened from `path` some time
+/// ago.
+fn view_of(path: &Path, f: File) -> io::Result<Option<ObjectView>> {
     f.lock_shared()?;
     let md = f.metadata()?;
     if md.nlink() == 0 {
         return Ok(None);
+    }
+    match std::fs::metadata(path) {
+        Ok(now) if (now.dev(), now.ino()) == (md.dev(), md.ino()) => {}
+        Ok(_) => return Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
     }
     if md.len() == 0 {
         return Ok(Some(ObjectView { map: None, _pin: None }));
@@ -512,19 +530,25 @@ impl LocalStore {
     }
 
     /// Deletes this node's copy of `id`: from memory, from the spill folder
-    /// and its sidecar (OBJ-5). Readers holding a mapping keep it.
+    /// and its sidecar (OBJ-5). Readers holding a mapping keep it; when there
+    /// are none, the memory copy's file is recycled (OBJ-9).
     pub fn delete(&self, id: &str) {
         if check_id(id).is_err() {
             return;
         }
         let g = self.lock();
         let path = self.path(id);
-        let size = std::fs::metadata(&path).map(|m| m.len()).ok();
-        let removed = std::fs::remove_file(&path).is_ok();
         match g {
             Ok(mut g) => {
-                if removed && let Some(n) = size {
-                    let _ = g.sub(n);
+                if let Ok(f) = File::open(&path) {
+                    let size = f.metadata().map(|m| m.len()).unwrap_or(0);
+                    // OBJ-10: recycle only what no reader maps.
+                    let recycled =
+                        f.try_lock().is_ok() && self.recycle(&g, &path, size).unwrap_or(false);
+                    drop(f);
+                    if !recycled && std::fs::remove_file(&path).is_ok() {
+                        let _ = g.sub(size);
+                    }
                 }
                 if let Some(s) = &g.settings.spill {
                     let _ = std::fs::remove_file(s.join(id));
@@ -532,6 +556,7 @@ impl LocalStore {
                 let _ = std::fs::remove_file(self.meta_path(id));
             }
             Err(_) => {
+                let _ = std::fs::remove_file(&path);
                 let _ = std::fs::remove_file(self.meta_path(id));
             }
         }
@@ -572,8 +597,9 @@ impl LocalStore {
         let spill = g.settings.spill.clone();
         let mut u = StoreUsage {
             capacity_bytes: (capacity != u64::MAX).then_some(capacity),
-            used_bytes: g.used(),
+            used_bytes: g.used().saturating_sub(scan.pooled),
             writing_bytes: scan.writing,
+            pooled_bytes: scan.pooled,
             ..StoreUsage::default()
         };
         let mut all = Vec::with_capacity(scan.memory.len() + scan.spilled.len());
@@ -737,6 +763,21 @@ mod tests {
         assert_eq!(&*v, b"first");
         assert_eq!(&*s.get("x").unwrap().unwrap(), b"first");
         assert_eq!(visible_files(d.path()), vec!["x".to_string()]);
+    }
+
+    #[test]
+    fn a_reader_that_opened_a_recycled_file_sees_nothing_obj_10() {
+        let d = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(d.path().join("s")).unwrap();
+        let (a, b) = (vec![1u8; 2 << 20], vec![2u8; 2 << 20]);
+        s.put("a", &a).unwrap();
+        // A reader opens "a" and is descheduled before it locks ...
+        let f = File::open(s.path("a")).unwrap();
+        // ... while "a" is freed and its file reused for "b".
+        s.delete("a");
+        s.put("b", &b).unwrap();
+        assert_eq!(f.metadata().unwrap().ino(), std::fs::metadata(s.path("b")).unwrap().ino());
+        assert!(view_of(&s.path("a"), f).unwrap().is_none(), "the reader mapped b as a");
     }
 
     #[test]

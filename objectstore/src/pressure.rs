@@ -28,9 +28,21 @@ pub(crate) struct Scan {
     pub spilled: Vec<Entry>,
     /// Bytes reserved by live writers in the memory folder.
     pub writing: u64,
+    /// Bytes of the files waiting in the pool (pool.rs, OBJ-9).
+    pub pooled: u64,
 }
 
 static NEXT_TEMP: AtomicU64 = AtomicU64::new(0);
+
+/// `<pid>.<n>`, a name part no other live process uses.
+pub(crate) fn next_temp_name() -> String {
+    format!("{}.{}", std::process::id(), NEXT_TEMP.fetch_add(1, Ordering::Relaxed))
+}
+
+/// `dir/.w.<pid>.<n>.<id>`: the name of a new temporary of object `id`.
+pub(crate) fn temp_path(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!(".w.{}.{id}", next_temp_name()))
+}
 
 /// Creates `dir/.w.<pid>.<n>.<id>` and locks it exclusively: the lock lives
 /// as long as the writer's process, which is how a scan tells a live writer
@@ -38,8 +50,7 @@ static NEXT_TEMP: AtomicU64 = AtomicU64::new(0);
 /// scan sees the file before it is locked.
 pub(crate) fn new_temp(dir: &Path, id: &str) -> io::Result<(PathBuf, File)> {
     loop {
-        let n = NEXT_TEMP.fetch_add(1, Ordering::Relaxed);
-        let path = dir.join(format!(".w.{}.{n}.{id}", std::process::id()));
+        let path = temp_path(dir, id);
         match OpenOptions::new().read(true).write(true).create_new(true).open(&path) {
             Ok(f) => {
                 if let Err(e) = f.lock() {
@@ -185,13 +196,15 @@ impl LocalStore {
             }
         }
         scan.spilled = spilled;
-        let used = scan.memory.iter().map(|e| e.size).sum::<u64>() + scan.writing;
+        scan.pooled = self.pool_list().map_err(|e| self.io(e))?.iter().map(|p| p.size).sum();
+        let used = scan.memory.iter().map(|e| e.size).sum::<u64>() + scan.writing + scan.pooled;
         g.set_used(used).map_err(|e| self.io(e))?;
         Ok(scan)
     }
 
-    /// Makes room for `needed` more bytes in memory (OBJ-3, OBJ-4): rescans
-    /// when the counter says full, then evicts unpinned secondary copies and,
+    /// Makes room for `needed` more bytes in memory (OBJ-3, OBJ-4, OBJ-9):
+    /// rescans when the counter says full, empties the pool as far as
+    /// needed, then evicts unpinned secondary copies and,
     /// with `spill` and a spill folder, spills unpinned primary copies,
     /// oldest first, until the bytes fit. Never waits (OBJ-7).
     ///
@@ -209,6 +222,7 @@ impl LocalStore {
             return Ok(());
         }
         let scan = self.rescan(g)?;
+        self.trim_pool(g, needed).map_err(|e| self.io(e))?;
         if g.fits(needed) {
             return Ok(());
         }

@@ -1,12 +1,17 @@
 //! [`Writer`]: an object being written into a locked temporary, reserving
-//! memory before each write (OBJ-3) and sealed by a hard link (OBJ-1).
+//! memory before each write (OBJ-3) and sealed by a hard link (OBJ-1). A
+//! writer that knows its size starts from a recycled file when the pool has
+//! one (OBJ-9) and writes it through a populated mapping.
 
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
 
+use memmap2::{MmapMut, MmapOptions};
+
 use crate::ledger::Guard;
-use crate::pressure::{link_new, new_temp};
+use crate::pool::open_taken;
+use crate::pressure::{link_new, new_temp, temp_path};
 use crate::{CopyKind, CreateOptions, LocalStore, Result, StoreError};
 
 /// An object being written; visible to readers only after [`Writer::seal`].
@@ -30,6 +35,9 @@ pub struct Writer {
     written: u64,
     /// Bytes counted in the ledger for this writer (0 on disk).
     reserved: u64,
+    /// A recycled file's pages, mapped up front (writes copy into it until
+    /// the object outgrows it).
+    map: Option<MmapMut>,
 }
 
 impl Writer {
@@ -64,6 +72,23 @@ impl Writer {
             // too high, which the next scan corrects (ledger.rs).
             g.add(reserve).map_err(dio)?;
         }
+        if !on_disk
+            && reserve > 0
+            && let Some((tmp, file, map)) = from_pool(&store, g, id, reserve)?
+        {
+            return Ok(Self {
+                store,
+                id: id.to_string(),
+                copy: opts.copy,
+                owner: opts.owner.clone(),
+                file: Some(file),
+                tmp,
+                on_disk,
+                written: 0,
+                reserved: reserve,
+                map,
+            });
+        }
         let made = new_temp(&dir, id).and_then(|(tmp, file)| {
             if reserve > 0
                 && let Err(e) = file.set_len(reserve)
@@ -90,6 +115,7 @@ impl Writer {
             on_disk,
             written: 0,
             reserved: reserve,
+            map: None,
         })
     }
 
@@ -103,6 +129,18 @@ impl Writer {
     /// in the [`io::Error`] (`io::Error::downcast::<StoreError>`).
     pub fn write(&mut self, data: &[u8]) -> io::Result<()> {
         let need = self.written + data.len() as u64;
+        if let Some(map) = self.map.as_mut() {
+            if need <= map.len() as u64 {
+                map[self.written as usize..need as usize].copy_from_slice(data);
+                self.written = need;
+                return Ok(());
+            }
+            // Outgrowing the mapping: go on with writes at the same offset.
+            self.map = None;
+            if let Some(f) = self.file.as_mut() {
+                f.seek(SeekFrom::Start(self.written))?;
+            }
+        }
         if !self.on_disk && need > self.reserved {
             self.grow(need).map_err(io::Error::other)?;
         }
@@ -154,6 +192,7 @@ impl Writer {
     /// Copies what was written so far to a temporary in the spill folder and
     /// continues there, giving back the memory reservation.
     fn move_to_disk(&mut self, g: &mut Guard<'_>, dir: PathBuf) -> Result<()> {
+        self.map = None;
         let dio = |e| StoreError::Io { dir: dir.clone(), source: e };
         std::fs::create_dir_all(&dir).map_err(dio)?;
         let (tmp, mut file) = new_temp(&dir, &self.id).map_err(dio)?;
@@ -194,6 +233,7 @@ impl Writer {
     }
 
     fn seal_locked(&mut self, g: &mut Guard<'_>) -> Result<()> {
+        self.map = None;
         let store = self.store.clone();
         if !self.on_disk && self.written < self.reserved {
             if let Some(f) = &self.file {
@@ -225,6 +265,7 @@ impl Writer {
     /// Removes the temporary, gives back any reservation and releases the
     /// writer's lock. Idempotent.
     fn discard(&mut self, g: &mut Guard<'_>) {
+        self.map = None;
         if self.file.is_none() {
             return;
         }
@@ -252,4 +293,60 @@ impl Drop for Writer {
             }
         }
     }
+}
+
+/// A temporary for object `id` made from the pool file that best fits
+/// `reserve` bytes, counted as `reserve` bytes in the ledger, with its pages
+/// mapped when it is at least as large; `None` when the pool is empty or the
+/// file cannot be taken (the caller makes a new file). The caller holds the
+/// ledger lock.
+fn from_pool(
+    store: &LocalStore,
+    g: &mut Guard<'_>,
+    id: &str,
+    reserve: u64,
+) -> Result<Option<(PathBuf, File, Option<MmapMut>)>> {
+    let tmp = temp_path(store.dir(), id);
+    let Ok(Some(had)) = store.take_pooled(reserve, &tmp) else { return Ok(None) };
+    // Locked before anything rescans the folder, which would take an
+    // unlocked temporary for a dead writer's.
+    let file = match open_taken(&tmp) {
+        Ok(f) => f,
+        Err(_) => {
+            let _ = std::fs::remove_file(&tmp);
+            let _ = g.sub(had);
+            return Ok(None);
+        }
+    };
+    let undo = |g: &mut Guard<'_>, counted: u64| {
+        let _ = std::fs::remove_file(&tmp);
+        let _ = g.sub(counted);
+    };
+    // The file's `had` bytes are counted already (OBJ-9): count the change.
+    if reserve > had {
+        if let Err(e) = store.make_room(g, id, reserve - had, true) {
+            undo(g, had);
+            return Err(e);
+        }
+        if let Err(e) = g.add(reserve - had) {
+            undo(g, had);
+            return Err(store.io(e));
+        }
+    }
+    if reserve != had {
+        if let Err(e) = file.set_len(reserve) {
+            undo(g, had.max(reserve));
+            return Err(store.io(e));
+        }
+        if reserve < had {
+            let _ = g.sub(had - reserve);
+        }
+    }
+    // SAFETY: the temporary is this writer's alone (its exclusive flock;
+    // nobody maps a temporary), so nothing else changes the mapped bytes.
+    // MAP_POPULATE maps every existing page in one call.
+    let map = (had >= reserve)
+        .then(|| unsafe { MmapOptions::new().len(reserve as usize).populate().map_mut(&file) })
+        .and_then(|m| m.ok());
+    Ok(Some((tmp, file, map)))
 }

@@ -1,5 +1,5 @@
-//! Capacity, eviction, spilling, restoring and write-through of one store,
-//! in one process (OBJ-3 to OBJ-7). Cross-process cases are in
+//! Capacity, eviction, spilling, restoring, write-through and the recycled
+//! pool of one store, in one process (OBJ-3 to OBJ-10). Cross-process cases are in
 //! `processes.rs`.
 
 use std::path::{Path, PathBuf};
@@ -41,7 +41,7 @@ impl Fixture {
 
     fn usage(&self) -> StoreUsage {
         let u = self.store.usage().unwrap();
-        assert!(u.used_bytes <= u.capacity_bytes.unwrap(), "OBJ-3 broken: {u:?}");
+        assert!(u.used_bytes + u.pooled_bytes <= u.capacity_bytes.unwrap(), "OBJ-3 broken: {u:?}");
         u
     }
 
@@ -330,4 +330,98 @@ fn concurrent_writers_in_threads_never_exceed_capacity_obj_3() {
     let u = f.usage();
     assert_eq!(u.object_count + u.spilled_count, 72);
     assert_eq!(u.writing_bytes, 0);
+}
+
+fn inode(store: &LocalStore, id: &str) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(store.dir().join(id)).unwrap().ino()
+}
+
+#[test]
+fn freed_files_are_recycled_with_their_bytes_replaced_obj_9() {
+    let f = Fixture::new(64 * MIB, false);
+    f.store.put("a", &pattern("a", 4 * MIB)).unwrap();
+    let ino = inode(&f.store, "a");
+    f.store.delete("a");
+    let u = f.usage();
+    assert_eq!((u.used_bytes, u.pooled_bytes, u.object_count), (0, 4 * MIB, 0));
+    assert!(f.store.get("a").unwrap().is_none(), "a recycled object must be gone");
+    // Same size, a bit smaller, a bit larger: each reuses the pool's file.
+    for (id, len) in [("b", 4 * MIB), ("c", 3 * MIB), ("d", 5 * MIB)] {
+        f.store.put(id, &pattern(id, len)).unwrap();
+        assert_eq!(inode(&f.store, id), ino, "{id} did not reuse the pooled file");
+        f.assert_exact(id, len);
+        let u = f.usage();
+        assert_eq!((u.used_bytes, u.pooled_bytes), (len, 0));
+        f.store.delete(id);
+    }
+    // A writer of unknown size grows a new file, and small objects skip the pool.
+    let mut w = f.store.create("e").unwrap();
+    w.write(&pattern("e", 2 * MIB)).unwrap();
+    w.seal(None).unwrap();
+    assert_ne!(inode(&f.store, "e"), ino);
+    f.assert_exact("e", 2 * MIB);
+    f.store.put("small", b"tiny").unwrap();
+    f.store.delete("small");
+    assert_eq!(f.usage().pooled_bytes, 5 * MIB);
+}
+
+#[test]
+fn a_mapped_object_is_never_recycled_obj_10() {
+    let f = Fixture::new(64 * MIB, false);
+    f.store.put("a", &pattern("a", 2 * MIB)).unwrap();
+    let view = f.store.get("a").unwrap().unwrap();
+    f.store.delete("a");
+    assert_eq!(f.usage().pooled_bytes, 0, "a mapped file went to the pool");
+    f.store.put("b", &pattern("b", 2 * MIB)).unwrap();
+    assert!(*view == *pattern("a", 2 * MIB), "a reader's bytes changed");
+}
+
+#[test]
+fn readers_racing_recycling_see_only_their_own_object_obj_10() {
+    let f = Fixture::new(64 * MIB, false);
+    let len = 2 * MIB;
+    let (a, b) = (pattern("a", len), pattern("b", len));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let seen = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|s| {
+        let reader = s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Some(v) = f.store.get("a").unwrap() {
+                    assert!(*v == *a, "a reader saw another object's bytes under id a");
+                    seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        });
+        for _ in 0..300 {
+            f.store.put("a", &a).unwrap();
+            f.store.delete("a");
+            f.store.put("b", &b).unwrap();
+            f.store.delete("b");
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        reader.join().unwrap();
+    });
+    assert!(seen.into_inner() > 0, "the reader never found the object");
+}
+
+#[test]
+fn the_pool_is_bounded_and_given_back_before_objects_move_obj_9() {
+    // Capacity 8 MiB: the pool holds at most half, 4 MiB.
+    let f = Fixture::new(8 * MIB, true);
+    for id in ["a", "b", "c"] {
+        f.store.put(id, &pattern(id, 2 * MIB)).unwrap();
+    }
+    for id in ["a", "b", "c"] {
+        f.store.delete(id);
+    }
+    assert_eq!(f.usage().pooled_bytes, 4 * MIB);
+    f.store.put("keep", &pattern("keep", MIB)).unwrap();
+    // 7 MiB does not fit beside 4 MiB pooled + 1 MiB: the pool goes, not "keep".
+    f.store.put("big", &pattern("big", 7 * MIB)).unwrap();
+    let u = f.usage();
+    assert_eq!((u.used_bytes, u.pooled_bytes, u.spilled_count), (8 * MIB, 0, 0));
+    f.assert_exact("keep", MIB);
+    f.assert_exact("big", 7 * MIB);
+    f.store.release_pool().unwrap();
 }
