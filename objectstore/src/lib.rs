@@ -59,8 +59,9 @@
 //! - OBJ-7: nothing waits for room: a reservation that cannot be met fails
 //!   at once naming the requested size, the capacity and the pinned bytes.
 //!
-//! - OBJ-9, OBJ-10: freed objects' files are recycled for later writes, with
-//!   their pages (the arena of DESIGN.md §11; see `pool.rs`).
+//! - OBJ-9 to OBJ-11: freed objects' files are recycled for later writes,
+//!   with their pages, and a process keeps its mappings of a few of them
+//!   (the arena of DESIGN.md §11; see `pool.rs`).
 //!
 //! All functions block on the filesystem; none needs a runtime. Locks are
 //! held only for bookkeeping and for copying an object being spilled or
@@ -224,6 +225,8 @@ pub struct LocalStore {
 struct Inner {
     dir: PathBuf,
     ledger: Ledger,
+    /// This process's mappings of files it wrote (pool.rs, OBJ-11).
+    maps: std::sync::Mutex<Vec<pool::CachedMap>>,
 }
 
 /// A sealed object mapped read-only: derefs to its bytes without copying.
@@ -343,7 +346,7 @@ impl LocalStore {
             .map_err(|e| StoreError::Io { dir: dir.clone(), source: e })?;
         let ledger = Ledger::open(&dir.join(LEDGER))
             .map_err(|e| StoreError::Io { dir: dir.clone(), source: e })?;
-        Ok(Self { inner: Arc::new(Inner { dir, ledger }) })
+        Ok(Self { inner: Arc::new(Inner { dir, ledger, maps: Default::default() }) })
     }
 
     /// The default folder for a node: `/dev/shm/tpuray-<node>` when
@@ -543,8 +546,11 @@ impl LocalStore {
                 if let Ok(f) = File::open(&path) {
                     let size = f.metadata().map(|m| m.len()).unwrap_or(0);
                     // OBJ-10: recycle only what no reader maps.
-                    let recycled =
-                        f.try_lock().is_ok() && self.recycle(&g, &path, size).unwrap_or(false);
+                    let unread = f.try_lock().is_ok();
+                    let recycled = unread && self.recycle(&g, &path, size).unwrap_or(false);
+                    if unread && !recycled {
+                        pressure::free_pages(&path);
+                    }
                     drop(f);
                     if !recycled && std::fs::remove_file(&path).is_ok() {
                         let _ = g.sub(size);

@@ -11,6 +11,11 @@
 //! pool file, renames it to its temporary and writes through a mapping
 //! populated up front (`MAP_POPULATE`: one call instead of a fault per page).
 //!
+//! A process keeps its mappings of the last [`CACHED_MAPS`] files it wrote
+//! this way (OBJ-11), and takes those files from the pool first: writing
+//! through a mapping whose page tables already exist runs at `memcpy`
+//! speed (Plasma's clients map their arena once for the same reason).
+//!
 //! Invariants:
 //! - OBJ-9: the pool's bytes count in the ledger (they are memory), so
 //!   OBJ-3 holds with them; making room gives them back before any object
@@ -21,17 +26,43 @@
 //!   once it holds its shared lock, checks that the object's name still
 //!   points at the inode it opened (`open_view`).
 //!
+//! - OBJ-11: a cached mapping never keeps memory the ledger gave back:
+//!   files that leave memory while nobody reads them (pool trimming,
+//!   eviction, spilling, a delete that does not recycle) are truncated
+//!   before they are unlinked, which takes their pages out of every
+//!   mapping; a mapping of a file unlinked while a reader held it is
+//!   dropped at the process's next sized write.
+//!
 //! Pool files are named `<size>.<pid>.<n>`; the pool holds at most
 //! [`POOL_FILES`] files and [`pool_limit`] bytes. Every function here runs
 //! with the ledger lock held by the caller.
 
 use std::fs::File;
 use std::io;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+use memmap2::MmapMut;
+
 use crate::ledger::Guard;
-use crate::pressure::next_temp_name;
+use crate::pressure::{free_pages, next_temp_name};
 use crate::{LocalStore, not_found_ok};
+
+/// Mappings a process keeps (OBJ-11).
+pub(crate) const CACHED_MAPS: usize = 4;
+
+/// A file's identity: (device, inode).
+pub(crate) type FileKey = (u64, u64);
+
+/// A mapping this process wrote an object through, kept for the next write
+/// into the same file (OBJ-11).
+#[derive(Debug)]
+pub(crate) struct CachedMap {
+    key: FileKey,
+    /// An unlocked handle of the file, to see whether it still exists.
+    file: File,
+    map: MmapMut,
+}
 
 /// The pool's folder inside the store folder.
 pub(crate) const POOL: &str = ".pool";
@@ -54,6 +85,7 @@ pub(crate) struct Pooled {
     pub path: PathBuf,
     /// Bytes (its length; every page of it was written once).
     pub size: u64,
+    pub key: FileKey,
 }
 
 impl LocalStore {
@@ -72,7 +104,9 @@ impl LocalStore {
         for ent in rd {
             let ent = ent?;
             match ent.metadata() {
-                Ok(m) if m.is_file() => out.push(Pooled { path: ent.path(), size: m.len() }),
+                Ok(m) if m.is_file() => {
+                    out.push(Pooled { path: ent.path(), size: m.len(), key: (m.dev(), m.ino()) })
+                }
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                 Err(e) => return Err(e),
@@ -113,19 +147,22 @@ impl LocalStore {
         }
     }
 
-    /// Takes the pool file that best fits `want` bytes (the smallest at
-    /// least as large, else the largest smaller one; only files between half
-    /// and twice `want`, so a large file is not cut down for a small object)
-    /// and links it at `to` (a writer's temporary name), leaving it out of
-    /// the pool. Returns its size; the caller adjusts the ledger from that
-    /// size to its reservation.
+    /// Takes the pool file that best fits `want` bytes (one this process
+    /// keeps a mapping of, else the smallest at least as large, else the
+    /// largest smaller one; only files between half and twice `want`, so a
+    /// large file is not cut down for a small object) and links it at `to`
+    /// (a writer's temporary name), leaving it out of the pool. Returns its
+    /// size; the caller adjusts the ledger from that size to its
+    /// reservation.
     pub(crate) fn take_pooled(&self, want: u64, to: &Path) -> io::Result<Option<u64>> {
         if want < POOL_MIN_BYTES {
             return Ok(None);
         }
         let pool = self.pool_list()?;
         let near = || pool.iter().filter(|p| p.size >= want / 2 && p.size <= want * 2);
-        let fit = near().filter(|p| p.size >= want).min_by_key(|p| p.size);
+        let mapped: Vec<FileKey> = self.maps().iter().map(|c| c.key).collect();
+        let fit =
+            near().filter(|p| p.size >= want).min_by_key(|p| (!mapped.contains(&p.key), p.size));
         let Some(p) = fit.or_else(|| near().max_by_key(|p| p.size)) else {
             return Ok(None);
         };
@@ -146,6 +183,7 @@ impl LocalStore {
             if g.fits(needed) {
                 break;
             }
+            free_pages(&p.path);
             not_found_ok(std::fs::remove_file(&p.path))?;
             g.sub(p.size)?;
         }
@@ -157,10 +195,42 @@ impl LocalStore {
     pub fn release_pool(&self) -> crate::Result<()> {
         let mut g = self.lock()?;
         for p in self.pool_list().map_err(|e| self.io(e))? {
+            free_pages(&p.path);
             not_found_ok(std::fs::remove_file(&p.path)).map_err(|e| self.io(e))?;
             g.sub(p.size).map_err(|e| self.io(e))?;
         }
         Ok(())
+    }
+}
+
+impl LocalStore {
+    fn maps(&self) -> std::sync::MutexGuard<'_, Vec<CachedMap>> {
+        self.inner.maps.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes this process's mapping of the file `key`, when it covers at
+    /// least `len` bytes. Drops, on the way, mappings of files that no
+    /// longer exist (OBJ-11).
+    pub(crate) fn cached_map(&self, key: FileKey, len: u64) -> Option<MmapMut> {
+        let mut maps = self.maps();
+        maps.retain(|c| c.file.metadata().is_ok_and(|m| m.nlink() > 0));
+        let i = maps.iter().position(|c| c.key == key && c.map.len() as u64 >= len)?;
+        Some(maps.remove(i).map)
+    }
+
+    /// Keeps `map`, a mapping of the file at `path` (just sealed), for the
+    /// next write into that file; the oldest of more than [`CACHED_MAPS`]
+    /// goes.
+    pub(crate) fn cache_map(&self, path: &Path, map: MmapMut) {
+        let Ok(file) = File::open(path) else { return };
+        let Ok(m) = file.metadata() else { return };
+        let mut maps = self.maps();
+        let key = (m.dev(), m.ino());
+        maps.retain(|c| c.key != key);
+        if maps.len() >= CACHED_MAPS {
+            maps.remove(0);
+        }
+        maps.push(CachedMap { key, file, map });
     }
 }
 

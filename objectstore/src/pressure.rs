@@ -79,6 +79,16 @@ pub(crate) fn link_new(tmp: &Path, target: &Path) -> io::Result<()> {
     }
 }
 
+/// Truncates the file at `path` to nothing before it is unlinked, so that
+/// its pages go back even while a writer's cached mapping (OBJ-11) still
+/// covers them. Only for files nobody reads: the caller holds the file's
+/// exclusive lock, or it is in the pool. Best effort.
+pub(crate) fn free_pages(path: &Path) {
+    if let Ok(f) = OpenOptions::new().write(true).open(path) {
+        let _ = f.set_len(0);
+    }
+}
+
 /// Whether someone holds a lock on `path` (a reader's shared pin, OBJ-6).
 /// Absent or unreadable files are not pinned.
 pub(crate) fn is_pinned(path: &Path) -> bool {
@@ -266,6 +276,7 @@ impl LocalStore {
             match (kind, &spill_dir) {
                 (CopyKind::Primary, Some(dir)) => self.spill_one(dir, &e.id, &f)?,
                 _ => {
+                    free_pages(&path);
                     not_found_ok(std::fs::remove_file(&path)).map_err(|err| self.io(err))?;
                     let _ = std::fs::remove_file(self.meta_path(&e.id));
                 }
@@ -300,6 +311,7 @@ impl LocalStore {
             let _ = std::fs::remove_file(&tmp);
             return Err(sio(e));
         }
+        free_pages(&self.path(id));
         not_found_ok(std::fs::remove_file(self.path(id))).map_err(|e| self.io(e))
     }
 

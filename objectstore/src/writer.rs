@@ -5,6 +5,7 @@
 
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
 use memmap2::{MmapMut, MmapOptions};
@@ -233,7 +234,7 @@ impl Writer {
     }
 
     fn seal_locked(&mut self, g: &mut Guard<'_>) -> Result<()> {
-        self.map = None;
+        let map = self.map.take();
         let store = self.store.clone();
         if !self.on_disk && self.written < self.reserved {
             if let Some(f) = &self.file {
@@ -259,6 +260,9 @@ impl Writer {
         }
         // The sealed copy now holds the bytes: the reservation is its size.
         self.reserved = 0;
+        if let Some(map) = map {
+            store.cache_map(&target, map);
+        }
         store.write_meta(&self.id, self.copy, self.owner.as_deref()).map_err(|e| store.io(e))
     }
 
@@ -342,11 +346,23 @@ fn from_pool(
             let _ = g.sub(had - reserve);
         }
     }
-    // SAFETY: the temporary is this writer's alone (its exclusive flock;
-    // nobody maps a temporary), so nothing else changes the mapped bytes.
-    // MAP_POPULATE maps every existing page in one call.
-    let map = (had >= reserve)
-        .then(|| unsafe { MmapOptions::new().len(reserve as usize).populate().map_mut(&file) })
-        .and_then(|m| m.ok());
+    // This process's mapping of the file when it kept one (OBJ-11), else a
+    // new one. SAFETY: the temporary is this writer's alone (its exclusive
+    // flock; nobody maps a temporary), so nothing else changes the mapped
+    // bytes, and nothing truncates it while it is written (pressure.rs
+    // `free_pages` takes only unlocked files). MAP_POPULATE maps every
+    // existing page in one call.
+    // A new mapping is made from a second, unlocked handle: a mapping holds
+    // its file handle open, and the writer's handle carries its exclusive
+    // flock, which must end with the writer.
+    let key = file.metadata().map(|m| (m.dev(), m.ino())).ok();
+    let map = key.and_then(|k| store.cached_map(k, reserve)).or_else(|| {
+        let unlocked = std::fs::OpenOptions::new().read(true).write(true).open(&tmp).ok()?;
+        (had >= reserve)
+            .then(|| unsafe {
+                MmapOptions::new().len(reserve as usize).populate().map_mut(&unlocked)
+            })
+            .and_then(|m| m.ok())
+    });
     Ok(Some((tmp, file, map)))
 }

@@ -425,3 +425,28 @@ fn the_pool_is_bounded_and_given_back_before_objects_move_obj_9() {
     f.assert_exact("big", 7 * MIB);
     f.store.release_pool().unwrap();
 }
+
+#[test]
+fn a_writer_keeps_its_mapping_only_while_the_file_lives_obj_11() {
+    let f = Fixture::new(64 * MIB, false);
+    let len = 4 * MIB;
+    // The second put writes through a mapping this process then keeps; the
+    // third through the kept one.
+    for id in ["a", "b", "c"] {
+        f.store.put(id, &pattern(id, len)).unwrap();
+        f.assert_exact(id, len);
+        f.store.delete(id);
+    }
+    // The pool is emptied while the mapping is kept: its pages go (the file
+    // is truncated), and the next writes make new files, byte-exact.
+    f.store.release_pool().unwrap();
+    let u = f.usage();
+    assert_eq!((u.used_bytes, u.pooled_bytes), (0, 0));
+    for id in ["d", "e"] {
+        f.store.put(id, &pattern(id, len)).unwrap();
+        f.assert_exact(id, len);
+        f.store.delete(id);
+    }
+    f.store.put("f", &pattern("f", len)).unwrap();
+    f.assert_exact("f", len);
+}
