@@ -226,6 +226,35 @@ def test_composition_handles_streaming_and_http(serve_instance, cluster):
     assert st == 404
 
 
+@serve.deployment(ray_actor_options=NO_CPU, max_ongoing_requests=1, max_queued_requests=1)
+class Slow:
+    def __call__(self, s):
+        time.sleep(s)
+        return serve.get_replica_context().replica_tag
+
+
+def test_redeploy_route_conflicts_backpressure_and_deleted_deployments(serve_instance):
+    h = serve.run(Slow.bind(), name="slow", route_prefix="/slow")
+    first = {r["replica_id"] for r in _replicas("slow", "Slow")}
+    # Same code, more replicas: the first replica stays, one more starts.
+    serve.run(Slow.options(num_replicas=2).bind(), name="slow", route_prefix="/slow")
+    now = {r["replica_id"] for r in _replicas("slow", "Slow")}
+    assert len(now) == 2 and first <= now
+    with pytest.raises(ValueError, match="route_prefix '/slow' is already used by application 'slow'"):
+        serve.run(Slow.bind(), name="other", route_prefix="/slow")
+    serve.run(Slow.options(num_replicas=1).bind(), name="slow", route_prefix="/slow")
+    _wait_for(lambda: len(_replicas("slow", "Slow", None)) == 1, 60, "one replica")
+    # One running, one queued: a third is refused at once.
+    running = h.remote(2)
+    queued = h.remote(0)
+    with pytest.raises(serve.exceptions.BackPressureError, match="max_queued_requests=1"):
+        h.remote(0).result(timeout_s=30)
+    assert running.result(timeout_s=60) == queued.result(timeout_s=60)
+    serve.delete("slow")
+    with pytest.raises(serve.exceptions.DeploymentUnavailableError, match="does not exist"):
+        h.remote(0).result(timeout_s=30)
+
+
 # ---- batching ----
 
 
@@ -346,6 +375,12 @@ class Sleeper:
         if self.sick:
             raise RuntimeError("sick on purpose")
 
+    def stream_pid(self, n):
+        yield os.getpid()
+        for i in range(n):
+            time.sleep(0.2)
+            yield i
+
 
 def test_sigkilled_replica_is_replaced_and_in_flight_requests_retry_or_fail_clearly(serve_instance):
     h = serve.run(Sleeper.bind(), name="kill", route_prefix=None)
@@ -370,6 +405,16 @@ def test_sigkilled_replica_is_replaced_and_in_flight_requests_retry_or_fail_clea
             _replicas("kill", "Sleeper")), 60, "a replacement replica")
     assert len({r["replica_id"] for r in after} - set(before)) == 1
     assert all(isinstance(h.remote(0).result(timeout_s=60), int) for _ in range(4))
+
+    # A stream whose replica dies after its first item fails with a clear error.
+    gen = h.options(stream=True).stream_pid.remote(1000)
+    pid = next(gen)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(ReplicaDiedError, match="broke after"):
+        for _ in gen:
+            pass
+    _wait_for(lambda: len(_replicas("kill", "Sleeper")) == 2 and pid not in
+              [r["pid"] for r in _replicas("kill", "Sleeper")], 60, "a replacement replica")
 
     # A replica whose own check_health raises is replaced too.
     sick = h.make_sick.remote().result(timeout_s=60)

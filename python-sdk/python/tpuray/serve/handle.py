@@ -129,14 +129,17 @@ class _Router:
                 return
             mq = self._config.get("max_queued_requests", -1)
             if mq != -1 and len(self._pending) >= mq:
-                req.future.set_exception(BackPressureError(
-                    f"request dropped due to backpressure: deployment {self.deployment!r} of "
-                    f"application {self.app!r} already has {len(self._pending)} queued requests "
-                    f"(max_queued_requests={mq})"
-                ))
+                req.future.set_exception(self._backpressure(mq))
                 return
             self._pending.append(req)
             self._cv.notify_all()
+
+    def _backpressure(self, mq):
+        return BackPressureError(
+            f"request dropped due to backpressure: deployment {self.deployment!r} of "
+            f"application {self.app!r} already has {len(self._pending)} queued requests "
+            f"(max_queued_requests={mq})"
+        )
 
     def _unavailable(self):
         return DeploymentUnavailableError(
@@ -229,6 +232,11 @@ class _Router:
                     kept.extend(self._pending)
                     self._pending.clear()
         self._pending = kept
+        # Requests queued before this process knew the limit (its first answer from the
+        # controller) are held to it now: the newest go.
+        mq = self._config.get("max_queued_requests", -1)
+        while mq != -1 and len(self._pending) > mq:
+            self._pending.pop().future.set_exception(self._backpressure(mq))
 
     # ---- completion ----
 
