@@ -130,10 +130,15 @@ pub fn render(v: &Value, now: f64) -> String {
             {
                 out.push_str("        replicas:\n");
                 for r in rs {
-                    let mut first = true;
-                    for (k, x) in r.as_object().into_iter().flatten() {
-                        let lead = if first { "          - " } else { "            " };
-                        first = false;
+                    let Some(fields) = r.as_object() else { continue };
+                    // The id and state first, then whatever else the controller reports.
+                    let lead_keys = ["replica_id", "state", "node_id", "pid", "actor_id"];
+                    let ordered = lead_keys
+                        .iter()
+                        .filter_map(|k| fields.get_key_value(*k))
+                        .chain(fields.iter().filter(|(k, _)| !lead_keys.contains(&k.as_str())));
+                    for (i, (k, x)) in ordered.enumerate() {
+                        let lead = if i == 0 { "          - " } else { "            " };
                         out.push_str(&format!("{lead}{k}: {}\n", scalar(x)));
                     }
                 }
@@ -176,7 +181,7 @@ mod tests {
                 "status": "RUNNING", "message": "", "route_prefix": "/",
                 "deployments": {"Model": {
                     "status": "HEALTHY", "replica_states": {"RUNNING": 2},
-                    "replicas": [{"replica_id": "abc", "state": "RUNNING"}]
+                    "replicas": [{"state": "RUNNING", "pid": 7, "replica_id": "abc", "extra": 1}]
                 }}
             }}
         });
@@ -185,7 +190,10 @@ mod tests {
         assert!(s.contains("    status: RUNNING\n    message: ''\n    route_prefix: /\n"), "{s}");
         assert!(s.contains("      Model:\n        status: HEALTHY\n"), "{s}");
         assert!(s.contains("          RUNNING: 2\n"), "{s}");
-        assert!(s.contains("          - replica_id: abc\n            state: RUNNING\n"), "{s}");
+        assert!(
+            s.contains("          - replica_id: abc\n            state: RUNNING\n            pid: 7\n            extra: 1\n"),
+            "{s}"
+        );
         assert!(!s.contains("stale"), "{s}");
     }
 
