@@ -485,6 +485,9 @@ def test_a_constructor_that_raises_fails_the_deploy_with_its_error(serve_instanc
     with pytest.raises(RayServeException, match="constructor says no"):
         serve.run(Broken.bind(), name="broken", route_prefix=None)
     assert serve.status().applications["broken"].status == "DEPLOY_FAILED"
+    # Requests to it fail with the reason instead of waiting for a replica forever.
+    with pytest.raises(serve.exceptions.DeploymentUnavailableError, match="constructor says no"):
+        serve.get_deployment_handle("Broken", "broken").remote().result(timeout_s=30)
     serve.delete("broken")
 
 

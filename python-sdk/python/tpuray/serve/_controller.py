@@ -266,6 +266,7 @@ class ServeController:
             exists = d is not None and not d.deleting
             snap = {
                 "exists": exists,
+                "failed": d.message if d is not None and d.failed else None,
                 "replicas": [(r.rid, r.actor) for r in d.replicas.values() if r.state == RUNNING]
                 if exists else [],
                 "config": {k: d.cfg[k] for k in ("max_ongoing_requests", "max_queued_requests",
@@ -363,6 +364,7 @@ class ServeController:
                             f"the deployment failed to start {d.failures} replicas in a row; "
                             f"the last error: {_short(e)}"
                         )
+                        self._bump(key)
             elif r.state == STARTING and now - r.created > _SLOW_START_S:
                 n = sum(1 for x in d.replicas.values() if x.state == STARTING and now - x.created > _SLOW_START_S)
                 d.message = (
@@ -500,6 +502,7 @@ class ServeController:
             if d.failures >= _MAX_CONSTRUCTOR_FAILURES:
                 d.failed = True
                 d.trigger = "REPLICA_STARTUP_FAILED"
+                self._bump(key)
             return
         d.replicas[rid] = _Replica(rid, actor)
 

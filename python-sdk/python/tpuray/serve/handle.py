@@ -31,6 +31,7 @@ retried only before its first item. Replicas are thus at-least-once when one die
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import hashlib
@@ -108,6 +109,7 @@ class _Router:
                         "request_router": "pow2", "request_router_kwargs": {}}
         self._version = -1
         self._exists = None  # None until the controller first answers
+        self._failed = None  # the controller's message once the deployment failed
         self._pending: collections.deque = collections.deque()
         self._inflight: dict = {}  # ObjectRef -> _Request
         self._handle_id = uuid.uuid4().hex[:12]
@@ -115,8 +117,12 @@ class _Router:
         self._last_pushed_value = 0
         self._stopped = False
         self._rng = random.Random()
-        for target, name in ((self._poll_loop, "poll"), (self._watch_loop, "watch")):
-            threading.Thread(target=target, daemon=True, name=f"serve-router-{name}-{deployment}").start()
+        self._threads = [
+            threading.Thread(target=target, daemon=True, name=f"serve-router-{name}-{deployment}")
+            for target, name in ((self._poll_loop, "poll"), (self._watch_loop, "watch"))
+        ]
+        for t in self._threads:
+            t.start()
 
     # ---- sending ----
 
@@ -222,6 +228,13 @@ class _Router:
             while self._pending:
                 self._pending.popleft().future.set_exception(self._unavailable())
             return
+        if self._failed and not self._replicas:
+            # No replica runs and none will start: fail rather than wait forever.
+            while self._pending:
+                self._pending.popleft().future.set_exception(DeploymentUnavailableError(
+                    f"deployment {self.deployment!r} of application {self.app!r} failed: {self._failed}"
+                ))
+            return
         kept = collections.deque()
         while self._pending:
             req = self._pending.popleft()
@@ -312,22 +325,31 @@ class _Router:
     # ---- replica set ----
 
     def _poll_loop(self) -> None:
+        # Waits in short slices (the long poll itself lasts up to 10 s) so that the thread
+        # notices a stop soon: a daemon thread still inside the core when the interpreter
+        # exits would abort the process.
+        ref = None
         while not self._stopped:
             try:
-                ctrl = _common.get_controller()
-                version, snap = tpuray.get(
-                    ctrl.listen_for_replicas.remote(self.app, self.deployment, self._version),
-                    timeout=60,
-                )
+                if ref is None:
+                    ref = _common.get_controller().listen_for_replicas.remote(
+                        self.app, self.deployment, self._version
+                    )
+                version, snap = tpuray.get(ref, timeout=0.25)
+                ref = None
+            except tpuray.exceptions.GetTimeoutError:
+                continue
             except Exception:  # noqa: BLE001 - controller restarting or shut down
+                ref = None
                 if not tpuray.is_initialized():
                     return
                 _common.forget_controller()
-                time.sleep(0.5)
+                time.sleep(0.25)
                 continue
             with self._cv:
                 self._version = version
                 self._exists = snap["exists"]
+                self._failed = snap.get("failed")
                 self._replicas = dict(snap["replicas"])
                 self._config = snap["config"] or self._config
                 self._dead &= set(self._replicas)
@@ -348,26 +370,42 @@ _routers_lock = threading.Lock()
 
 
 def _router(app: str, deployment: str) -> _Router:
+    global _atexit_registered
     key = (app, deployment)
     with _routers_lock:
         r = _routers.get(key)
         if r is None:
             tpuray._private.worker.check_connected()
+            if not _atexit_registered:
+                # Runs before tpuray.shutdown's own exit handler (registered earlier).
+                atexit.register(_stop_routers)
+                _atexit_registered = True
             r = _routers[key] = _Router(app, deployment)
         return r
 
 
+_atexit_registered = False
+
+
 def _stop_routers() -> None:
+    """Stops every router of this process: queued requests fail, threads end (waited
+    for, briefly)."""
     with _routers_lock:
-        for r in _routers.values():
-            r._stopped = True
-            with r._cv:
-                while r._pending:
-                    r._pending.popleft().future.set_exception(
-                        RayServeException("serve was shut down before the request was sent")
-                    )
-                r._cv.notify_all()
+        routers = list(_routers.values())
         _routers.clear()
+    for r in routers:
+        r._stopped = True
+        with r._cv:
+            while r._pending:
+                r._pending.popleft().future.set_exception(
+                    RayServeException("serve was shut down before the request was sent")
+                )
+            r._cv.notify_all()
+    deadline = time.monotonic() + 3.0
+    for r in routers:
+        for t in r._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
 
 
 def _in_event_loop() -> bool:
