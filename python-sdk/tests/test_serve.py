@@ -255,6 +255,32 @@ def test_redeploy_route_conflicts_backpressure_and_deleted_deployments(serve_ins
         h.remote(0).result(timeout_s=30)
 
 
+@serve.deployment(ray_actor_options=NO_CPU, user_config={"greeting": "hi"})
+class Configured:
+    def reconfigure(self, config):
+        self.greeting = config["greeting"]
+
+    async def __call__(self, request):
+        name = request.query_params.get("name", "you")
+        if request.url.path.endswith("/bytes"):
+            return f"{self.greeting} {name}".encode()
+        return f"{self.greeting} {name}"
+
+
+def test_user_config_reaches_reconfigure_and_text_and_bytes_go_back_as_they_are(serve_instance):
+    port = serve_instance
+    serve.run(Configured.bind(), name="conf", route_prefix="/conf")
+    st, ctype, body = _http(port, "/conf?name=ann")
+    assert (st, ctype, body) == (200, "text/plain; charset=utf-8", b"hi ann")
+    st, ctype, body = _http(port, "/conf/bytes")
+    assert (st, ctype, body) == (200, "application/octet-stream", b"hi you")
+    serve.run(Configured.options(user_config={"greeting": "hello"}).bind(), name="conf",
+              route_prefix="/conf")
+    # The proxy learns of the new replica shortly after serve.run returns.
+    _wait_for(lambda: _http(port, "/conf?name=bo")[2] == b"hello bo", 30, "the new user_config")
+    serve.delete("conf")
+
+
 # ---- batching ----
 
 
