@@ -167,6 +167,8 @@ def test_composition_handles_streaming_and_http(serve_instance, cluster):
     # A response passed from the driver into another handle call is resolved to its value.
     d = serve.get_deployment_handle("Doubler", "comp")
     assert d.remote(d.remote(d.remote(1))).result(timeout_s=60) == 8
+    with pytest.raises(TypeError, match="only as a top-level argument"):
+        d.remote([d.remote(1)]).result(timeout_s=60)
     with pytest.raises(TypeError, match="not a generator: call it without stream=True"):
         list(d.options(stream=True).remote(1))
 
@@ -499,6 +501,40 @@ def test_a_dead_downstream_replica_never_gets_a_healthy_upstream_replaced(serve_
     assert [r["replica_id"] for r in _replicas("tree", "Trunk")] == trunk_before
     assert h.remote(1).result(timeout_s=60)["trunk"] == trunk_pid
     serve.delete("tree")
+
+
+@serve.deployment(ray_actor_options=NO_CPU, num_replicas=2, health_check_period_s=0.3)
+class Adoptee:
+    def __call__(self, x):
+        return (x.json_body if isinstance(x, serve.Request) else x) + 1
+
+
+def test_a_killed_controller_restarts_and_adopts_the_running_replicas(serve_instance):
+    port = serve_instance
+    h = serve.run(Adoptee.bind(), name="adopt", route_prefix="/adopt")
+    before = sorted(r["replica_id"] for r in _replicas("adopt", "Adoptee"))
+    old_pid = serve.status().to_dict()["controller"]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    # Serving does not stop meanwhile: the replicas and the proxy are not the controller.
+    assert h.remote(1).result(timeout_s=60) == 2
+    assert _http(port, "/adopt", 1)[2] == b"2"
+
+    def restarted():
+        try:
+            doc = serve.status().to_dict()
+        except Exception:  # noqa: BLE001 - the controller is restarting
+            return None
+        return doc if doc["controller"]["pid"] != old_pid else None
+
+    doc = _wait_for(restarted, 60, "the controller to restart")
+    assert doc["applications"]["adopt"]["status"] == "RUNNING"
+    assert sorted(r["replica_id"] for r in _replicas("adopt", "Adoptee")) == before
+    # The new controller manages them: a killed replica is replaced.
+    victim = _replicas("adopt", "Adoptee")[0]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    _wait_for(lambda: len(_replicas("adopt", "Adoptee")) == 2 and victim not in
+              [r["pid"] for r in _replicas("adopt", "Adoptee")], 60, "a replacement replica")
+    serve.delete("adopt")
 
 
 @serve.deployment(ray_actor_options=NO_CPU)

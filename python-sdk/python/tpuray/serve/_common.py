@@ -19,6 +19,9 @@ PROXY_NAME = "SERVE_PROXY_ACTOR"
 #: KV key (namespace :data:`SERVE_NAMESPACE`) of the controller's status document, JSON;
 #: ``tpuray serve status`` prints it.
 STATUS_KEY = b"status"
+#: KV key of the controller's checkpoint (pickled applications, deployments and replica
+#: names), read by a restarted controller.
+CHECKPOINT_KEY = b"checkpoint"
 #: Ray Serve's default application name.
 DEFAULT_APP_NAME = "default"
 
@@ -67,6 +70,7 @@ def get_controller(create: bool = False, http_options: dict | None = None):
                 lifetime="detached",
                 num_cpus=0,
                 max_concurrency=256,
+                max_restarts=-1,
                 get_if_exists=True,
             )
             .remote(http_options or {})

@@ -23,12 +23,18 @@ every ~0.1 s:
 Handles and the proxy long-poll ``listen_for_replicas``/``listen_for_routes``.
 SERVE-1: a replica's health is its own: nothing here looks at a replica's downstream
 deployments when judging it.
+SERVE-2: the controller checkpoints its applications, deployments and replica names to
+the KV (key ``checkpoint``) whenever they change; it is restarted when its process dies
+(``max_restarts=-1``) and a new incarnation adopts the live RUNNING replicas and the
+proxy, so a controller crash does not interrupt serving.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import random
 import sys
 import threading
 import time
@@ -65,6 +71,18 @@ class _Replica:
         self.suspect = False
         self.ongoing = 0
 
+    @classmethod
+    def adopt(cls, rid, actor, info):
+        """A RUNNING replica that a previous incarnation of the controller started."""
+        r = cls.__new__(cls)
+        r.rid, r.actor, r.state, r.created = rid, actor, RUNNING, time.monotonic()
+        r.init_ref = r.health_ref = r.stop_ref = None
+        r.info = dict(info or {})
+        r.health_sent = r.next_check = r.stop_deadline = 0.0
+        r.suspect = False
+        r.ongoing = 0
+        return r
+
 
 class _Deployment:
     def __init__(self, app, name, target_bytes, init_bytes, cfg, code_hash):
@@ -97,7 +115,10 @@ class ServeController:
         self._apps: dict = {}
         self._deps: dict = {}
         self._versions: dict = {}
-        self._routes_version = 1
+        # Versions start at a random base, so a router holding a version from a previous
+        # incarnation of the controller never mistakes it for the current one.
+        self._base = random.randrange(1 << 40) * 1000
+        self._routes_version = self._base + 1
         self._metrics: dict = {}
         host = http_options.get("host") or "127.0.0.1"
         port = http_options.get("port", 8000)
@@ -114,7 +135,93 @@ class ServeController:
         self._last_doc = None
         self._last_write = 0.0
         self._node_id = tpuray.get_runtime_context().get_node_id()
+        self._last_checkpoint = None
+        with self._cv:
+            self._restore()
         threading.Thread(target=self._run, daemon=True, name="serve-controller").start()
+
+    # ---- checkpoint (SERVE-2: a restarted controller adopts what its predecessor ran) ----
+
+    def _checkpoint_state(self) -> dict:
+        deps = {}
+        for key, d in self._deps.items():
+            deps[key] = {
+                "target_bytes": d.target_bytes, "init_bytes": d.init_bytes, "cfg": d.cfg,
+                "code_hash": d.code_hash, "target": d.target, "failed": d.failed,
+                "message": d.message, "deleting": d.deleting,
+                "replicas": [(r.rid, r.state, _replica_name(d, r.rid), r.info)
+                             for r in d.replicas.values()],
+            }
+        return {"apps": self._apps, "deps": deps, "http": self._http,
+                "proxy": self._proxy is not None}
+
+    def _checkpoint_signature(self):
+        return (
+            tuple(sorted((n, a["deleting"], a["last_deployed_time_s"]) for n, a in self._apps.items())),
+            tuple(sorted(
+                (k, d.code_hash, d.target, d.failed, d.deleting,
+                 tuple(sorted((r.rid, r.state) for r in d.replicas.values())))
+                for k, d in self._deps.items()
+            )),
+            self._proxy is not None,
+        )
+
+    def _maybe_checkpoint(self) -> None:
+        """Writes the applications, deployments and replica names to the head's KV
+        (namespace ``serve``, key ``checkpoint``) when they changed (lock held)."""
+        sig = self._checkpoint_signature()
+        if sig == self._last_checkpoint:
+            return
+        from tpuray._private.serialization import serialize
+
+        try:
+            _tpuray.kv_put(_common.SERVE_NAMESPACE, _common.CHECKPOINT_KEY,
+                           serialize(self._checkpoint_state())[0], True)
+            self._last_checkpoint = sig
+        except Exception as e:  # noqa: BLE001 - retried on the next tick
+            print(f"serve controller: could not write the checkpoint: {e}", file=sys.stderr)
+
+    def _restore(self) -> None:
+        """Adopts the applications of a previous controller (after this actor restarted,
+        or a new one replaced a dead one): RUNNING replicas that are still alive are
+        kept (and health-checked at once), others are replaced; the proxy is kept."""
+        from tpuray._private.serialization import deserialize
+
+        try:
+            raw = _tpuray.kv_get(_common.SERVE_NAMESPACE, _common.CHECKPOINT_KEY)
+            ck = deserialize(raw) if raw else None
+        except Exception as e:  # noqa: BLE001 - start empty rather than not at all
+            print(f"serve controller: could not read the checkpoint: {e}", file=sys.stderr)
+            return
+        if not ck or not ck.get("apps"):
+            return
+        self._http = ck.get("http") or self._http
+        for name, a in ck["apps"].items():
+            self._apps[name] = dict(a)
+        for key, dd in ck["deps"].items():
+            d = _Deployment(key[0], key[1], dd["target_bytes"], dd["init_bytes"], dd["cfg"], dd["code_hash"])
+            d.target, d.failed, d.message, d.deleting = dd["target"], dd["failed"], dd["message"], dd["deleting"]
+            d.ever_healthy = True
+            for rid, state, actor_name, info in dd["replicas"]:
+                try:
+                    actor = tpuray.get_actor(actor_name, namespace=_common.SERVE_NAMESPACE)
+                except ValueError:
+                    continue
+                if state == RUNNING and not d.deleting:
+                    d.replicas[rid] = _Replica.adopt(rid, actor, info)
+                else:
+                    self._kill_actor(actor)
+            self._deps[key] = d
+            self._bump(key)
+        if ck.get("proxy"):
+            try:
+                self._proxy = tpuray.get_actor(_common.PROXY_NAME, namespace=_common.SERVE_NAMESPACE)
+                self._proxy_ref = self._proxy.ready.remote()
+                self._proxy_state = "STARTING"
+            except ValueError:
+                self._proxy = None
+        print(f"serve controller: recovered {len(self._apps)} application(s) from the checkpoint",
+              file=sys.stderr)
 
     # ---- API for drivers ----
 
@@ -242,6 +349,7 @@ class ServeController:
             if self._proxy is not None:
                 self._kill_actor(self._proxy)
                 self._proxy = None
+            self._maybe_checkpoint()
             self._stopped = True
             doc = self._status_doc()
             doc["controller"]["state"] = "STOPPED"
@@ -257,7 +365,7 @@ class ServeController:
         key = (app, deployment)
         deadline = time.monotonic() + _LISTEN_S
         with self._cv:
-            while self._versions.get(key, 0) == version and not self._stopped:
+            while self._versions.get(key, self._base) == version and not self._stopped:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -273,7 +381,7 @@ class ServeController:
                                                   "request_router", "request_router_kwargs")}
                 if d is not None else None,
             }
-            return self._versions.get(key, 0), snap
+            return self._versions.get(key, self._base), snap
 
     def listen_for_routes(self, version: int):
         """Long poll: ``(version, {route_prefix: (app, ingress deployment)})``."""
@@ -338,6 +446,7 @@ class ServeController:
                 self._reconcile(key, d, ready, now)
             self._manage_proxy(ready, now)
             self._update_apps()
+            self._maybe_checkpoint()
             doc = self._status_doc()
             self._cv.notify_all()
         self._maybe_write(doc)
@@ -484,7 +593,7 @@ class ServeController:
         cfg = d.cfg
         ao = dict(cfg.get("ray_actor_options") or {})
         opts = {
-            "name": f"SERVE_REPLICA::{d.app}#{d.name}#{rid}",
+            "name": _replica_name(d, rid),
             "namespace": _common.SERVE_NAMESPACE,
             "lifetime": "detached",
             "max_concurrency": max(32, min(256, 2 * int(cfg["max_ongoing_requests"]) + 16)),
@@ -542,7 +651,7 @@ class ServeController:
             pass
 
     def _bump(self, key):
-        self._versions[key] = self._versions.get(key, 0) + 1
+        self._versions[key] = self._versions.get(key, self._base) + 1
         self._cv.notify_all()
 
     # ---- the proxy ----
@@ -670,7 +779,7 @@ class ServeController:
             proxies[self._proxy_info.get("node_id") or self._node_id] = self._proxy_state
         return {
             "controller": {"state": "STOPPED" if self._stopped else "RUNNING",
-                           "node_id": self._node_id, "updated_at": time.time()},
+                           "node_id": self._node_id, "pid": os.getpid(), "updated_at": time.time()},
             "proxies": proxies,
             "http": self._http_info(),
             "applications": apps,
@@ -691,6 +800,10 @@ class ServeController:
             _tpuray.kv_put(_common.SERVE_NAMESPACE, _common.STATUS_KEY, json.dumps(doc).encode(), True)
         except Exception as e:  # noqa: BLE001 - the head is briefly unreachable
             print(f"serve controller: could not write the status to the KV: {e}", file=sys.stderr)
+
+
+def _replica_name(d: _Deployment, rid: str) -> str:
+    return f"SERVE_REPLICA::{d.app}#{d.name}#{rid}"
 
 
 def r_cfg(d: _Deployment) -> dict:

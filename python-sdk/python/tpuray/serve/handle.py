@@ -507,6 +507,12 @@ class DeploymentResponse:
         self._router = router
         self._current = req
 
+    def __reduce__(self):
+        raise TypeError(
+            "a DeploymentResponse can be passed only as a top-level argument of another "
+            "handle call (where it is resolved); await it or call .result() to send its value"
+        )
+
     def _retry_or_raise(self, req, err):
         self._router.finished(req)
         self._router.replica_died(req.replica_id)
