@@ -177,13 +177,15 @@ class EmbeddingIngress:
 class Route:
     """One application of the example: deployed as ``name`` under ``prefix``;
     ``build()`` returns its bound ingress; ``check(url)`` sends it real HTTP requests,
-    checks the answers and returns ``(payload, validate)`` for the load test: a request
-    body and a function that checks a response to it."""
+    checks the answers and returns ``(payloads, validate)`` for the load test: request
+    bodies and a function that checks a response to one of them."""
 
     name: str
     prefix: str
     build: Callable[[], object]
     check: Callable[[str], tuple]
+    #: Optional: a line about the load test's responses (e.g. the batch sizes seen).
+    summary: Callable[[list], str] | None = None
 
 
 ROUTES: list = []
@@ -234,11 +236,19 @@ def check_embedding(url: str):
     return [{"text": t} for t in TEXTS], validate
 
 
+def embedding_batches(outs: list) -> str:
+    sizes = [o["stages"]["embedder"]["batch"] for o in outs if isinstance(o, dict) and "stages" in o]
+    if not sizes:
+        return "no batches seen"
+    return f"embedder batch sizes: mean {statistics.mean(sizes):.1f}, max {max(sizes)}"
+
+
 def embedding_route() -> Route:
     return Route(
         "embed", "/embed",
         lambda: EmbeddingIngress.bind(Tokenizer.bind(), Embedder.bind(), PostProcess.bind()),
         check_embedding,
+        embedding_batches,
     )
 
 
@@ -249,6 +259,7 @@ def load_test(url: str, payloads: list, validate, seconds: float, threads: int) 
     """``threads`` clients each send one request after another for ``seconds``."""
     lat: list = []
     bad: list = []
+    outs: list = []
     lock = threading.Lock()
     stop = time.monotonic() + seconds
 
@@ -266,6 +277,7 @@ def load_test(url: str, payloads: list, validate, seconds: float, threads: int) 
             dt = time.perf_counter() - t0
             with lock:
                 lat.append(dt)
+                outs.append(out)
                 if not ok:
                     bad.append(out)
 
@@ -283,6 +295,7 @@ def load_test(url: str, payloads: list, validate, seconds: float, threads: int) 
         "p50_ms": 1000 * statistics.median(lat),
         "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
         "first_failure": bad[0] if bad else None,
+        "responses": outs,
     }
 
 
@@ -311,6 +324,8 @@ def main(argv=None) -> int:
             print(f"{r.prefix}: {m['requests']} requests in {m['seconds']:.1f} s with "
                   f"{args.threads} client threads: {m['rps']:.1f} requests/s, "
                   f"p50 {m['p50_ms']:.1f} ms, p99 {m['p99_ms']:.1f} ms, {m['failed']} failed")
+            if r.summary is not None:
+                print(f"  {r.summary(m['responses'])}")
             if m["failed"]:
                 print(f"  first failure: {m['first_failure']}")
                 return 1

@@ -34,7 +34,7 @@ from tpuray.serve.handle import DeploymentHandle, DeploymentResponse, Deployment
 from tpuray.serve.http import Request
 
 __all__ = [
-    "Application", "Deployment", "DeploymentHandle", "DeploymentResponse",
+    "Application", "Deployment", "DeploymentHandle", "DeploymentResponse", "ReplicaID",
     "DeploymentResponseGenerator", "ReplicaContext", "Request", "batch", "delete",
     "deployment", "exceptions", "get_app_handle", "get_deployment_handle",
     "get_replica_context", "run", "shutdown", "start", "status",
