@@ -399,9 +399,15 @@ class Sleeper:
         self.sick = True
         return os.getpid()
 
+    def make_stuck(self):
+        self.stuck = True
+        return os.getpid()
+
     def check_health(self):
         if self.sick:
             raise RuntimeError("sick on purpose")
+        if getattr(self, "stuck", False):
+            time.sleep(60)
 
     def stream_pid(self, n):
         yield os.getpid()
@@ -448,6 +454,11 @@ def test_sigkilled_replica_is_replaced_and_in_flight_requests_retry_or_fail_clea
     sick = h.make_sick.remote().result(timeout_s=60)
     _wait_for(lambda: sick not in [r["pid"] for r in _replicas("kill", "Sleeper", None)], 60,
               "the unhealthy replica to go")
+    _wait_for(lambda: len(_replicas("kill", "Sleeper")) == 2, 60, "two replicas again")
+    # So is one whose check_health does not answer within health_check_timeout_s.
+    stuck = h.make_stuck.remote().result(timeout_s=60)
+    _wait_for(lambda: stuck not in [r["pid"] for r in _replicas("kill", "Sleeper", None)], 60,
+              "the stuck replica to go")
     _wait_for(lambda: len(_replicas("kill", "Sleeper")) == 2, 60, "two replicas again")
     serve.delete("kill")
 
