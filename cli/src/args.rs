@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::{microbench, procs, show};
+use crate::{microbench, procs, serve, show};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -32,6 +32,9 @@ pub enum Command {
     Stop(StopArgs),
     /// Ray's `ray microbenchmark` cases (Python SDK; `--rust`: Rust SDK), after the floor.
     Microbenchmark(MicrobenchmarkArgs),
+    /// `tpuray.serve` applications: `serve status`.
+    #[command(subcommand)]
+    Serve(ServeCommand),
     #[command(name = "_head", hide = true)]
     Head(HeadArgs),
     #[command(name = "_agent", hide = true)]
@@ -205,6 +208,21 @@ pub struct MemoryArgs {
     pub address: AddressArg,
 }
 
+#[derive(Subcommand, Debug)]
+pub enum ServeCommand {
+    /// Applications, deployments and replica states that the serve controller reports.
+    Status(ServeStatusArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ServeStatusArgs {
+    /// Print the controller's JSON document instead of the YAML-ish summary.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub address: AddressArg,
+}
+
 #[derive(Args, Debug)]
 pub struct StopArgs {
     /// Kill with SIGKILL at once instead of stopping gracefully.
@@ -295,6 +313,9 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Memory(a) => show::memory(&resolve_address(a.address.address)?, a.format, a.top),
         Command::Stop(a) => procs::stop(a.force),
+        Command::Serve(ServeCommand::Status(a)) => {
+            serve::status(&resolve_address(a.address.address)?, a.json)
+        }
         Command::Microbenchmark(a) => {
             // A driver of a cluster for minutes (--rust): a peer that hangs up must fail
             // that connection, not kill the run.

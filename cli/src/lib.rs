@@ -2,13 +2,14 @@
 //! native binary and by the Python package's console script (DESIGN.md §1).
 //!
 //! Verbs follow Ray's CLI (DESIGN.md §6): `start`, `status`, `list`, `stop`,
-//! `memory`, `microbenchmark`.
+//! `memory`, `microbenchmark`, `serve status`.
 //! Hidden verbs `_head`, `_agent` and `_worker` are the long-running
 //! processes that `start` spawns; they are not for users.
 
 mod args;
 mod microbench;
 mod procs;
+mod serve;
 mod show;
 
 use clap::Parser;

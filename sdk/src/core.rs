@@ -285,6 +285,9 @@ macro_rules! cached_client {
             if let Some(x) = c.$field.get(addr) {
                 return Ok(x.clone());
             }
+            // A channel spawns its connection task on the current runtime: a caller on a
+            // thread of its own (a Python thread in a worker) has none, so enter ours.
+            let _rt = self.rt.enter();
             let x =
                 $make(addr, self.token.as_deref()).map_err(|e| Error::Cluster(e.to_string()))?;
             c.$field.insert(addr.to_string(), x.clone());
@@ -517,6 +520,7 @@ impl Core {
         if let Some(h) = &c.head {
             return Ok(h.clone());
         }
+        let _rt = self.rt.enter();
         let h = tpuray_proto::client::head(&self.head_address, self.token.as_deref())
             .map_err(|e| Error::Cluster(e.to_string()))?;
         c.head = Some(h.clone());

@@ -1,0 +1,836 @@
+"""The serve controller: one detached named actor that owns every application.
+
+It is a threaded actor (``max_concurrency`` 256): calls from drivers, handles and the
+proxy run on executor threads under one lock, and a control-loop thread reconciles
+every ~0.1 s:
+
+- starts replicas until each deployment has its target number (STARTING until the
+  replica's ``initialize`` returns; a constructor that raises three times in a row
+  fails the deployment with its error, DEPLOY_FAILED);
+- health-checks each RUNNING replica every ``health_check_period_s`` by calling its
+  ``check_health`` (which checks that replica only) and replaces it when the call
+  raises, or takes longer than ``health_check_timeout_s``, or its actor is dead
+  (handles that see a replica die report it, so that is checked at once);
+- autoscales: the target follows Ray's queue-length policy on the sum of the ongoing
+  requests that handles report, after ``upscale_delay_s``/``downscale_delay_s``
+  (from zero replicas, at once);
+- stops replicas gracefully (out of routing first, then ``prepare_for_shutdown``,
+  then killed) when scaling down, redeploying or deleting;
+- keeps the HTTP proxy actor alive while an application has a route prefix;
+- writes its status document (JSON) to the head's KV, namespace ``serve``, key
+  ``status``, on every change and every 2 s (``tpuray serve status`` prints it).
+
+Handles and the proxy long-poll ``listen_for_replicas``/``listen_for_routes``.
+SERVE-1: a replica's health is its own: nothing here looks at a replica's downstream
+deployments when judging it.
+SERVE-2: the controller checkpoints its applications, deployments and replica names to
+the KV (key ``checkpoint``) whenever they change; it is restarted when its process dies
+(``max_restarts=-1``) and a new incarnation adopts the live RUNNING replicas and the
+proxy, so a controller crash does not interrupt serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sys
+import threading
+import time
+import traceback
+import uuid
+
+import tpuray
+from tpuray import _tpuray
+from tpuray.serve import _common
+from tpuray.serve._common import RUNNING, STARTING, STOPPING, UNHEALTHY
+from tpuray.serve import config as _config
+
+_TICK_S = 0.1
+_STATUS_REFRESH_S = 2.0
+_MAX_CONSTRUCTOR_FAILURES = 3
+_SLOW_START_S = 30.0
+_METRIC_STALE_S = 5.0
+_LISTEN_S = 10.0
+
+
+class _Replica:
+    def __init__(self, rid, actor):
+        self.rid = rid
+        self.actor = actor
+        self.state = STARTING
+        self.created = time.monotonic()
+        self.init_ref = actor.initialize.remote()
+        self.info: dict = {}
+        self.health_ref = None
+        self.health_sent = 0.0
+        self.next_check = 0.0
+        self.stop_ref = None
+        self.stop_deadline = 0.0
+        self.suspect = False
+        self.ongoing = 0
+
+    @classmethod
+    def adopt(cls, rid, actor, info):
+        """A RUNNING replica that a previous incarnation of the controller started."""
+        r = cls.__new__(cls)
+        r.rid, r.actor, r.state, r.created = rid, actor, RUNNING, time.monotonic()
+        r.init_ref = r.health_ref = r.stop_ref = None
+        r.info = dict(info or {})
+        r.health_sent = r.next_check = r.stop_deadline = 0.0
+        r.suspect = False
+        r.ongoing = 0
+        return r
+
+
+class _Deployment:
+    def __init__(self, app, name, target_bytes, init_bytes, cfg, code_hash):
+        self.app = app
+        self.name = name
+        self.target_bytes = target_bytes
+        self.init_bytes = init_bytes
+        self.cfg = cfg
+        self.code_hash = code_hash
+        self.replicas: dict = {}
+        self.target = _config.initial_target(cfg)
+        self.failures = 0
+        self.failed = False
+        self.deleting = False
+        self.message = ""
+        self.trigger = "CONFIG_UPDATE_STARTED"
+        self.scaling = None  # "UPSCALING" | "DOWNSCALING" while a decision is carried out
+        self.wish = None  # (direction, since) of a pending autoscaling decision
+        self.ever_healthy = False
+        self.unhealthy = False
+        self.total_ongoing = 0.0
+
+
+class ServeController:
+    """See the module doc. Created by ``serve.run``/``serve.start`` with
+    ``http_options`` ``{"host": "127.0.0.1", "port": 8000}`` (port 0: any free port)."""
+
+    def __init__(self, http_options: dict):
+        self._cv = threading.Condition(threading.RLock())
+        self._apps: dict = {}
+        self._deps: dict = {}
+        self._versions: dict = {}
+        # Versions start at a random base, so a router holding a version from a previous
+        # incarnation of the controller never mistakes it for the current one.
+        self._base = random.randrange(1 << 40) * 1000
+        self._routes_version = self._base + 1
+        self._metrics: dict = {}
+        host = http_options.get("host") or "127.0.0.1"
+        port = http_options.get("port", 8000)
+        self._http = {"host": str(host), "port": int(port)}
+        self._proxy = None
+        self._proxy_ref = None
+        self._proxy_state = None
+        self._proxy_info: dict = {}
+        self._proxy_error = ""
+        self._proxy_retry_at = 0.0
+        self._proxy_next_check = 0.0
+        self._shutting_down = False
+        self._stopped = False
+        self._last_doc = None
+        self._last_write = 0.0
+        self._node_id = tpuray.get_runtime_context().get_node_id()
+        self._last_checkpoint = None
+        with self._cv:
+            self._restore()
+        threading.Thread(target=self._run, daemon=True, name="serve-controller").start()
+
+    # ---- checkpoint (SERVE-2: a restarted controller adopts what its predecessor ran) ----
+
+    def _checkpoint_state(self) -> dict:
+        deps = {}
+        for key, d in self._deps.items():
+            deps[key] = {
+                "target_bytes": d.target_bytes, "init_bytes": d.init_bytes, "cfg": d.cfg,
+                "code_hash": d.code_hash, "target": d.target, "failed": d.failed,
+                "message": d.message, "deleting": d.deleting,
+                "replicas": [(r.rid, r.state, _replica_name(d, r.rid), r.info)
+                             for r in d.replicas.values()],
+            }
+        return {"apps": self._apps, "deps": deps, "http": self._http,
+                "proxy": self._proxy is not None}
+
+    def _checkpoint_signature(self):
+        return (
+            tuple(sorted((n, a["deleting"], a["last_deployed_time_s"]) for n, a in self._apps.items())),
+            tuple(sorted(
+                (k, d.code_hash, d.target, d.failed, d.deleting,
+                 tuple(sorted((r.rid, r.state) for r in d.replicas.values())))
+                for k, d in self._deps.items()
+            )),
+            self._proxy is not None,
+        )
+
+    def _maybe_checkpoint(self) -> None:
+        """Writes the applications, deployments and replica names to the head's KV
+        (namespace ``serve``, key ``checkpoint``) when they changed (lock held)."""
+        sig = self._checkpoint_signature()
+        if sig == self._last_checkpoint:
+            return
+        from tpuray._private.serialization import serialize
+
+        try:
+            _tpuray.kv_put(_common.SERVE_NAMESPACE, _common.CHECKPOINT_KEY,
+                           serialize(self._checkpoint_state())[0], True)
+            self._last_checkpoint = sig
+        except Exception as e:  # noqa: BLE001 - retried on the next tick
+            print(f"serve controller: could not write the checkpoint: {e}", file=sys.stderr)
+
+    def _restore(self) -> None:
+        """Adopts the applications of a previous controller (after this actor restarted,
+        or a new one replaced a dead one): RUNNING replicas that are still alive are
+        kept (and health-checked at once), others are replaced; the proxy is kept."""
+        from tpuray._private.serialization import deserialize
+
+        try:
+            raw = _tpuray.kv_get(_common.SERVE_NAMESPACE, _common.CHECKPOINT_KEY)
+            ck = deserialize(raw) if raw else None
+        except Exception as e:  # noqa: BLE001 - start empty rather than not at all
+            print(f"serve controller: could not read the checkpoint: {e}", file=sys.stderr)
+            return
+        if not ck or not ck.get("apps"):
+            return
+        self._http = ck.get("http") or self._http
+        for name, a in ck["apps"].items():
+            self._apps[name] = dict(a)
+        for key, dd in ck["deps"].items():
+            d = _Deployment(key[0], key[1], dd["target_bytes"], dd["init_bytes"], dd["cfg"], dd["code_hash"])
+            d.target, d.failed, d.message, d.deleting = dd["target"], dd["failed"], dd["message"], dd["deleting"]
+            d.ever_healthy = True
+            for rid, state, actor_name, info in dd["replicas"]:
+                try:
+                    actor = tpuray.get_actor(actor_name, namespace=_common.SERVE_NAMESPACE)
+                except ValueError:
+                    continue
+                if state == RUNNING and not d.deleting:
+                    d.replicas[rid] = _Replica.adopt(rid, actor, info)
+                else:
+                    self._kill_actor(actor)
+            self._deps[key] = d
+            self._bump(key)
+        if ck.get("proxy"):
+            try:
+                self._proxy = tpuray.get_actor(_common.PROXY_NAME, namespace=_common.SERVE_NAMESPACE)
+                self._proxy_ref = self._proxy.ready.remote()
+                self._proxy_state = "STARTING"
+            except ValueError:
+                self._proxy = None
+        print(f"serve controller: recovered {len(self._apps)} application(s) from the checkpoint",
+              file=sys.stderr)
+
+    # ---- API for drivers ----
+
+    def ready(self) -> dict:
+        return {"http": dict(self._http)}
+
+    def deploy_application(self, name: str, route_prefix, ingress: str, deployments: list) -> None:
+        """Deploys (or updates) application ``name``.
+
+        Args:
+            route_prefix: ``"/x"`` or None (no HTTP).
+            ingress: the name of the deployment that HTTP requests reach.
+            deployments: ``{"name", "target": pickled class or function, "init":
+                pickled (args, kwargs), "config": checked options}`` per deployment.
+
+        Raises:
+            ValueError: another application has this route prefix.
+        """
+        with self._cv:
+            if self._shutting_down:
+                raise RuntimeError("serve is shutting down")
+            if route_prefix is not None:
+                for other, a in self._apps.items():
+                    if other != name and a["route_prefix"] == route_prefix and not a["deleting"]:
+                        raise ValueError(
+                            f"route_prefix {route_prefix!r} is already used by application "
+                            f"{other!r}; give each application its own prefix"
+                        )
+            old = self._apps.get(name)
+            names = [d["name"] for d in deployments]
+            if old is not None:
+                for dname in old["deployments"]:
+                    if dname not in names:
+                        self._delete_deployment(self._deps.get((name, dname)))
+            for d in deployments:
+                key = (name, d["name"])
+                cfg = d["config"]
+                code_hash = hashlib.sha256(
+                    d["target"] + d["init"]
+                    + json.dumps([cfg.get("user_config"), cfg.get("ray_actor_options")],
+                                 sort_keys=True, default=repr).encode()
+                ).hexdigest()
+                cur = self._deps.get(key)
+                if cur is not None and not cur.deleting and cur.code_hash == code_hash:
+                    cur.cfg = cfg
+                    cur.target = (
+                        _config.initial_target(cfg) if cfg.get("autoscaling_config") is None
+                        else max(cfg["autoscaling_config"]["min_replicas"],
+                                 min(cfg["autoscaling_config"]["max_replicas"], cur.target))
+                    )
+                    cur.trigger = "CONFIG_UPDATE_STARTED"
+                    cur.failed = False
+                    cur.failures = 0
+                else:
+                    new = _Deployment(name, d["name"], d["target"], d["init"], cfg, code_hash)
+                    if cur is not None:
+                        # A new version: the old replicas stop once out of routing.
+                        for r in list(cur.replicas.values()):
+                            self._stop_replica(cur, r)
+                        new.replicas = cur.replicas
+                    self._deps[key] = new
+                self._bump(key)
+            self._apps[name] = {
+                "route_prefix": route_prefix,
+                "ingress": ingress,
+                "deployments": names,
+                "deleting": False,
+                "last_deployed_time_s": time.time(),
+                "status": "DEPLOYING",
+                "message": "",
+                "was_running": False,
+            }
+            self._routes_version += 1
+            self._cv.notify_all()
+
+    def delete_apps(self, names: list) -> None:
+        """Starts deleting the named applications (replicas stop gracefully); unknown
+        names are ignored, as in Ray."""
+        with self._cv:
+            for name in names:
+                a = self._apps.get(name)
+                if a is None:
+                    continue
+                a["deleting"] = True
+                for dname in a["deployments"]:
+                    self._delete_deployment(self._deps.get((name, dname)))
+            self._routes_version += 1
+            self._cv.notify_all()
+
+    def app_status(self, name: str):
+        """``{"status", "message", "ingress", "route_prefix", "proxy"}`` of one
+        application, or None when it does not exist."""
+        with self._cv:
+            a = self._apps.get(name)
+            if a is None:
+                return None
+            return {"status": a["status"], "message": a["message"], "ingress": a["ingress"],
+                    "route_prefix": a["route_prefix"], "proxy_state": self._proxy_state,
+                    "proxy_error": self._proxy_error, "http": self._http_info()}
+
+    def list_apps(self) -> list:
+        with self._cv:
+            return list(self._apps)
+
+    def status(self) -> dict:
+        """The status document (what ``tpuray serve status`` prints)."""
+        with self._cv:
+            return self._status_doc()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Deletes every application, waits (at most ``timeout_s``) for their replicas to
+        stop, stops the proxy and records a STOPPED status."""
+        with self._cv:
+            self._shutting_down = True
+        self.delete_apps(self.list_apps())
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._deps and time.monotonic() < deadline:
+                self._cv.wait(0.1)
+            for d in list(self._deps.values()):
+                for r in list(d.replicas.values()):
+                    self._kill(r)
+            self._deps.clear()
+            self._apps.clear()
+            if self._proxy is not None:
+                self._kill_actor(self._proxy)
+                self._proxy = None
+            self._maybe_checkpoint()
+            self._stopped = True
+            doc = self._status_doc()
+            doc["controller"]["state"] = "STOPPED"
+            self._write(doc)
+            self._cv.notify_all()
+
+    # ---- API for handles and the proxy ----
+
+    def listen_for_replicas(self, app: str, deployment: str, version: int):
+        """Long poll: returns ``(version, {"exists", "replicas": [(id, actor)],
+        "config"})`` once the deployment's routing state differs from ``version``, or
+        after ``_LISTEN_S`` seconds."""
+        key = (app, deployment)
+        deadline = time.monotonic() + _LISTEN_S
+        with self._cv:
+            while self._versions.get(key, self._base) == version and not self._stopped:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            d = self._deps.get(key)
+            exists = d is not None and not d.deleting
+            snap = {
+                "exists": exists,
+                "failed": d.message if d is not None and d.failed else None,
+                "replicas": [(r.rid, r.actor) for r in d.replicas.values() if r.state == RUNNING]
+                if exists else [],
+                "config": {k: d.cfg[k] for k in ("max_ongoing_requests", "max_queued_requests",
+                                                  "request_router", "request_router_kwargs")}
+                if d is not None else None,
+            }
+            return self._versions.get(key, self._base), snap
+
+    def listen_for_routes(self, version: int):
+        """Long poll: ``(version, {route_prefix: (app, ingress deployment)})``."""
+        deadline = time.monotonic() + _LISTEN_S
+        with self._cv:
+            while self._routes_version == version and not self._stopped:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            routes = {a["route_prefix"]: (name, a["ingress"]) for name, a in self._apps.items()
+                      if a["route_prefix"] is not None and not a["deleting"]}
+            return self._routes_version, routes
+
+    def record_handle_metrics(self, app: str, deployment: str, handle_id: str, ongoing: float) -> None:
+        """A handle's count of requests it has queued or running at the deployment."""
+        with self._cv:
+            self._metrics.setdefault((app, deployment), {})[handle_id] = (float(ongoing), time.monotonic())
+
+    def report_replica_failure(self, app: str, deployment: str, replica_id: str) -> None:
+        """A handle saw a request fail because the replica's actor died: look at once."""
+        with self._cv:
+            d = self._deps.get((app, deployment))
+            if d is not None and replica_id in d.replicas:
+                d.replicas[replica_id].suspect = True
+
+    # ---- the control loop ----
+
+    def _run(self):
+        while not self._stopped:
+            try:
+                self._tick()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                print("serve controller: control loop error:\n" + traceback.format_exc(), file=sys.stderr)
+                time.sleep(0.5)
+
+    def _outstanding(self) -> list:
+        refs = []
+        with self._cv:
+            for d in self._deps.values():
+                for r in d.replicas.values():
+                    for ref in (r.init_ref, r.health_ref, r.stop_ref):
+                        if ref is not None:
+                            refs.append(ref)
+            if self._proxy_ref is not None:
+                refs.append(self._proxy_ref)
+        return refs
+
+    def _tick(self):
+        refs = self._outstanding()
+        ready: set = set()
+        if refs:
+            done, _ = tpuray.wait(refs, num_returns=len(refs), timeout=_TICK_S)
+            ready = set(done)
+        else:
+            time.sleep(_TICK_S)
+        now = time.monotonic()
+        with self._cv:
+            if self._stopped:
+                return
+            for key, d in list(self._deps.items()):
+                self._reconcile(key, d, ready, now)
+            self._manage_proxy(ready, now)
+            self._update_apps()
+            self._maybe_checkpoint()
+            doc = self._status_doc()
+            self._cv.notify_all()
+        self._maybe_write(doc)
+
+    def _reconcile(self, key, d: _Deployment, ready: set, now: float):
+        for r in list(d.replicas.values()):
+            if r.state == STARTING and r.init_ref in ready:
+                ref, r.init_ref = r.init_ref, None
+                try:
+                    r.info = tpuray.get(ref)
+                    r.state = RUNNING
+                    r.next_check = now + float(r_cfg(d)["health_check_period_s"])
+                    d.failures = 0
+                    self._bump(key)
+                except Exception as e:  # noqa: BLE001
+                    d.failures += 1
+                    d.message = f"replica {r.rid} failed to start: {_short(e)}"
+                    self._kill(r)
+                    del d.replicas[r.rid]
+                    if d.failures >= _MAX_CONSTRUCTOR_FAILURES:
+                        d.failed = True
+                        d.trigger = "REPLICA_STARTUP_FAILED"
+                        d.message = (
+                            f"the deployment failed to start {d.failures} replicas in a row; "
+                            f"the last error: {_short(e)}"
+                        )
+                        self._bump(key)
+            elif r.state == STARTING and now - r.created > _SLOW_START_S:
+                n = sum(1 for x in d.replicas.values() if x.state == STARTING and now - x.created > _SLOW_START_S)
+                d.message = (
+                    f"Deployment {d.name!r} in application {d.app!r} has {n} replicas that have taken "
+                    f"more than {_SLOW_START_S:.0f}s to be scheduled. Resources required for each "
+                    f"replica: {_replica_resources(d.cfg)}, total resources available: "
+                    f"{_safe(tpuray.available_resources)}."
+                )
+            elif r.state == RUNNING:
+                self._health(key, d, r, ready, now)
+            elif r.state == STOPPING:
+                if r.stop_ref in ready or now >= r.stop_deadline:
+                    self._kill(r)
+                    del d.replicas[r.rid]
+        if d.deleting:
+            if not d.replicas:
+                del self._deps[key]
+                self._bump(key)
+            return
+        self._autoscale(key, d, now)
+        active = [r for r in d.replicas.values() if r.state in (STARTING, RUNNING)]
+        if len(active) < d.target and not d.failed:
+            for _ in range(d.target - len(active)):
+                self._start_replica(key, d)
+        elif len(active) > d.target:
+            extra = len(active) - d.target
+            starting = [r for r in active if r.state == STARTING]
+            running = sorted((r for r in active if r.state == RUNNING), key=lambda r: -r.created)
+            for r in (starting + running)[:extra]:
+                self._stop_replica(d, r)
+            self._bump(key)
+        running = sum(1 for r in d.replicas.values() if r.state == RUNNING)
+        if running >= d.target and not d.failed:
+            if not d.ever_healthy or d.unhealthy or d.scaling:
+                d.trigger = "CONFIG_UPDATE_COMPLETED" if not d.ever_healthy else (
+                    "AUTOSCALING" if d.scaling else "HEALTH_CHECK_RECOVERED")
+                if not d.message.startswith("replica") or not d.unhealthy:
+                    d.message = ""
+            d.ever_healthy = True
+            d.unhealthy = False
+            d.scaling = None
+
+    def _health(self, key, d, r, ready, now):
+        cfg = d.cfg
+        if r.suspect:
+            r.suspect = False
+            try:
+                state = _tpuray.actor_state(r.actor._actor_id, 0)[0]
+            except Exception:  # noqa: BLE001
+                state = ""
+            if state == "DEAD":
+                self._replace(key, d, r, "died (its actor is dead)")
+                return
+            r.next_check = 0.0
+        if r.health_ref is not None and r.health_ref in ready:
+            ref, r.health_ref = r.health_ref, None
+            try:
+                r.ongoing = tpuray.get(ref).get("ongoing", 0)
+                r.next_check = now + float(cfg["health_check_period_s"])
+            except Exception as e:  # noqa: BLE001
+                why = "died" if _common.is_actor_death(e) else "failed its health check"
+                self._replace(key, d, r, f"{why}: {_short(e)}")
+            return
+        if r.health_ref is not None:
+            if now - r.health_sent > float(cfg["health_check_timeout_s"]):
+                self._replace(key, d, r, f"did not answer its health check within {cfg['health_check_timeout_s']} s")
+            return
+        if now >= r.next_check:
+            r.health_ref = r.actor.check_health.remote()
+            r.health_sent = now
+
+    def _replace(self, key, d, r, why):
+        r.state = UNHEALTHY
+        self._kill(r)
+        del d.replicas[r.rid]
+        d.unhealthy = True
+        d.trigger = "HEALTH_CHECK_FAILED"
+        d.message = f"replica {r.rid} {why}; it was replaced"
+        print(f"serve controller: deployment {d.app}#{d.name}: {d.message}", file=sys.stderr)
+        self._bump(key)
+
+    def _autoscale(self, key, d, now):
+        ac = d.cfg.get("autoscaling_config")
+        if ac is None or d.failed:
+            return
+        per = self._metrics.get(key, {})
+        for hid in [h for h, (_, ts) in per.items() if now - ts > _METRIC_STALE_S]:
+            del per[hid]
+        total = sum(v for v, _ in per.values())
+        d.total_ongoing = total
+        cur = d.target
+        want = _config.autoscale_desired(ac, cur, total)
+        if want == cur:
+            d.wish = None
+            return
+        up = want > cur
+        if up:
+            delay = 0.0 if cur == 0 else ac["upscale_delay_s"]
+        else:
+            delay = ac["downscale_delay_s"]
+            if want == 0 and ac.get("downscale_to_zero_delay_s") is not None:
+                delay = ac["downscale_to_zero_delay_s"]
+        if d.wish is None or d.wish[0] != up:
+            d.wish = (up, now)
+        if now - d.wish[1] >= delay:
+            d.target = want
+            d.wish = None
+            d.scaling = "UPSCALING" if up else "DOWNSCALING"
+            d.trigger = "AUTOSCALING"
+            d.message = f"{'upscaling' if up else 'downscaling'} from {cur} to {want} replicas ({total:g} ongoing requests)"
+            self._bump(key)
+
+    def _start_replica(self, key, d):
+        from tpuray.serve._replica import ServeReplica
+
+        rid = uuid.uuid4().hex[:8]
+        cfg = d.cfg
+        ao = dict(cfg.get("ray_actor_options") or {})
+        opts = {
+            "name": _replica_name(d, rid),
+            "namespace": _common.SERVE_NAMESPACE,
+            "lifetime": "detached",
+            "max_concurrency": max(32, min(256, 2 * int(cfg["max_ongoing_requests"]) + 16)),
+            "num_cpus": ao.pop("num_cpus", 1),
+        }
+        ao.pop("object_store_memory", None)
+        opts.update({k: v for k, v in ao.items() if v is not None})
+        try:
+            actor = tpuray.remote(ServeReplica).options(**opts).remote(
+                d.app, d.name, rid, d.target_bytes, d.init_bytes, r_cfg(d)
+            )
+        except Exception as e:  # noqa: BLE001 - e.g. a bad runtime_env
+            d.failures += 1
+            d.message = f"could not create a replica: {_short(e)}"
+            if d.failures >= _MAX_CONSTRUCTOR_FAILURES:
+                d.failed = True
+                d.trigger = "REPLICA_STARTUP_FAILED"
+                self._bump(key)
+            return
+        d.replicas[rid] = _Replica(rid, actor)
+
+    def _stop_replica(self, d, r):
+        if r.state == STARTING:
+            self._kill(r)
+            d.replicas.pop(r.rid, None)
+            return
+        if r.state == STOPPING:
+            return
+        r.state = STOPPING
+        r.health_ref = None
+        try:
+            r.stop_ref = r.actor.prepare_for_shutdown.remote()
+        except Exception:  # noqa: BLE001 - dead already
+            r.stop_ref = None
+        r.stop_deadline = time.monotonic() + float(d.cfg["graceful_shutdown_timeout_s"]) + 2.0
+
+    def _delete_deployment(self, d):
+        if d is None or d.deleting:
+            return
+        d.deleting = True
+        d.target = 0
+        for r in list(d.replicas.values()):
+            self._stop_replica(d, r)
+        self._bump((d.app, d.name))
+
+    def _kill(self, r):
+        self._kill_actor(r.actor)
+        r.init_ref = r.health_ref = r.stop_ref = None
+
+    @staticmethod
+    def _kill_actor(actor):
+        try:
+            tpuray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+
+    def _bump(self, key):
+        self._versions[key] = self._versions.get(key, self._base) + 1
+        self._cv.notify_all()
+
+    # ---- the proxy ----
+
+    def _http_info(self):
+        port = self._proxy_info.get("port", self._http["port"])
+        return {"host": self._http["host"], "port": port}
+
+    def _manage_proxy(self, ready, now):
+        want = any(a["route_prefix"] is not None and not a["deleting"] for a in self._apps.values())
+        if not want or self._shutting_down:
+            return
+        if self._proxy is None:
+            if now < self._proxy_retry_at:
+                return
+            from tpuray.serve._proxy import ProxyActor
+
+            self._proxy = tpuray.remote(ProxyActor).options(
+                name=_common.PROXY_NAME, namespace=_common.SERVE_NAMESPACE, lifetime="detached",
+                num_cpus=0, max_concurrency=16,
+            ).remote(self._http["host"], self._http["port"])
+            self._proxy_ref = self._proxy.ready.remote()
+            self._proxy_state = "STARTING"
+            return
+        if self._proxy_ref is not None and self._proxy_ref in ready:
+            ref, self._proxy_ref = self._proxy_ref, None
+            try:
+                info = tpuray.get(ref)
+                if self._proxy_state == "STARTING":
+                    self._proxy_info = info
+                self._proxy_state = "HEALTHY"
+                self._proxy_error = ""
+                self._proxy_next_check = now + 10.0
+            except Exception as e:  # noqa: BLE001
+                self._proxy_error = f"the HTTP proxy failed: {_short(e)}"
+                print(f"serve controller: {self._proxy_error}", file=sys.stderr)
+                self._proxy_state = "UNHEALTHY"
+                self._kill_actor(self._proxy)
+                self._proxy = None
+                self._proxy_retry_at = now + 5.0
+            return
+        if self._proxy_ref is None and now >= self._proxy_next_check:
+            self._proxy_ref = self._proxy.check_health.remote()
+
+    # ---- status ----
+
+    def _dep_status(self, d: _Deployment) -> str:
+        if d.failed:
+            return "DEPLOY_FAILED"
+        running = sum(1 for r in d.replicas.values() if r.state == RUNNING)
+        if running >= d.target and not d.scaling:
+            return "HEALTHY"
+        if d.unhealthy:
+            return "UNHEALTHY"
+        if d.scaling:
+            return d.scaling
+        return "UPDATING"
+
+    def _update_apps(self):
+        for name, a in list(self._apps.items()):
+            deps = [self._deps.get((name, dn)) for dn in a["deployments"]]
+            if a["deleting"]:
+                if all(d is None for d in deps):
+                    del self._apps[name]
+                    self._routes_version += 1
+                else:
+                    a["status"] = "DELETING"
+                continue
+            states = [self._dep_status(d) for d in deps if d is not None]
+            failed = [d for d in deps if d is not None and d.failed]
+            if failed:
+                a["status"] = "DEPLOY_FAILED"
+                a["message"] = f"deployment {failed[0].name!r} failed: {failed[0].message}"
+            elif all(s == "HEALTHY" for s in states) or (
+                a["was_running"] and all(s in ("HEALTHY", "UPSCALING", "DOWNSCALING") for s in states)
+            ):
+                a["status"] = "RUNNING"
+                a["was_running"] = True
+                a["message"] = ""
+            elif any(s == "UNHEALTHY" for s in states):
+                a["status"] = "UNHEALTHY"
+                a["message"] = "; ".join(d.message for d in deps if d is not None and d.unhealthy)
+            else:
+                a["status"] = "DEPLOYING" if not a["was_running"] else a["status"]
+                slow = [d.message for d in deps if d is not None and "taken more than" in d.message]
+                a["message"] = slow[0] if slow else ""
+
+    def _status_doc(self) -> dict:
+        apps = {}
+        for name, a in self._apps.items():
+            deps = {}
+            for dn in a["deployments"]:
+                d = self._deps.get((name, dn))
+                if d is None:
+                    continue
+                counts: dict = {}
+                for r in d.replicas.values():
+                    counts[r.state] = counts.get(r.state, 0) + 1
+                ac = d.cfg.get("autoscaling_config")
+                deps[dn] = {
+                    "status": self._dep_status(d),
+                    "status_trigger": d.trigger,
+                    "message": d.message,
+                    "target_replicas": d.target,
+                    "replica_states": counts,
+                    "replicas": [
+                        {"replica_id": r.rid, "state": r.state,
+                         "actor_id": r.actor._actor_id,
+                         "node_id": r.info.get("node_id", ""), "pid": r.info.get("pid", 0)}
+                        for r in d.replicas.values()
+                    ],
+                    "autoscaling": None if ac is None else {
+                        "min_replicas": ac["min_replicas"], "max_replicas": ac["max_replicas"],
+                        "target_ongoing_requests": ac["target_ongoing_requests"],
+                        "ongoing_requests": d.total_ongoing,
+                    },
+                }
+            apps[name] = {
+                "status": a["status"], "message": a["message"], "route_prefix": a["route_prefix"],
+                "ingress": a["ingress"], "last_deployed_time_s": a["last_deployed_time_s"],
+                "deployments": deps,
+            }
+        proxies = {}
+        if self._proxy_state is not None:
+            proxies[self._proxy_info.get("node_id") or self._node_id] = self._proxy_state
+        return {
+            "controller": {"state": "STOPPED" if self._stopped else "RUNNING",
+                           "node_id": self._node_id, "pid": os.getpid(), "updated_at": time.time()},
+            "proxies": proxies,
+            "http": self._http_info(),
+            "applications": apps,
+            "target_capacity": None,
+        }
+
+    def _maybe_write(self, doc):
+        cmp = dict(doc)
+        cmp["controller"] = {k: v for k, v in doc["controller"].items() if k != "updated_at"}
+        now = time.monotonic()
+        if cmp != self._last_doc or now - self._last_write >= _STATUS_REFRESH_S:
+            self._last_doc = cmp
+            self._last_write = now
+            self._write(doc)
+
+    def _write(self, doc):
+        try:
+            _tpuray.kv_put(_common.SERVE_NAMESPACE, _common.STATUS_KEY, json.dumps(doc).encode(), True)
+        except Exception as e:  # noqa: BLE001 - the head is briefly unreachable
+            print(f"serve controller: could not write the status to the KV: {e}", file=sys.stderr)
+
+
+def _replica_name(d: _Deployment, rid: str) -> str:
+    return f"SERVE_REPLICA::{d.app}#{d.name}#{rid}"
+
+
+def r_cfg(d: _Deployment) -> dict:
+    """The options a replica needs."""
+    return {k: d.cfg[k] for k in ("max_ongoing_requests", "health_check_timeout_s",
+                                  "graceful_shutdown_timeout_s", "user_config",
+                                  "health_check_period_s")}
+
+
+def _replica_resources(cfg) -> dict:
+    ao = cfg.get("ray_actor_options") or {}
+    res = {"CPU": ao.get("num_cpus", 1)}
+    if ao.get("num_gpus"):
+        res["GPU"] = ao["num_gpus"]
+    res.update(ao.get("resources") or {})
+    return res
+
+
+def _safe(f):
+    try:
+        return f()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _short(e: BaseException) -> str:
+    s = str(e).strip()
+    lines = [ln for ln in s.splitlines() if ln.strip()]
+    # A remote traceback: its last line names the exception.
+    return lines[-1] if len(lines) > 3 else s

@@ -1,0 +1,254 @@
+"""The HTTP proxy: an actor that serves every application's route prefix over HTTP/1.1,
+JSON in and JSON out (Python's ``http.server``, one thread per connection).
+
+A request goes to the application whose ``route_prefix`` is the longest prefix of the
+path (``/`` matches everything; ``/a`` matches ``/a`` and ``/a/...``). The body must be
+empty or JSON (else 400); the ingress deployment's ``__call__`` gets a
+:class:`tpuray.serve.http.Request`. Its return value is the response: ``bytes`` as
+``application/octet-stream``, ``str`` as ``text/plain``, anything else as JSON (a value
+JSON cannot encode is a 500). A generator's items are sent as they come, with chunked
+transfer encoding: ``str``/``bytes`` items as they are, other items one JSON document
+per line (``application/x-ndjson``).
+
+Errors are JSON ``{"error": ..., ...}``: 404 for a path no application serves (with
+the routes), 400 for a body that is not JSON, 500 when the deployment raised (its
+exception type and message), 503 when no replica could take the request (backpressure,
+replicas died). ``GET /-/routes`` lists the routes, ``GET /-/healthz`` answers
+``success``. A bad request never takes the proxy down: every handler catches all.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import tpuray
+from tpuray.serve import _common
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def handle_error(self, request, client_address):  # noqa: D401 - quiet broken pipes
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+            return
+        super().handle_error(request, client_address)
+
+
+class ProxyActor:
+    """Binds ``host:port`` (port 0: a free one) at construction; ``ready()`` returns
+    ``{"node_id", "port"}``."""
+
+    def __init__(self, host: str, port: int):
+        self._routes: dict = {}
+        self._version = -1
+        self._handles: dict = {}
+        handler = type("Handler", (_Handler,), {"proxy": self})
+        self._server = _Server((host, int(port)), handler)
+        self._port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True, name="serve-http").start()
+        threading.Thread(target=self._poll_routes, daemon=True, name="serve-routes").start()
+
+    def ready(self) -> dict:
+        return {"node_id": tpuray.get_runtime_context().get_node_id(), "port": self._port}
+
+    def check_health(self) -> bool:
+        with socket.create_connection(("127.0.0.1" if self._server.server_address[0] in ("0.0.0.0", "")
+                                       else self._server.server_address[0], self._port), timeout=5):
+            return True
+
+    def _poll_routes(self):
+        while True:
+            try:
+                ctrl = _common.get_controller()
+                self._version, self._routes = tpuray.get(
+                    ctrl.listen_for_routes.remote(self._version), timeout=60
+                )
+            except Exception:  # noqa: BLE001 - controller restarting or shut down
+                _common.forget_controller()
+                time.sleep(0.5)
+
+    def match(self, path: str):
+        best = None
+        for prefix, target in self._routes.items():
+            if prefix == "/" or path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+                if best is None or len(prefix) > len(best[0]):
+                    best = (prefix, target)
+        return best
+
+    def handle_for(self, app: str, ingress: str):
+        from tpuray.serve.handle import DeploymentHandle
+
+        key = (app, ingress)
+        h = self._handles.get(key)
+        if h is None:
+            h = self._handles[key] = DeploymentHandle(ingress, app).options(stream=True, _http=True)
+        return h
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    proxy: ProxyActor = None  # set per server
+
+    def log_message(self, fmt, *args):  # no per-request log lines on stderr
+        pass
+
+    def do_GET(self):
+        self._serve()
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_GET
+
+    def _send(self, status: int, body: bytes, content_type: str):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, doc) -> None:
+        self._send(status, json.dumps(doc).encode(), "application/json")
+
+    def _serve(self):
+        try:
+            self._serve_inner()
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        except Exception as e:  # noqa: BLE001 - a bad request never kills the proxy
+            print("serve proxy: " + traceback.format_exc(), file=sys.stderr)
+            try:
+                self._json(500, {"error": f"the proxy failed on this request: {type(e).__name__}: {e}"})
+            except Exception:  # noqa: BLE001 - headers already sent
+                self.close_connection = True
+
+    def _serve_inner(self):
+        parts = urlsplit(self.path)
+        path = parts.path or "/"
+        proxy = self.proxy
+        length = self.headers.get("Content-Length")
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            self.close_connection = True
+            self._json(411, {"error": "chunked request bodies are not supported: send a Content-Length"})
+            return
+        try:
+            n = int(length) if length else 0
+            if n < 0:
+                raise ValueError
+        except ValueError:
+            self.close_connection = True
+            self._json(400, {"error": f"bad Content-Length header {length!r}: expected a byte count"})
+            return
+        body = self.rfile.read(n) if n else b""
+        if path == "/-/routes":
+            self._json(200, {p: app for p, (app, _) in proxy._routes.items()})
+            return
+        if path == "/-/healthz":
+            self._send(200, b"success", "text/plain")
+            return
+        m = proxy.match(path)
+        if m is None:
+            self._json(404, {
+                "error": f"Path '{path}' not found: no application serves it",
+                "routes": sorted(proxy._routes),
+            })
+            return
+        prefix, (app, ingress) = m
+        parsed = None
+        if body.strip():
+            try:
+                parsed = json.loads(body)
+            except ValueError as e:
+                self._json(400, {
+                    "error": f"request body is not valid JSON: {e}",
+                    "expected": "a JSON document (or an empty body)",
+                })
+                return
+        from tpuray.serve.http import Request
+
+        req = Request(self.command, path, parts.query, prefix,
+                      {k.lower(): v for k, v in self.headers.items()}, body, parsed)
+        gen = proxy.handle_for(app, ingress).remote(req)
+        try:
+            first = next(gen, None)
+        except Exception as e:  # noqa: BLE001
+            self._error(e)
+            return
+        if first is None:
+            self._json(200, None)
+            return
+        kind, value = first
+        if kind == "value":
+            try:
+                data, ctype = _encode(value)
+            except (TypeError, ValueError) as e:
+                self._json(500, {"error": f"the ingress {ingress!r} returned a value that is not JSON serializable: {e}"})
+                return
+            self._send(200, data, ctype)
+            return
+        self._stream(value, gen)
+
+    def _stream(self, first, gen):
+        data, ctype = _encode(first, stream=True)
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self._chunk(data)
+        try:
+            for _, item in gen:
+                self._chunk(_encode(item, stream=True)[0])
+        except Exception as e:  # noqa: BLE001 - the headers are gone: end the stream with the error
+            self._chunk(json.dumps({"error": _message(e)}).encode() + b"\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _chunk(self, data: bytes):
+        if data:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+
+    def _error(self, e: BaseException):
+        from tpuray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaDiedError
+
+        if isinstance(e, (BackPressureError, ReplicaDiedError, DeploymentUnavailableError)):
+            self._json(503, {"error": str(e), "type": type(e).__name__})
+            return
+        cause = getattr(e, "cause", None)
+        self._json(500, {
+            "error": _message(e),
+            "type": type(cause).__name__ if cause is not None else type(e).__name__,
+        })
+
+
+def _message(e: BaseException) -> str:
+    cause = getattr(e, "cause", None)
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    s = str(e).strip().splitlines()
+    return s[-1] if s else type(e).__name__
+
+
+def _encode(value, stream: bool = False):
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value), "application/octet-stream"
+    if isinstance(value, str):
+        return value.encode(), "text/plain; charset=utf-8"
+    data = json.dumps(value, default=_json_default).encode()
+    if stream:
+        return data + b"\n", "application/x-ndjson"
+    return data, "application/json"
+
+
+def _json_default(v):
+    """numpy arrays and scalars (anything with ``tolist``) become lists and numbers."""
+    tolist = getattr(v, "tolist", None)
+    if callable(tolist):
+        return tolist()
+    raise TypeError(f"Object of type {type(v).__name__} is not JSON serializable")

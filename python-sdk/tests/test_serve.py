@@ -1,0 +1,641 @@
+"""tpuray.serve on a real local cluster (the session's in-process one, and a CLI cluster
+with simulated TPU chips for the TPU and `tpuray serve status` case).
+
+Replicas ask for no CPU (``num_cpus: 0``) so that the 4-CPU test cluster can hold them
+all. Waits have generous timeouts; nothing asserts on speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+import tpuray as ray
+from tpuray import serve
+from tpuray.serve.exceptions import RayServeException, ReplicaDiedError
+
+NO_CPU = {"num_cpus": 0}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve_instance(cluster):
+    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+    yield serve.status().http["port"]
+    serve.shutdown()
+
+
+def _wait_for(pred, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+def _replicas(app, dep, state="RUNNING"):
+    a = serve.status().applications.get(app)
+    if a is None or dep not in a.deployments:
+        return []
+    return [r for r in a.deployments[dep].replicas if state is None or r["state"] == state]
+
+
+def _http(port, path, body=None, raw=None, method=None):
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers.get("Content-Type"), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type"), e.read()
+
+
+# ---- options (no cluster needed) ----
+
+
+def test_bad_deployment_options_name_the_option_and_what_is_expected():
+    with pytest.raises(TypeError, match="unknown deployment option 'num_replica'"):
+        serve.deployment(num_replica=2)(lambda: None)
+
+    def f():
+        return 1
+
+    with pytest.raises(ValueError, match="num_replicas is not allowed when autoscaling_config"):
+        serve.deployment(num_replicas=2, autoscaling_config={"max_replicas": 2})(f)
+    with pytest.raises(ValueError, match="unknown autoscaling_config key 'max'"):
+        serve.deployment(autoscaling_config={"max": 2})(f)
+    with pytest.raises(ValueError, match="max_replicas .* must be >= min_replicas"):
+        serve.deployment(autoscaling_config={"min_replicas": 3, "max_replicas": 2})(f)
+    with pytest.raises(ValueError, match="request_router must be one of"):
+        serve.deployment(request_router="round_robin")(f)
+    with pytest.raises(ValueError, match="ray_actor_options keys \\['max_restarts'\\]"):
+        serve.deployment(ray_actor_options={"max_restarts": 2})(f)
+    with pytest.raises(TypeError, match="num_replicas must be a integer|num_replicas must be an integer"):
+        serve.deployment(num_replicas=1.5)(f)
+    d = serve.deployment(f)
+    with pytest.raises(TypeError, match="call f.bind"):
+        serve.run(d)
+    with pytest.raises(ValueError, match="route_prefix must start with '/'"):
+        serve.run(d.bind(), route_prefix="api")
+    with pytest.raises(RuntimeError, match="Use `.bind\\(\\)` instead"):
+        d()
+    with pytest.raises(ValueError, match="max_batch_size must be an integer >= 1"):
+        serve.batch(max_batch_size=0)
+    with pytest.raises(TypeError, match="unknown handle option"):
+        serve.DeploymentHandle("x").options(strem=True)
+
+
+# ---- composition, handles, streaming, HTTP ----
+
+
+@serve.deployment(ray_actor_options=NO_CPU)
+class Doubler:
+    def __call__(self, x):
+        return 2 * x
+
+    def pid(self):
+        return os.getpid()
+
+    async def count(self, n):
+        for i in range(n):
+            await asyncio.sleep(0)
+            yield i
+
+
+@serve.deployment(ray_actor_options=NO_CPU, num_replicas=2)
+class Front:
+    def __init__(self, doubler, offset):
+        self.doubler = doubler
+        self.offset = offset
+
+    async def __call__(self, request):
+        if isinstance(request, serve.Request):
+            body = await request.json()
+            if body.get("fail"):
+                raise ValueError("asked to fail")
+            if body.get("stream"):
+                return self.stream_words(body["n"])
+            x = body["x"]
+        else:
+            x = request
+        doubled = await self.doubler.remote(x)
+        ctx = serve.get_replica_context()
+        return {"y": doubled + self.offset, "app": ctx.app_name, "deployment": ctx.deployment}
+
+    def stream_words(self, n):
+        for i in range(n):
+            yield {"i": i}
+
+    async def chain(self, x):
+        # A response passed on into another call, without awaiting it here.
+        first = self.doubler.remote(x)
+        return await self.doubler.remote(first)
+
+    async def stream_from_downstream(self, n):
+        out = []
+        async for i in self.doubler.options(stream=True).count.remote(n):
+            out.append(i)
+        return out
+
+
+def test_composition_handles_streaming_and_http(serve_instance, cluster):
+    port = serve_instance
+    h = serve.run(Front.bind(Doubler.bind(), offset=1), name="comp", route_prefix="/comp")
+    assert h.remote(5).result(timeout_s=60)["y"] == 11
+    assert h.chain.remote(3).result(timeout_s=60) == 12
+    assert h.stream_from_downstream.remote(4).result(timeout_s=60) == [0, 1, 2, 3]
+    assert list(h.options(stream=True).stream_words.remote(3)) == [{"i": 0}, {"i": 1}, {"i": 2}]
+    # A response passed from the driver into another handle call is resolved to its value.
+    d = serve.get_deployment_handle("Doubler", "comp")
+    assert d.remote(d.remote(d.remote(1))).result(timeout_s=60) == 8
+    with pytest.raises(TypeError, match="only as a top-level argument"):
+        d.remote([d.remote(1)]).result(timeout_s=60)
+    with pytest.raises(TypeError, match="not a generator: call it without stream=True"):
+        list(d.options(stream=True).remote(1))
+
+    async def use_async():
+        return await h.remote(2)
+
+    assert asyncio.run(use_async())["y"] == 5
+
+    st, ctype, body = _http(port, "/comp", {"x": 2})
+    assert (st, ctype) == (200, "application/json")
+    assert json.loads(body) == {"y": 5, "app": "comp", "deployment": "Front"}
+    st, _, body = _http(port, "/comp/sub/path?q=1", {"x": 0})
+    assert st == 200 and json.loads(body)["y"] == 1
+    st, ctype, body = _http(port, "/comp", {"stream": True, "n": 3})
+    assert (st, ctype) == (200, "application/x-ndjson")
+    assert [json.loads(line) for line in body.splitlines()] == [{"i": 0}, {"i": 1}, {"i": 2}]
+    st, ctype, body = _http(port, "/nothing-here", {"x": 1})
+    assert st == 404 and ctype == "application/json"
+    assert "'/nothing-here' not found" in json.loads(body)["error"]
+    assert "/comp" in json.loads(body)["routes"]
+    st, _, body = _http(port, "/comp", raw=b"{not json")
+    assert st == 400 and "not valid JSON" in json.loads(body)["error"]
+    st, _, body = _http(port, "/comp", {"fail": True})
+    assert st == 500
+    err = json.loads(body)
+    assert err["type"] == "ValueError" and "asked to fail" in err["error"]
+    # The proxy is still up after the bad requests.
+    assert _http(port, "/comp", {"x": 1})[0] == 200
+    assert json.loads(_http(port, "/-/routes")[2]) == {"/comp": "comp"}
+
+    s = serve.status()
+    app = s.applications["comp"]
+    assert app.status == "RUNNING" and app.route_prefix == "/comp"
+    assert app.deployments["Front"].replica_states == {"RUNNING": 2}
+    assert app.deployments["Doubler"].replica_states == {"RUNNING": 1}
+    assert serve.get_app_handle("comp").remote(1).result(timeout_s=60)["y"] == 3
+    with pytest.raises(RayServeException, match="Application 'nope' does not exist"):
+        serve.get_app_handle("nope")
+    with pytest.raises(RayServeException, match="only be called from within"):
+        serve.get_replica_context()
+
+    # `tpuray serve status` reads the same document from the head's KV.
+    def cli_status():
+        r = subprocess.run([sys.executable, "-m", "tpuray", "serve", "status",
+                            "--address", cluster["head_address"]],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout if "Front:" in r.stdout and "RUNNING: 2" in r.stdout else None
+
+    out = _wait_for(cli_status, 30, "tpuray serve status")
+    assert "applications:\n  comp:\n    status: RUNNING\n" in out, out
+    assert "route_prefix: /comp" in out and "Doubler:" in out and "replica_id:" in out, out
+
+    serve.delete("comp")
+    assert "comp" not in serve.status().applications
+    st, _, _ = _http(port, "/comp", {"x": 1})
+    assert st == 404
+
+
+@serve.deployment(ray_actor_options=NO_CPU, max_ongoing_requests=1, max_queued_requests=1)
+class Slow:
+    def __call__(self, s):
+        time.sleep(s)
+        return serve.get_replica_context().replica_tag
+
+
+def test_redeploy_route_conflicts_backpressure_and_deleted_deployments(serve_instance):
+    h = serve.run(Slow.bind(), name="slow", route_prefix="/slow")
+    first = {r["replica_id"] for r in _replicas("slow", "Slow")}
+    # Same code, more replicas: the first replica stays, one more starts.
+    serve.run(Slow.options(num_replicas=2).bind(), name="slow", route_prefix="/slow")
+    now = {r["replica_id"] for r in _replicas("slow", "Slow")}
+    assert len(now) == 2 and first <= now
+    with pytest.raises(ValueError, match="route_prefix '/slow' is already used by application 'slow'"):
+        serve.run(Slow.bind(), name="other", route_prefix="/slow")
+    serve.run(Slow.options(num_replicas=1).bind(), name="slow", route_prefix="/slow")
+    _wait_for(lambda: len(_replicas("slow", "Slow", None)) == 1, 60, "one replica")
+    # One running, one queued: a third is refused at once.
+    running = h.remote(2)
+    queued = h.remote(0)
+    with pytest.raises(serve.exceptions.BackPressureError, match="max_queued_requests=1"):
+        h.remote(0).result(timeout_s=30)
+    assert running.result(timeout_s=60) == queued.result(timeout_s=60)
+    serve.delete("slow")
+    with pytest.raises(serve.exceptions.DeploymentUnavailableError, match="does not exist"):
+        h.remote(0).result(timeout_s=30)
+
+
+@serve.deployment(ray_actor_options=NO_CPU, user_config={"greeting": "hi"})
+class Configured:
+    def reconfigure(self, config):
+        self.greeting = config["greeting"]
+
+    async def __call__(self, request):
+        name = request.query_params.get("name", "you")
+        if request.url.path.endswith("/bytes"):
+            return f"{self.greeting} {name}".encode()
+        return f"{self.greeting} {name}"
+
+
+def test_user_config_reaches_reconfigure_and_text_and_bytes_go_back_as_they_are(serve_instance):
+    port = serve_instance
+    serve.run(Configured.bind(), name="conf", route_prefix="/conf")
+    st, ctype, body = _http(port, "/conf?name=ann")
+    assert (st, ctype, body) == (200, "text/plain; charset=utf-8", b"hi ann")
+    st, ctype, body = _http(port, "/conf/bytes")
+    assert (st, ctype, body) == (200, "application/octet-stream", b"hi you")
+    serve.run(Configured.options(user_config={"greeting": "hello"}).bind(), name="conf",
+              route_prefix="/conf")
+    # The proxy learns of the new replica shortly after serve.run returns.
+    _wait_for(lambda: _http(port, "/conf?name=bo")[2] == b"hello bo", 30, "the new user_config")
+    serve.delete("conf")
+
+
+# ---- batching ----
+
+
+@serve.deployment(ray_actor_options=NO_CPU, max_ongoing_requests=16)
+class Batcher:
+    def __init__(self):
+        self.sizes = []
+
+    @serve.batch(max_batch_size=4, batch_wait_timeout_s=30)
+    async def big_wait(self, xs):
+        self.sizes.append(len(xs))
+        return [(x, len(xs)) for x in xs]
+
+    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.5)
+    async def short_wait(self, xs):
+        return [(x, len(xs), time.monotonic()) for x in xs]
+
+    def stamp(self):
+        return time.monotonic()
+
+
+def test_batching_sends_at_size_n_or_after_timeout(serve_instance):
+    h = serve.run(Batcher.bind(), name="batch", route_prefix=None)
+    # Four requests fill a batch: sent at once, long before the 30 s timeout.
+    rs = [h.big_wait.remote(i) for i in range(4)]
+    assert sorted(r.result(timeout_s=20) for r in rs) == [(i, 4) for i in range(4)]
+    # Six requests: a batch of four at once, then the other two after the timeout.
+    rs = [h.short_wait.remote(i) for i in range(6)]
+    out = [r.result(timeout_s=30) for r in rs]
+    assert sorted(n for _, n, _ in out) == [2, 2, 4, 4, 4, 4]
+    # A lone request waits the timeout (0.5 s, measured on the replica) and goes alone.
+    t0 = h.stamp.remote().result(timeout_s=30)
+    x, n, t1 = h.short_wait.remote(9).result(timeout_s=30)
+    assert (x, n) == (9, 1)
+    assert t1 - t0 >= 0.5
+    serve.delete("batch")
+
+
+# ---- autoscaling ----
+
+
+@serve.deployment(
+    ray_actor_options=NO_CPU,
+    max_ongoing_requests=2,
+    autoscaling_config={"min_replicas": 0, "max_replicas": 3, "target_ongoing_requests": 1,
+                        "upscale_delay_s": 0, "downscale_delay_s": 1},
+    graceful_shutdown_timeout_s=2,
+)
+class Scaled:
+    def __call__(self, s):
+        time.sleep(s)
+        return serve.get_replica_context().replica_tag
+
+    def stream(self, n, s):
+        for i in range(n):
+            time.sleep(s)
+            yield i
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["unary", "streaming"])
+def test_autoscaling_goes_up_under_load_and_back_to_zero(serve_instance, streaming):
+    app = f"scale-{streaming}"
+    h = serve.run(Scaled.bind(), name=app, route_prefix=None)
+    assert _replicas(app, "Scaled", None) == []  # min_replicas 0: nothing runs idle
+    seen = set()
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.add(len(_replicas(app, "Scaled")))
+            time.sleep(0.2)
+
+    w = threading.Thread(target=watch)
+    w.start()
+    try:
+        if streaming:
+            gens = [h.options(stream=True).stream.remote(8, 0.4) for _ in range(6)]
+            assert all(list(g) == list(range(8)) for g in gens)
+        else:
+            rs = [h.remote(3.0) for _ in range(6)]
+            assert len({r.result(timeout_s=120) for r in rs}) >= 1
+    finally:
+        stop.set()
+        w.join()
+    assert max(seen) >= 2, f"replica counts seen under load: {sorted(seen)}"
+    _wait_for(lambda: _replicas(app, "Scaled", None) == [], 60, "scale down to zero")
+    a = serve.status().applications[app].deployments["Scaled"]
+    assert a.target_replicas == 0 and a.status == "HEALTHY"
+    # From zero again: a request brings a replica back.
+    if streaming:
+        assert list(h.options(stream=True).stream.remote(2, 0)) == [0, 1]
+    else:
+        assert isinstance(h.remote(0).result(timeout_s=60), str)
+    serve.delete(app)
+
+
+# ---- failures ----
+
+
+@serve.deployment(ray_actor_options=NO_CPU, num_replicas=2, health_check_period_s=0.5,
+                  health_check_timeout_s=5, max_ongoing_requests=10)
+class Sleeper:
+    def __init__(self):
+        self.sick = False
+
+    def __call__(self, s):
+        time.sleep(s)
+        return os.getpid()
+
+    def pid(self):
+        return os.getpid()
+
+    def make_sick(self):
+        self.sick = True
+        return os.getpid()
+
+    def make_stuck(self):
+        self.stuck = True
+        return os.getpid()
+
+    def check_health(self):
+        if self.sick:
+            raise RuntimeError("sick on purpose")
+        if getattr(self, "stuck", False):
+            time.sleep(60)
+
+    def stream_pid(self, n):
+        yield os.getpid()
+        for i in range(n):
+            time.sleep(0.2)
+            yield i
+
+
+def test_sigkilled_replica_is_replaced_and_in_flight_requests_retry_or_fail_clearly(serve_instance):
+    h = serve.run(Sleeper.bind(), name="kill", route_prefix=None)
+    before = {r["replica_id"]: r["pid"] for r in _replicas("kill", "Sleeper")}
+    assert len(before) == 2
+    victim = next(iter(before.values()))
+    rs = [h.remote(1.5) for _ in range(8)]
+    time.sleep(0.5)
+    os.kill(victim, signal.SIGKILL)
+    ok, failed = [], []
+    for r in rs:
+        try:
+            ok.append(r.result(timeout_s=90))
+        except ReplicaDiedError as e:  # a clear error is allowed; a hang is not
+            failed.append(str(e))
+    assert len(ok) + len(failed) == 8
+    assert victim not in ok or len(ok) < 8
+    assert len(ok) >= 1, failed
+    # The controller starts a replacement: two RUNNING again, the victim gone.
+    after = _wait_for(
+        lambda: (lambda rs: rs if len(rs) == 2 and victim not in [r["pid"] for r in rs] else None)(
+            _replicas("kill", "Sleeper")), 60, "a replacement replica")
+    assert len({r["replica_id"] for r in after} - set(before)) == 1
+    assert all(isinstance(h.remote(0).result(timeout_s=60), int) for _ in range(4))
+
+    # A stream whose replica dies after its first item fails with a clear error.
+    gen = h.options(stream=True).stream_pid.remote(1000)
+    pid = next(gen)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(ReplicaDiedError, match="broke after"):
+        for _ in gen:
+            pass
+    _wait_for(lambda: len(_replicas("kill", "Sleeper")) == 2 and pid not in
+              [r["pid"] for r in _replicas("kill", "Sleeper")], 60, "a replacement replica")
+
+    # A replica whose own check_health raises is replaced too.
+    sick = h.make_sick.remote().result(timeout_s=60)
+    _wait_for(lambda: sick not in [r["pid"] for r in _replicas("kill", "Sleeper", None)], 60,
+              "the unhealthy replica to go")
+    _wait_for(lambda: len(_replicas("kill", "Sleeper")) == 2, 60, "two replicas again")
+    # So is one whose check_health does not answer within health_check_timeout_s.
+    stuck = h.make_stuck.remote().result(timeout_s=60)
+    _wait_for(lambda: stuck not in [r["pid"] for r in _replicas("kill", "Sleeper", None)], 60,
+              "the stuck replica to go")
+    _wait_for(lambda: len(_replicas("kill", "Sleeper")) == 2, 60, "two replicas again")
+    serve.delete("kill")
+
+
+@serve.deployment(ray_actor_options=NO_CPU, health_check_period_s=0.3, health_check_timeout_s=5)
+class Leaf:
+    def __call__(self, x):
+        return x + 1
+
+    def pid(self):
+        return os.getpid()
+
+
+@serve.deployment(ray_actor_options=NO_CPU, health_check_period_s=0.3, health_check_timeout_s=5)
+class Trunk:
+    def __init__(self, leaf):
+        self.leaf = leaf
+
+    async def __call__(self, x):
+        return {"value": await self.leaf.remote(x), "trunk": os.getpid()}
+
+    async def leaf_pid(self):
+        return await self.leaf.pid.remote()
+
+
+def test_a_dead_downstream_replica_never_gets_a_healthy_upstream_replaced(serve_instance):
+    h = serve.run(Trunk.bind(Leaf.bind()), name="tree", route_prefix=None)
+    trunk_before = [r["replica_id"] for r in _replicas("tree", "Trunk")]
+    trunk_pid = h.remote(1).result(timeout_s=60)["trunk"]
+    leaf_pid = h.leaf_pid.remote().result(timeout_s=60)
+    os.kill(leaf_pid, signal.SIGKILL)
+    # Requests through the upstream go on: retried on the replacement, or a clear error.
+    results = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len([r for r in results if r == 2]) < 5:
+        try:
+            out = h.remote(1).result(timeout_s=60)
+            results.append(out["value"])
+            assert out["trunk"] == trunk_pid
+        except ReplicaDiedError:
+            results.append("died")
+        except ray.exceptions.RayTaskError as e:
+            assert "ReplicaDiedError" in str(e) or "died" in str(e), e
+            results.append("died")
+        time.sleep(0.1)
+    assert results.count(2) >= 5, results
+    _wait_for(lambda: len(_replicas("tree", "Leaf")) == 1, 60, "a new Leaf replica")
+    assert h.leaf_pid.remote().result(timeout_s=60) != leaf_pid
+    # Several health-check periods later the upstream replica is still the same one.
+    time.sleep(1.5)
+    assert [r["replica_id"] for r in _replicas("tree", "Trunk")] == trunk_before
+    assert h.remote(1).result(timeout_s=60)["trunk"] == trunk_pid
+    serve.delete("tree")
+
+
+@serve.deployment(ray_actor_options=NO_CPU, num_replicas=2, health_check_period_s=0.3)
+class Adoptee:
+    def __call__(self, x):
+        return (x.json_body if isinstance(x, serve.Request) else x) + 1
+
+
+def test_a_killed_controller_restarts_and_adopts_the_running_replicas(serve_instance):
+    port = serve_instance
+    h = serve.run(Adoptee.bind(), name="adopt", route_prefix="/adopt")
+    before = sorted(r["replica_id"] for r in _replicas("adopt", "Adoptee"))
+    old_pid = serve.status().to_dict()["controller"]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    # Serving does not stop meanwhile: the replicas and the proxy are not the controller.
+    assert h.remote(1).result(timeout_s=60) == 2
+    assert _http(port, "/adopt", 1)[2] == b"2"
+
+    def restarted():
+        try:
+            doc = serve.status().to_dict()
+        except Exception:  # noqa: BLE001 - the controller is restarting
+            return None
+        return doc if doc["controller"]["pid"] != old_pid else None
+
+    doc = _wait_for(restarted, 60, "the controller to restart")
+    assert doc["applications"]["adopt"]["status"] == "RUNNING"
+    assert sorted(r["replica_id"] for r in _replicas("adopt", "Adoptee")) == before
+    # The new controller manages them: a killed replica is replaced.
+    victim = _replicas("adopt", "Adoptee")[0]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    _wait_for(lambda: len(_replicas("adopt", "Adoptee")) == 2 and victim not in
+              [r["pid"] for r in _replicas("adopt", "Adoptee")], 60, "a replacement replica")
+    serve.delete("adopt")
+
+
+@serve.deployment(ray_actor_options=NO_CPU)
+class Broken:
+    def __init__(self):
+        raise ValueError("constructor says no")
+
+
+def test_a_constructor_that_raises_fails_the_deploy_with_its_error(serve_instance):
+    with pytest.raises(RayServeException, match="constructor says no"):
+        serve.run(Broken.bind(), name="broken", route_prefix=None)
+    assert serve.status().applications["broken"].status == "DEPLOY_FAILED"
+    # Requests to it fail with the reason instead of waiting for a replica forever.
+    with pytest.raises(serve.exceptions.DeploymentUnavailableError, match="constructor says no"):
+        serve.get_deployment_handle("Broken", "broken").remote().result(timeout_s=30)
+    serve.delete("broken")
+
+
+# ---- prefix affinity ----
+
+
+@serve.deployment(ray_actor_options=NO_CPU, num_replicas=3, request_router="prefix_affinity",
+                  request_router_kwargs={"prefix_chars": 16})
+class Llm:
+    def __call__(self, request):
+        return serve.get_replica_context().replica_tag
+
+
+def test_prefix_affinity_sends_a_shared_prompt_prefix_to_one_replica(serve_instance):
+    h = serve.run(Llm.bind(), name="llm", route_prefix=None)
+    system = "You are a helpful assistant. "
+    same = {h.remote({"prompt": system + f"question {i}"}).result(timeout_s=60) for i in range(12)}
+    assert len(same) == 1
+    spread = {h.remote(f"{i:04d} unrelated prompt text").result(timeout_s=60) for i in range(24)}
+    assert len(spread) >= 2
+    serve.delete("llm")
+
+
+# ---- TPU chips per replica, and `tpuray serve status` after the driver left ----
+
+_TPU_DRIVER = r"""
+import json, os, sys
+import tpuray as ray
+from tpuray import serve
+
+ray.init(address=sys.argv[1])
+
+@serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0, "resources": {"TPU": 2}})
+def chips(_):
+    return os.environ.get("TPU_VISIBLE_CHIPS")
+
+h = serve.run(chips.bind(), name="tpu", route_prefix=None)
+print(json.dumps(sorted({h.remote(None).result(timeout_s=60) for _ in range(20)})))
+"""
+
+_SHUTDOWN_DRIVER = r"""
+import sys
+import tpuray as ray
+from tpuray import serve
+ray.init(address=sys.argv[1])
+print(sorted(serve.status().applications))
+serve.shutdown()
+"""
+
+
+def test_replicas_get_their_own_tpu_chips_and_serve_status_outlives_the_driver(tmp_path):
+    from conftest import CliCluster
+
+    c = CliCluster(tmp_path).head(num_cpus=2)
+    try:
+        c.node("--num-cpus", "1", "--resources", '{"TPU": 4}')
+        env = dict(c.env)
+        r = subprocess.run([sys.executable, "-c", _TPU_DRIVER, c.address], env=env,
+                           capture_output=True, text=True, timeout=150)
+        assert r.returncode == 0, r.stderr[-3000:]
+        chips = json.loads(r.stdout.strip().splitlines()[-1])
+        assert len(chips) == 2 and sorted(",".join(chips).split(",")) == ["0", "1", "2", "3"], chips
+        s = subprocess.run(CliCluster.CLI + ["serve", "status", "--address", c.address], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert s.returncode == 0, s.stderr
+        assert "  tpu:\n    status: RUNNING\n" in s.stdout and "RUNNING: 2" in s.stdout, s.stdout
+        j = subprocess.run(CliCluster.CLI + ["serve", "status", "--json", "--address", c.address],
+                           env=env, capture_output=True, text=True, timeout=60)
+        doc = json.loads(j.stdout)
+        assert doc["applications"]["tpu"]["deployments"]["chips"]["replica_states"] == {"RUNNING": 2}
+        r = subprocess.run([sys.executable, "-c", _SHUTDOWN_DRIVER, c.address], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "['tpu']" in r.stdout, r.stderr[-3000:]
+        s = subprocess.run(CliCluster.CLI + ["serve", "status", "--address", c.address], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert "no serve application is running" in s.stdout, s.stdout
+    finally:
+        c.stop()
