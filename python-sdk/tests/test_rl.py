@@ -144,6 +144,10 @@ def test_worker_group_rejects_bad_arguments():
         WorkerGroup(_Member)
     with pytest.raises(ValueError, match="topology must look like"):
         WorkerGroup(_Member, topology="four", accelerator_version="v6e")
+    with pytest.raises(ValueError, match="not a v6e topology"):
+        WorkerGroup(_Member, topology="3x3", accelerator_version="v6e")
+    with pytest.raises(ValueError, match="unknown TPU version"):
+        WorkerGroup(_Member, topology="4x4", accelerator_version="v9z")
 
 
 def test_cpu_pool_that_cannot_fit_fails_at_once_naming_the_resource():
@@ -282,3 +286,41 @@ def test_trainer_and_sampler_on_separate_slices_a_third_pool_fails_at_once(two_s
     assert took < 10, "fails at once"
     assert bigger.startswith("critic pool needs 1 more intact v6e-16 slice (TPU 4x4): cluster has 0"), bigger
     assert critic[0]["slice"] == s_where[0]["slice"]
+
+
+def _example(name: str):
+    """Imports ``examples/python/<name>.py`` as a module (runs nothing: main is guarded)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"tpuray_example_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_examples_export_what_a_serving_example_imports(tmp_path):
+    torch = pytest.importorskip("torch")
+    grpo = _example("grpo")
+    policy = grpo.Policy()
+    torch.save({"config": policy.config, "state": policy.state_dict()}, tmp_path / "p.pt")
+    loaded = grpo.load_policy(str(tmp_path / "p.pt"))
+    out = grpo.answer(loaded, "3+4=")
+    assert isinstance(out, str) and len(out) <= grpo.MAX_NEW
+    assert grpo.reward(3, 4, grpo.encode("7$")) == 1.0
+    assert grpo.reward(3, 4, grpo.encode("7")) == 0.0, "no end mark: no reward"
+    assert grpo.reward(3, 4, grpo.encode("8$")) == 0.0
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        grpo.answer(loaded, "3*4=")
+    with pytest.raises(ValueError, match="characters"):
+        grpo.answer(loaded, "")
+    pytest.importorskip("sklearn")
+    digits = _example("digits")
+    net = digits.DigitsNet()
+    torch.save(net.state_dict(), tmp_path / "d.pt")
+    preds = digits.predict_digits(digits.load_digits_model(str(tmp_path / "d.pt")), [[0.0] * 64, [16.0] * 64])
+    assert len(preds) == 2 and all(0 <= p <= 9 for p in preds)
+    with pytest.raises(ValueError, match="0..16"):
+        digits.predict_digits(net, [[17.0] * 64])
+    with pytest.raises(ValueError, match="n x 64"):
+        digits.predict_digits(net, [[1.0] * 8])
