@@ -25,7 +25,7 @@ the held-out accuracy is at least 0.9.
 For a serving example, importing this module runs nothing: `DigitsNet`,
 `load_digits_model(path)` and `predict_digits(model, pixels)` are at top level.
 
-Usage: python examples/python/digits.py [HEAD_ADDRESS]
+Usage: python examples/python/digits.py [HEAD_ADDRESS] [--seed N]
 Needs: torch, numpy, scikit-learn (and the tpuray package).
 """
 
@@ -254,28 +254,36 @@ def main() -> int:
     import tpuray.data as rd
     from tpuray.util import tpu
 
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("address", nargs="?", default=None)
+    ap.add_argument("--seed", type=int, default=SEED,
+                    help="seeds the split, the epoch order, the augmentation and the weights")
+    args = ap.parse_args()
+    seed = args.seed
     started = time.time()
-    torch.manual_seed(SEED)
-    np.random.seed(SEED)
+    torch.manual_seed(seed)
+    np.random.seed(seed)
     out_dir = os.environ.get("TPURAY_EXAMPLE_DIR", "/tmp/tpuray-examples")
     os.makedirs(out_dir, exist_ok=True)
-    ray.init(sys.argv[1] if len(sys.argv) > 1 else None)
-    train_index, test_index = split_digits(SEED)
+    ray.init(args.address)
+    train_index, test_index = split_digits(seed)
     n = len(train_index)
     print(f"digits: {n + len(test_index)} scans from sklearn, {n} to train on for {EPOCHS} epochs, "
           f"{len(test_index)} held out")
 
     ds = (rd.range(EPOCHS * n, override_num_blocks=-(-EPOCHS * n // BLOCK_ROWS))
           .map_batches(load_and_normalise, batch_size=None,
-                       fn_kwargs={"train_index": train_index, "seed": SEED})
-          .map_batches(augment, batch_size=None, fn_kwargs={"seed": SEED}))
+                       fn_kwargs={"train_index": train_index, "seed": seed})
+          .map_batches(augment, batch_size=None, fn_kwargs={"seed": seed}))
     train = ray.remote(train_member)
     tpu_slice = tpu.slice_placement_group("4x4", "v6e")  # every host of one intact v6e-16
     try:
         if not tpu_slice.placement_group.wait(300):
             raise RuntimeError("no intact v6e-16 slice (TPU 4x4) was free within 300s")
         splits = ds.streaming_split(tpu_slice.num_hosts)
-        refs = tpu.run_on_slice(train, splits, BATCH_PER_MEMBER, LR, SEED, tpu_slice=tpu_slice,
+        refs = tpu.run_on_slice(train, splits, BATCH_PER_MEMBER, LR, seed, tpu_slice=tpu_slice,
                                 name="digits-trainer")
         members = ray.get(refs, timeout=900)
     finally:

@@ -459,7 +459,8 @@ def main() -> int:
             history.append(float(rewards.mean()))
             print(f"step {step + 1:3d}: mean reward {rewards.mean():.3f}  time {wall:.2f}s = "
                   f"generate {split['generate']:.3f} + reward {split['reward']:.3f} + update "
-                  f"{split['update']:.3f} + weight sync {split['sync']:.3f} + driver/calls "
+                  f"{split['update']:.3f} + weight sync {split['sync']:.3f} (publish "
+                  f"{max(pubs):.3f}, pull {max(r['sync'] for r in rolls):.3f}) + driver/calls "
                   f"{max(0.0, wall - sum(split.values())):.3f}", flush=True)
         sums = set(round(c, 5) for c in trainer.call("checksum"))
         saved = trainer.call("state")[0]
