@@ -351,8 +351,7 @@ def read_model(filename: str, script: str) -> tuple:
     if not os.path.isfile(path):
         raise MissingModel(
             f"no model at {path}: run examples/python/{script} first (it trains the model and "
-            f"saves it there; TPURAY_EXAMPLE_DIR picks the folder), or pass --skip-missing-models "
-            f"to serve without this route")
+            f"saves it there; TPURAY_EXAMPLE_DIR picks the folder)")
     with open(path, "rb") as f:
         return path, f.read()
 
@@ -587,7 +586,8 @@ def main(argv=None) -> int:
                 add_routes([make()])
             except MissingModel as e:
                 if not args.skip_missing_models:
-                    print(f"serving.py: {e}", file=sys.stderr)
+                    print(f"serving.py: {e}, or pass --skip-missing-models to serve without "
+                          f"this route", file=sys.stderr)
                     return 2
                 print(f"skipping a route: {e}")
     tpuray.init(address=args.address)
