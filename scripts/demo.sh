@@ -68,7 +68,7 @@ echo "== workload 1/3: examples/python/digits.py (tpuray.data -> trainer gang on
 echo "== workload 2/3: examples/python/grpo.py (GRPO: trainer on slice sa, samplers on slice sb)"
 .venv/bin/python examples/python/grpo.py
 echo "== workload 3/3: examples/python/serving.py (tpuray.serve over HTTP: embeddings, digits, GRPO policy)"
-.venv/bin/python examples/python/serving.py
+.venv/bin/python examples/python/serving.py --keep-running
 echo "== tpuray serve status"
 tpuray serve status
 echo "== tpuray list placement-groups"

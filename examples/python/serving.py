@@ -578,6 +578,9 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-missing-models", action="store_true",
                     help="serve without the /digits or /grpo route when digits.py or grpo.py "
                          "has not saved its model (default: fail)")
+    ap.add_argument("--keep-running", action="store_true",
+                    help="leave the applications running at exit (for `tpuray serve status`; "
+                         "`serve.shutdown()` or `tpuray stop` ends them)")
     args = ap.parse_args(argv)
     if not ROUTES:
         add_routes([embedding_route()])
@@ -617,7 +620,8 @@ def main(argv=None) -> int:
                 f"{d}: {x.replica_states}" for d, x in a.deployments.items()))
         return 0
     finally:
-        serve.shutdown()
+        if not args.keep_running:
+            serve.shutdown()
         tpuray.shutdown()
 
 
