@@ -660,6 +660,7 @@ fn memory_row(n: &pb::NodeInfo, u: &Result<pb::GetStoreUsageReply, String>) -> s
             "capacity_bytes": u.capacity_bytes,
             "used_bytes": u.used_bytes,
             "writing_bytes": u.writing_bytes,
+            "pooled_bytes": u.pooled_bytes,
             "spilled_bytes": u.spilled_bytes,
             "pinned_bytes": u.pinned_bytes,
             "object_count": u.object_count,
@@ -722,6 +723,10 @@ fn render_memory(usages: &[(pb::NodeInfo, Result<pb::GetStoreUsageReply, String>
             plural(u.spilled_count as usize, "object", "objects"),
         ));
         out.push_str(&format!("  pinned:       {}\n", fmt_bytes(u.pinned_bytes as f64)));
+        out.push_str(&format!(
+            "  reusable:     {} (freed objects' pages kept for the next writes)\n",
+            fmt_bytes(u.pooled_bytes as f64)
+        ));
         let spill = if u.spill_dir.is_empty() { "(none)" } else { u.spill_dir.as_str() };
         out.push_str(&format!("  folders:      {} (spill: {spill})\n", u.store_dir));
         if u.objects.is_empty() {

@@ -147,6 +147,7 @@ fn usage_to_proto(u: StoreUsage) -> pb::GetStoreUsageReply {
         capacity_bytes: u.capacity_bytes,
         used_bytes: u.used_bytes,
         writing_bytes: u.writing_bytes,
+        pooled_bytes: u.pooled_bytes,
         spilled_bytes: u.spilled_bytes,
         pinned_bytes: u.pinned_bytes,
         object_count: u.object_count,
