@@ -29,6 +29,15 @@ pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 /// the whole durable state, KV values included.
 pub const MAX_PEER_MESSAGE_BYTES: usize = 1024 * 1024 * 1024;
 
+/// The connections `listener` accepts, with `TCP_NODELAY` set on each (NET-1). tonic's
+/// `Server::tcp_nodelay` is ignored for a listener handed to `serve_with_incoming*`, and
+/// with Nagle's algorithm on, a reply written in two pieces waits for the peer's delayed
+/// ACK (about 40 ms on Linux) before its second piece goes out. Every tpuray server
+/// serves through this. Needs a runtime.
+pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
 /// Checks a peer's protocol version against [`PROTOCOL_VERSION`].
 ///
 /// # Errors

@@ -161,7 +161,7 @@ pub(crate) async fn serve(
         .tcp_nodelay(true)
         .add_service(server)
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            tpuray_proto::incoming(listener),
             shutdown,
         )
         .await

@@ -85,7 +85,7 @@ fn rpc(t: &Timing) -> Result<()> {
             .tcp_nodelay(true)
             .add_service(ObjectTransferServiceServer::new(Empty))
             .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                tpuray_proto::incoming(listener),
                 async {
                     let _ = stop_rx.await;
                 },
