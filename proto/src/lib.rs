@@ -17,8 +17,8 @@ pub mod pb {
 
 /// Protocol version spoken by this build. A node, worker or driver whose
 /// version differs is refused at registration with a message naming both
-/// versions (PROTO-1).
-pub const PROTOCOL_VERSION: u32 = 1;
+/// versions (PROTO-1). 2: borrower changes travel as ordered `UpdateBorrowers` batches.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Largest message any tpuray server accepts, in bytes (64 MiB). Larger ones
 /// are refused with `OUT_OF_RANGE` (tonic's code for it) and a message naming
