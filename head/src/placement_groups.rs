@@ -387,8 +387,20 @@ impl Head {
             }
         };
         let n = bundles.len();
+        let pg_id = if req.placement_group_id.is_empty() {
+            PlacementGroupId::random()
+        } else if req.placement_group_id.len() == 32
+            && req.placement_group_id.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
+            PlacementGroupId::from_wire(req.placement_group_id)
+        } else {
+            return Err(Status::invalid_argument(format!(
+                "placement group id {:?} is not 32 lowercase hex characters",
+                req.placement_group_id
+            )));
+        };
         let pg = PlacementGroupRecord {
-            pg_id: PlacementGroupId::random(),
+            pg_id,
             job_id,
             name: req.name,
             namespace: if req.namespace.is_empty() {

@@ -1454,6 +1454,10 @@ impl Core {
         args: Vec<Arg>,
         function: &str,
     ) -> Result<(Vec<pb::TaskArg>, Vec<RawRef>), pb::TaskError> {
+        if crate::placement_group::creating() {
+            // PG-1: the arguments may name a group this process is still creating.
+            crate::placement_group::all_created().await;
+        }
         let mut out = Vec::with_capacity(args.len());
         let mut pins = Vec::new();
         for a in args {
@@ -1783,6 +1787,7 @@ impl Core {
     /// to a second for a group not created yet; `Err` when the group was removed or is
     /// unknown.
     async fn bundle_agent(&self, pg: &str, index: i32) -> Result<Option<String>, String> {
+        crate::placement_group::created(pg).await?;
         let mut head = self.head_client().map_err(|e| e.to_string())?;
         let reply = head
             .get_placement_group(pb::GetPlacementGroupRequest {
