@@ -390,7 +390,10 @@ impl Head {
         let pg_id = if req.placement_group_id.is_empty() {
             PlacementGroupId::random()
         } else if req.placement_group_id.len() == 32
-            && req.placement_group_id.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+            && req
+                .placement_group_id
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
         {
             PlacementGroupId::from_wire(req.placement_group_id)
         } else {

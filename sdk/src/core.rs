@@ -313,13 +313,16 @@ fn err(kind: Kind, message: impl Into<String>, function: &str) -> pb::TaskError 
     }
 }
 
+/// An open borrow batch: its depth, and per owner queue the last registration queued in it.
+type BorrowBatch = (usize, Vec<(Arc<BorrowQueue>, u64)>);
+
 thread_local! {
     /// Borrower registrations started on this thread and not yet confirmed;
     /// an executor waits for them before it replies (CORE-2).
     static PENDING_BORROWS: std::cell::RefCell<Vec<tokio::task::JoinHandle<()>>> = const { std::cell::RefCell::new(Vec::new()) };
     /// An open borrow batch on this thread ([`begin_borrow_batch`]): its depth, and per
     /// owner queue the last registration queued inside it.
-    static BORROW_BATCH: std::cell::RefCell<(usize, Vec<(Arc<BorrowQueue>, u64)>)> = const { std::cell::RefCell::new((0, Vec::new())) };
+    static BORROW_BATCH: std::cell::RefCell<BorrowBatch> = const { std::cell::RefCell::new((0, Vec::new())) };
 }
 
 /// Waits until the owners confirmed every borrow this thread started.
@@ -651,7 +654,8 @@ impl Core {
             let mut objs = self.objects.lock().unwrap();
             for u in updates {
                 let borrower = if u.borrower.is_empty() { default } else { &u.borrower };
-                if let (_, Some(o)) = apply_borrower_update(&mut objs, &u.object_id, borrower, u.add)
+                if let (_, Some(o)) =
+                    apply_borrower_update(&mut objs, &u.object_id, borrower, u.add)
                 {
                     freed.push((u.object_id.as_str(), o));
                 }

@@ -37,8 +37,11 @@ use crate::error::Error;
 
 /// Creations of this process's groups (PG-1): group id -> the head's answer once known.
 /// Answered successes are dropped; refusals stay, for later uses to report.
-static CREATING: LazyLock<Mutex<HashMap<String, watch::Receiver<Option<Result<(), String>>>>>> =
+static CREATING: LazyLock<Mutex<HashMap<String, Creation>>> =
     LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// The head's answer to one background creation, once it came.
+type Creation = watch::Receiver<Option<Result<(), String>>>;
 /// Creations not answered yet.
 static CREATING_NOW: AtomicUsize = AtomicUsize::new(0);
 

@@ -169,9 +169,6 @@ pub(crate) async fn serve(
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .add_service(server)
-        .serve_with_incoming_shutdown(
-            tpuray_proto::incoming(listener),
-            shutdown,
-        )
+        .serve_with_incoming_shutdown(tpuray_proto::incoming(listener), shutdown)
         .await
 }
