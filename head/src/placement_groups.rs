@@ -220,7 +220,6 @@ impl Head {
         pg_id: &PlacementGroupId,
         by_node: &ByNode,
     ) -> Result<(), String> {
-        let token = self.config.token.clone();
         let mut prepares = tokio::task::JoinSet::new();
         for (node_id, (address, bundles)) in by_node {
             let req = pb::PrepareBundlesRequest {
@@ -230,10 +229,10 @@ impl Head {
                     .map(|(i, d)| pb::BundleOnNode { index: *i, resources: resources_to_proto(d) })
                     .collect(),
             };
-            let (node_id, address, token) = (node_id.clone(), address.clone(), token.clone());
+            let node_id = node_id.clone();
+            let client = self.agent_client(address);
             prepares.spawn(async move {
-                let mut c = tpuray_proto::client::agent(&address, token.as_deref())
-                    .map_err(|e| e.to_string())?;
+                let mut c = client.map_err(|e| e.message().to_string())?;
                 let mut r = Request::new(req);
                 r.set_timeout(Duration::from_secs(10));
                 c.prepare_bundles(r)
@@ -252,8 +251,7 @@ impl Head {
             return Err(e);
         }
         for (node_id, (address, bundles)) in by_node {
-            let mut c = tpuray_proto::client::agent(address, token.as_deref())
-                .map_err(|e| e.to_string())?;
+            let mut c = self.agent_client(address).map_err(|e| e.message().to_string())?;
             let mut r = Request::new(pb::CommitBundlesRequest {
                 placement_group_id: pg_id.to_string(),
                 indexes: bundles.iter().map(|b| b.0).collect(),
@@ -293,7 +291,7 @@ impl Head {
         pg_id: &PlacementGroupId,
         indexes: Vec<u32>,
     ) {
-        let Ok(mut c) = tpuray_proto::client::agent(address, self.config.token.as_deref()) else {
+        let Ok(mut c) = self.agent_client(address) else {
             return;
         };
         let mut r = Request::new(pb::ReturnBundlesRequest {
@@ -389,8 +387,23 @@ impl Head {
             }
         };
         let n = bundles.len();
+        let pg_id = if req.placement_group_id.is_empty() {
+            PlacementGroupId::random()
+        } else if req.placement_group_id.len() == 32
+            && req
+                .placement_group_id
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
+            PlacementGroupId::from_wire(req.placement_group_id)
+        } else {
+            return Err(Status::invalid_argument(format!(
+                "placement group id {:?} is not 32 lowercase hex characters",
+                req.placement_group_id
+            )));
+        };
         let pg = PlacementGroupRecord {
-            pg_id: PlacementGroupId::random(),
+            pg_id,
             job_id,
             name: req.name,
             namespace: if req.namespace.is_empty() {
@@ -492,7 +505,8 @@ impl Head {
     }
 
     /// `RemovePlacementGroup`: records the removal (its actors die with it), then gives
-    /// every bundle back, stopping the workers inside, before answering.
+    /// every bundle back, stopping the workers inside, before answering (so a call made
+    /// after the removal returns never reaches what ran inside).
     pub(crate) async fn remove_placement_group(
         &self,
         req: pb::RemovePlacementGroupRequest,

@@ -184,7 +184,14 @@ pub struct Head {
     leading: AtomicBool,
     /// The runtime the head's tasks run on (callbacks from the Raft thread spawn here).
     rt: tokio::runtime::Handle,
+    /// Node agent clients by address: one HTTP/2 channel per agent, reused by every call
+    /// (a fresh connection per call cost more than the call).
+    agents: Mutex<HashMap<String, AgentClient>>,
 }
+
+/// A client of a node agent's `NodeAgentService`.
+pub(crate) type AgentClient =
+    pb::node_agent_service_client::NodeAgentServiceClient<tpuray_proto::client::AuthChannel>;
 
 impl Head {
     /// A head with no replica yet; needs a tokio runtime (it keeps its handle).
@@ -214,6 +221,7 @@ impl Head {
             replica: OnceLock::new(),
             leading: AtomicBool::new(false),
             rt: tokio::runtime::Handle::current(),
+            agents: Mutex::new(HashMap::new()),
         })
     }
 
@@ -266,6 +274,21 @@ impl Head {
     /// `Ok` on the serving leader, else the redirect status (HEAD-7).
     pub(crate) fn route(&self) -> Result<(), Status> {
         if self.is_leader() { Ok(()) } else { Err(self.redirect("")) }
+    }
+
+    /// The client of the node agent at `address` (cached: one channel per agent).
+    ///
+    /// # Errors
+    /// `INTERNAL` for an address that is not `HOST:PORT`.
+    pub(crate) fn agent_client(&self, address: &str) -> Result<AgentClient, Status> {
+        let mut agents = self.agents.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = agents.get(address) {
+            return Ok(c.clone());
+        }
+        let c = tpuray_proto::client::agent(address, self.config.token.as_deref())
+            .map_err(|e| Status::internal(e.to_string()))?;
+        agents.insert(address.to_string(), c.clone());
+        Ok(c)
     }
 
     /// HEAD-6: proposes a durable command to the Raft log and returns its outcome once
@@ -595,8 +618,7 @@ impl Head {
         address: String,
     ) {
         let result = async {
-            let mut client = tpuray_proto::client::agent(&address, self.config.token.as_deref())
-                .map_err(|e| Status::internal(e.to_string()))?;
+            let mut client = self.agent_client(&address)?;
             let req = pb::StartActorWorkerRequest {
                 request_id: tpuray_proto::new_request_id(),
                 actor_id: actor.actor_id.to_string(),
@@ -707,8 +729,7 @@ impl Head {
         // Recorded before asking: a worker recorded alive now existed when the agent answers.
         let before = alive_here(&self.lock());
         let listed = async {
-            let mut c = tpuray_proto::client::agent(&address, self.config.token.as_deref())
-                .map_err(|e| Status::internal(e.to_string()))?;
+            let mut c = self.agent_client(&address)?;
             let mut r = Request::new(pb::ListWorkersRequest {});
             r.set_timeout(Duration::from_secs(5));
             c.list_workers(r).await.map(|r| r.into_inner().workers)
@@ -773,8 +794,7 @@ impl Head {
         agent_address: &str,
         actor_id: &ActorId,
     ) -> Result<(), Status> {
-        let mut client = tpuray_proto::client::agent(agent_address, self.config.token.as_deref())
-            .map_err(|e| Status::internal(e.to_string()))?;
+        let mut client = self.agent_client(agent_address)?;
         let mut req = Request::new(pb::KillActorWorkerRequest {
             request_id: tpuray_proto::new_request_id(),
             actor_id: actor_id.to_string(),
@@ -1906,7 +1926,7 @@ pub async fn serve(
     .max_decoding_message_size(tpuray_proto::MAX_PEER_MESSAGE_BYTES)
     .max_encoding_message_size(tpuray_proto::MAX_PEER_MESSAGE_BYTES);
     let peer = InterceptedService::new(peer, auth);
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let incoming = tpuray_proto::incoming(listener);
     ready(addr);
     let served = tonic::transport::Server::builder()
         .tcp_nodelay(true)

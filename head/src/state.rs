@@ -588,6 +588,13 @@ impl StateMachine {
                 Outcome::Actor(actor_id)
             }
             CommandKind::CreatePlacementGroup(pg) => {
+                // Clients may choose the id: never let one replace another group.
+                if self.placement_groups.contains_key(&pg.pg_id) {
+                    return Outcome::Rejected(Rejection::AlreadyExists(format!(
+                        "placement group {} already exists",
+                        pg.pg_id
+                    )));
+                }
                 if !pg.name.is_empty() {
                     let key = (pg.namespace.clone(), pg.name.clone());
                     if self.named_placement_groups.contains_key(&key) {
@@ -905,6 +912,22 @@ mod tests {
 
     fn placed(pg: &PlacementGroupId, bundles: Vec<(u32, NodeId)>) -> CommandKind {
         CommandKind::PlacementGroupPlaced { pg_id: pg.clone(), bundles, slice_bundles: None }
+    }
+
+    /// PG-1: clients choose group ids; a second group with a taken id never replaces the
+    /// first.
+    #[test]
+    fn creating_a_group_with_a_taken_id_is_refused_and_keeps_the_first() {
+        let mut sm = StateMachine::new();
+        let first = group("", &JobId::random(), 1);
+        let mut second = group("", &JobId::random(), 2);
+        second.pg_id = first.pg_id.clone();
+        let id = first.pg_id.clone();
+        sm.apply(cmd(CommandKind::CreatePlacementGroup(first)));
+        let (o, changed) = sm.apply(cmd(CommandKind::CreatePlacementGroup(second)));
+        assert!(matches!(o, Outcome::Rejected(Rejection::AlreadyExists(_))), "{o:?}");
+        assert!(changed.is_empty());
+        assert_eq!(sm.placement_groups[&id].bundles.len(), 1);
     }
 
     #[test]

@@ -17,8 +17,8 @@ pub mod pb {
 
 /// Protocol version spoken by this build. A node, worker or driver whose
 /// version differs is refused at registration with a message naming both
-/// versions (PROTO-1).
-pub const PROTOCOL_VERSION: u32 = 1;
+/// versions (PROTO-1). 2: borrower changes travel as ordered `UpdateBorrowers` batches.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Largest message any tpuray server accepts, in bytes (64 MiB). Larger ones
 /// are refused with `OUT_OF_RANGE` (tonic's code for it) and a message naming
@@ -28,6 +28,15 @@ pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 /// Largest Raft message between head replicas, in bytes (1 GiB): a snapshot carries
 /// the whole durable state, KV values included.
 pub const MAX_PEER_MESSAGE_BYTES: usize = 1024 * 1024 * 1024;
+
+/// The connections `listener` accepts, with `TCP_NODELAY` set on each (NET-1). tonic's
+/// `Server::tcp_nodelay` is ignored for a listener handed to `serve_with_incoming*`, and
+/// with Nagle's algorithm on, a reply written in two pieces waits for the peer's delayed
+/// ACK (about 40 ms on Linux) before its second piece goes out. Every tpuray server
+/// serves through this. Needs a runtime.
+pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
 
 /// Checks a peer's protocol version against [`PROTOCOL_VERSION`].
 ///

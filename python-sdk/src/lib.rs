@@ -574,6 +574,19 @@ fn prestart_workers(py: Python<'_>, count: u32) -> PyResult<u32> {
     py.detach(|| raw::prestart_workers(count)).map_err(cluster_err)
 }
 
+/// Opens a borrow batch around unpickling one value: the refs rebuilt inside register
+/// with their owners together (CORE-2).
+#[pyfunction]
+fn begin_borrow_batch() {
+    raw::begin_borrow_batch();
+}
+
+/// Closes the batch; the outermost returns once the owners confirmed the registrations.
+#[pyfunction]
+fn end_borrow_batch(py: Python<'_>) {
+    py.detach(raw::end_borrow_batch);
+}
+
 /// A ref rebuilt from a pickled value (registers this process as a borrower, CORE-2).
 #[pyfunction]
 fn deserialize_ref(id: String, owner: String) -> PyRef {
@@ -1131,6 +1144,8 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(put, m)?,
         wrap_pyfunction!(wait, m)?,
         wrap_pyfunction!(deserialize_ref, m)?,
+        wrap_pyfunction!(begin_borrow_batch, m)?,
+        wrap_pyfunction!(end_borrow_batch, m)?,
         wrap_pyfunction!(cancel, m)?,
         wrap_pyfunction!(kv_get, m)?,
         wrap_pyfunction!(kv_put, m)?,

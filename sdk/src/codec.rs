@@ -67,7 +67,11 @@ pub fn encode<T: Serialize + ?Sized>(v: &T) -> Vec<u8> {
 /// # Errors
 /// The bytes are not a `T` (a type mismatch between caller and callee).
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
-    postcard::from_bytes(bytes).map_err(|e| {
+    // Refs inside register as borrowed in one batch per owner (CORE-2).
+    crate::core::begin_borrow_batch();
+    let r = postcard::from_bytes(bytes);
+    crate::core::end_borrow_batch();
+    r.map_err(|e| {
         format!("cannot decode a {} from {} bytes: {e}", std::any::type_name::<T>(), bytes.len())
     })
 }

@@ -255,13 +255,16 @@ pub(crate) struct Core {
     running: Mutex<HashMap<String, Running>>,
     events: Mutex<Vec<pb::TaskEvent>>,
     clients: Mutex<Clients>,
-    /// Objects this process borrows: id -> live counted refs here.
-    borrowed: Mutex<HashMap<String, usize>>,
+    /// Objects this process borrows (owned elsewhere), by id. Lock order: `borrowed`,
+    /// then `borrow_queues` and a queue's state.
+    borrowed: Mutex<HashMap<String, Borrow>>,
     /// Threads of this worker blocked in get/wait (AGENT-11): the agent lends the lease's
     /// CPUs back while it is above zero.
     blocked_depth: Mutex<usize>,
     /// Bounds the pulls this process runs at once.
     pull_permits: tokio::sync::Semaphore,
+    /// Borrower changes on their way to each owner (by owner address).
+    borrow_queues: Mutex<HashMap<String, Arc<BorrowQueue>>>,
 }
 
 type AuthChannel = tpuray_proto::client::AuthChannel;
@@ -313,10 +316,16 @@ fn err(kind: Kind, message: impl Into<String>, function: &str) -> pb::TaskError 
     }
 }
 
+/// An open borrow batch: its depth, and per owner queue the last registration queued in it.
+type BorrowBatch = (usize, Vec<(Arc<BorrowQueue>, u64)>);
+
 thread_local! {
     /// Borrower registrations started on this thread and not yet confirmed;
     /// an executor waits for them before it replies (CORE-2).
     static PENDING_BORROWS: std::cell::RefCell<Vec<tokio::task::JoinHandle<()>>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// An open borrow batch on this thread ([`begin_borrow_batch`]): its depth, and per
+    /// owner queue the last registration queued inside it.
+    static BORROW_BATCH: std::cell::RefCell<BorrowBatch> = const { std::cell::RefCell::new((0, Vec::new())) };
 }
 
 /// Waits until the owners confirmed every borrow this thread started.
@@ -327,8 +336,49 @@ pub(crate) fn confirm_borrows(core: &Core) {
     }
 }
 
+/// Opens a borrow batch on this thread: until the matching [`end_borrow_batch`], the
+/// borrower registrations of refs made here (a value being deserialized) are queued
+/// without waiting, and go to each owner together (CORE-2). Batches nest.
+pub(crate) fn begin_borrow_batch() {
+    BORROW_BATCH.with(|b| b.borrow_mut().0 += 1);
+}
+
+/// Closes the batch [`begin_borrow_batch`] opened; the outermost one waits until every
+/// owner confirmed the registrations queued inside it (on an executor thread, inside the
+/// runtime, the wait is left to [`confirm_borrows`] as for single registrations).
+pub(crate) fn end_borrow_batch() {
+    let waits = BORROW_BATCH.with(|b| {
+        let mut b = b.borrow_mut();
+        b.0 = b.0.saturating_sub(1);
+        if b.0 == 0 { std::mem::take(&mut b.1) } else { Vec::new() }
+    });
+    if waits.is_empty() {
+        return;
+    }
+    let Some(c) = try_core() else { return };
+    let all = async move {
+        for (q, seq) in waits {
+            q.confirmed(seq).await;
+        }
+    };
+    wait_registered(c, all);
+}
+
+/// Waits for a borrower registration: on an executor thread (inside the runtime) it is
+/// recorded for [`confirm_borrows`]; elsewhere this thread blocks until it is confirmed.
+fn wait_registered(c: &Core, fut: impl std::future::Future<Output = ()> + Send + 'static) {
+    if tokio::runtime::Handle::try_current().is_ok() {
+        let h = c.rt.spawn(fut);
+        PENDING_BORROWS.with(|p| p.borrow_mut().push(h));
+    } else {
+        c.rt.block_on(fut);
+    }
+}
+
 /// Called when a counted [`RawRef`] is made in this process: the owner
-/// counts it; a borrower tells the owner when it starts holding the object.
+/// counts it; a borrower tells the owner when it starts holding the object,
+/// unless an object this process owns already holds it on this process's behalf
+/// (a return value it was nested in, [`Borrow::covers`]).
 pub(crate) fn add_ref(id: &str, owner: &str) {
     let Some(c) = try_core() else { return };
     if c.address == owner {
@@ -337,19 +387,33 @@ pub(crate) fn add_ref(id: &str, owner: &str) {
         }
         return;
     }
-    let first = {
+    let queued = {
         let mut b = c.borrowed.lock().unwrap();
-        let n = b.entry(id.to_string()).or_insert(0);
-        *n += 1;
-        *n == 1
-    };
-    if first {
-        let fut = c.update_borrower(id.to_string(), owner.to_string(), true);
-        if tokio::runtime::Handle::try_current().is_ok() {
-            let h = c.rt.spawn(fut);
-            PENDING_BORROWS.with(|p| p.borrow_mut().push(h));
+        let e = b.entry(id.to_string()).or_default();
+        e.refs += 1;
+        if e.refs == 1 && e.covers == 0 && !e.registered {
+            e.registered = true;
+            // Queued under the lock: this process's changes of one id reach the owner
+            // in the order they happened here.
+            Some(c.queue_borrow_update(owner, id.to_string(), String::new(), true))
         } else {
-            c.rt.block_on(fut);
+            None
+        }
+    };
+    if let Some((q, seq)) = queued {
+        let batched = BORROW_BATCH.with(|b| {
+            let mut b = b.borrow_mut();
+            if b.0 == 0 {
+                return false;
+            }
+            match b.1.iter_mut().find(|(x, _)| Arc::ptr_eq(x, &q)) {
+                Some(w) => w.1 = seq,
+                None => b.1.push((q.clone(), seq)),
+            }
+            true
+        });
+        if !batched {
+            wait_registered(c, async move { q.confirmed(seq).await });
         }
     }
 }
@@ -358,22 +422,19 @@ pub(crate) fn add_ref(id: &str, owner: &str) {
 pub(crate) fn release_ref(id: &str, owner: &str) {
     let Some(c) = try_core() else { return };
     if c.address != owner {
-        let last = {
-            let mut b = c.borrowed.lock().unwrap();
-            match b.get_mut(id) {
-                Some(n) if *n > 1 => {
-                    *n -= 1;
-                    false
+        let mut b = c.borrowed.lock().unwrap();
+        if let Some(e) = b.get_mut(id) {
+            e.refs = e.refs.saturating_sub(1);
+            if e.refs == 0 {
+                if e.registered {
+                    e.registered = false;
+                    // Queued behind this process's registration of it (same owner, in order).
+                    c.queue_borrow_update(owner, id.to_string(), String::new(), false);
                 }
-                Some(_) => {
+                if e.covers == 0 {
                     b.remove(id);
-                    true
                 }
-                None => false,
             }
-        };
-        if last {
-            c.rt.spawn(c.update_borrower(id.to_string(), owner.to_string(), false));
         }
         return;
     }
@@ -393,6 +454,99 @@ pub(crate) fn release_ref(id: &str, owner: &str) {
     };
     if let Some(o) = freed {
         c.on_freed(id, o);
+    }
+}
+
+/// This process's hold on an object another process owns (CORE-2).
+#[derive(Default)]
+struct Borrow {
+    /// Counted refs alive here.
+    refs: usize,
+    /// Whether the owner counts this process as a borrower (registered, not yet
+    /// released).
+    registered: bool,
+    /// Objects this process owns whose value nests this one and which hold it on this
+    /// process's behalf (the executor registered `<this process>#ret:<object>` with its
+    /// owner before replying): while one lives, refs here need no registration of their
+    /// own; the last one to go registers this process first if refs remain.
+    covers: usize,
+}
+
+/// A queued borrower registration to wait for ([`Core::queue_borrower`]).
+pub(crate) struct BorrowWait((Arc<BorrowQueue>, u64));
+
+/// Returns once every registration in `waits` was answered (or failed).
+pub(crate) async fn all_confirmed(waits: Vec<BorrowWait>) {
+    // Changes to one owner are answered in order: its last one covers the rest.
+    let mut last: Vec<(Arc<BorrowQueue>, u64)> = Vec::new();
+    for BorrowWait((q, seq)) in waits {
+        match last.iter_mut().find(|(x, _)| Arc::ptr_eq(x, &q)) {
+            Some(w) => w.1 = w.1.max(seq),
+            None => last.push((q, seq)),
+        }
+    }
+    for (q, seq) in last {
+        q.confirmed(seq).await;
+    }
+}
+
+/// Borrower changes this process sends one owner (CORE-2), in the order they were
+/// queued: one batch on the wire at a time (whatever queued while the previous batch
+/// was out), applied by the owner in order, so a release never overtakes the
+/// registration before it.
+struct BorrowQueue {
+    state: Mutex<BorrowQueueState>,
+    /// The sequence number of the last change the owner answered (or that failed).
+    done: tokio::sync::watch::Sender<u64>,
+}
+
+#[derive(Default)]
+struct BorrowQueueState {
+    updates: VecDeque<pb::BorrowerUpdate>,
+    /// The sequence number of the last change queued.
+    last: u64,
+    /// A task is sending this queue's batches.
+    sending: bool,
+}
+
+/// Changes in one `UpdateBorrowers` call at most (about 3 MiB).
+const MAX_BORROWER_UPDATES_PER_CALL: usize = 50_000;
+
+impl BorrowQueue {
+    /// Sends queued batches until the queue is empty.
+    async fn send_all(
+        &self,
+        client: Result<pb::worker_service_client::WorkerServiceClient<AuthChannel>, Error>,
+        me: String,
+    ) {
+        loop {
+            let (updates, last) = {
+                let mut st = self.state.lock().unwrap();
+                if st.updates.is_empty() {
+                    st.sending = false;
+                    return;
+                }
+                let n = st.updates.len().min(MAX_BORROWER_UPDATES_PER_CALL);
+                let batch: Vec<_> = st.updates.drain(..n).collect();
+                (batch, st.last - st.updates.len() as u64)
+            };
+            if let Ok(c) = &client {
+                let mut c = c.clone();
+                let mut req = Request::new(pb::UpdateBorrowersRequest {
+                    borrower_address: me.clone(),
+                    updates,
+                });
+                req.set_timeout(Duration::from_secs(10));
+                let _ = c.update_borrowers(req).await;
+            }
+            self.done.send_replace(last);
+        }
+    }
+
+    /// Returns once the change numbered `seq` was answered (or failed).
+    async fn confirmed(&self, seq: u64) {
+        let mut rx = self.done.subscribe();
+        let _ = rx.wait_for(|d| *d >= seq).await;
     }
 }
 
@@ -432,65 +586,87 @@ impl Core {
             borrowed: Mutex::new(HashMap::new()),
             blocked_depth: Mutex::new(0),
             pull_permits: tokio::sync::Semaphore::new(MAX_PULLS_PER_PROCESS),
+            borrow_queues: Mutex::new(HashMap::new()),
         }
     }
 
-    /// Tells `owner` that this process starts (`add`) or stops borrowing `id`.
-    fn update_borrower(
+    /// Queues a borrower change for `owner` (`borrower` empty: this process) and starts
+    /// its sender when idle; returns the queue and the change's sequence number, for
+    /// [`BorrowQueue::confirmed`].
+    fn queue_borrow_update(
         &self,
+        owner: &str,
         id: String,
-        owner: String,
+        borrower: String,
         add: bool,
-    ) -> impl std::future::Future<Output = ()> + Send + 'static {
-        self.update_borrower_as(id, owner, self.address.clone(), add)
+    ) -> (Arc<BorrowQueue>, u64) {
+        let q = {
+            let mut qs = self.borrow_queues.lock().unwrap();
+            match qs.get(owner) {
+                Some(q) => Arc::clone(q),
+                None => {
+                    let q = Arc::new(BorrowQueue {
+                        state: Mutex::new(BorrowQueueState::default()),
+                        done: tokio::sync::watch::Sender::new(0),
+                    });
+                    qs.insert(owner.to_string(), Arc::clone(&q));
+                    q
+                }
+            }
+        };
+        let (seq, start) = {
+            let mut st = q.state.lock().unwrap();
+            st.updates.push_back(pb::BorrowerUpdate { object_id: id, borrower, add });
+            st.last += 1;
+            let start = !st.sending;
+            st.sending = true;
+            (st.last, start)
+        };
+        if start {
+            let client = self.worker_client(owner);
+            let me = self.address.clone();
+            let sender = Arc::clone(&q);
+            self.rt.spawn(async move { sender.send_all(client, me).await });
+        }
+        (q, seq)
     }
 
-    /// As [`Core::update_borrower`], for borrower key `me`.
-    pub(crate) fn update_borrower_as(
-        &self,
-        id: String,
-        owner: String,
-        me: String,
-        add: bool,
-    ) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let client = self.worker_client(&owner);
-        async move {
-            let Ok(mut c) = client else { return };
-            let mut req = Request::new(pb::UpdateBorrowerRequest {
-                object_id: id,
-                borrower_address: me,
-                add,
-            });
-            req.set_timeout(Duration::from_secs(10));
-            let _ = c.update_borrower(req).await;
-        }
+    /// Queues registering `borrower` (a borrower key) of `id` with `owner`; the result is
+    /// for [`all_confirmed`].
+    pub(crate) fn queue_borrower(&self, owner: &str, id: &str, borrower: &str) -> BorrowWait {
+        BorrowWait(self.queue_borrow_update(owner, id.to_string(), borrower.to_string(), true))
     }
 
     /// Owner side of `UpdateBorrower`; false when the object is gone.
     pub(crate) fn serve_update_borrower(&self, id: &str, borrower: &str, add: bool) -> bool {
-        let freed = {
+        let (known, freed) = {
             let mut objs = self.objects.lock().unwrap();
-            let Some(o) = objs.get_mut(id) else { return false };
-            if add {
-                if o.borrowers.insert(borrower.to_string()) {
-                    o.refs += 1;
-                }
-                None
-            } else if o.borrowers.remove(borrower) {
-                o.refs = o.refs.saturating_sub(1);
-                if o.refs == 0 && !matches!(o.state, ObjState::Pending) {
-                    objs.remove(id)
-                } else {
-                    None
-                }
-            } else {
-                None
-            }
+            apply_borrower_update(&mut objs, id, borrower, add)
         };
         if let Some(o) = freed {
             self.on_freed(id, o);
         }
-        true
+        known
+    }
+
+    /// Owner side of `UpdateBorrowers`: the changes in order (`default` is the borrower
+    /// of changes that name none).
+    pub(crate) fn serve_update_borrowers(&self, default: &str, updates: &[pb::BorrowerUpdate]) {
+        let mut freed = Vec::new();
+        {
+            let mut objs = self.objects.lock().unwrap();
+            for u in updates {
+                let borrower = if u.borrower.is_empty() { default } else { &u.borrower };
+                if let (_, Some(o)) =
+                    apply_borrower_update(&mut objs, &u.object_id, borrower, u.add)
+                {
+                    freed.push((u.object_id.as_str(), o));
+                }
+            }
+        }
+        for (id, o) in freed {
+            self.on_freed(id, o);
+        }
     }
 
     cached_client!(
@@ -621,45 +797,48 @@ impl Core {
         if let ObjState::Stored { locations, .. } = o.state {
             self.free_copies(id.to_string(), locations);
         }
+        // CORE-2: a registration this process queued for one of these refs (say, of a
+        // ref just read out of this very value) reaches the ref's owner before this
+        // release does: both travel in that owner's queue, in order.
+        // The last object nesting a ref that refs here still use registers this process
+        // as its borrower first, in the same queue (Borrow::covers).
         let key = format!("{}#ret:{id}", self.address);
-        if o.nested.is_empty() {
+        for (nid, owner) in o.nested {
+            if owner == self.address {
+                self.serve_update_borrower(&nid, &key, false);
+                continue;
+            }
+            self.uncover(&nid, &owner);
+            self.queue_borrow_update(&owner, nid, key.clone(), false);
+        }
+    }
+
+    /// One object that covered borrowed `nid` no longer does: when it was the last and
+    /// refs here still use `nid`, this process registers as its borrower (queued before
+    /// anything the caller queues next for `owner`).
+    fn uncover(&self, nid: &str, owner: &str) {
+        let mut b = self.borrowed.lock().unwrap();
+        let Some(e) = b.get_mut(nid) else { return };
+        e.covers = e.covers.saturating_sub(1);
+        if e.covers > 0 {
             return;
         }
-        // CORE-2: borrows this thread started (say, of refs just read out of this very
-        // value, on an executor thread where they are registered asynchronously) must
-        // reach their owners before this object's hold on the refs goes, or an owner could
-        // free a ref in between. Such releases wait for those registrations.
-        let pending: Vec<_> = PENDING_BORROWS.with(|p| std::mem::take(&mut *p.borrow_mut()));
-        let (Some(core), false) = (try_core(), pending.is_empty()) else {
-            for (nid, owner) in o.nested {
-                if owner == self.address {
-                    self.serve_update_borrower(&nid, &key, false);
-                } else {
-                    self.rt.spawn(self.update_borrower_as(nid, owner, key.clone(), false));
-                }
+        if e.refs == 0 {
+            b.remove(nid);
+        } else if !e.registered {
+            e.registered = true;
+            self.queue_borrow_update(owner, nid.to_string(), String::new(), true);
+        }
+    }
+
+    /// Records that an owned object's value nests `nested` and holds them for this
+    /// process (Borrow::covers).
+    fn cover_nested(&self, nested: &[(String, String)]) {
+        let mut b = self.borrowed.lock().unwrap();
+        for (nid, owner) in nested {
+            if *owner != self.address {
+                b.entry(nid.clone()).or_default().covers += 1;
             }
-            return;
-        };
-        let (tx, rx) = tokio::sync::watch::channel(false);
-        let gate = self.rt.spawn(async move {
-            for h in pending {
-                let _ = h.await;
-            }
-            let _ = tx.send(true);
-        });
-        // The executor still waits for them before it replies.
-        PENDING_BORROWS.with(|p| p.borrow_mut().push(gate));
-        for (nid, owner) in o.nested {
-            let mut rx = rx.clone();
-            let key = key.clone();
-            self.rt.spawn(async move {
-                let _ = rx.wait_for(|done| *done).await;
-                if owner == core.address {
-                    core.serve_update_borrower(&nid, &key, false);
-                } else {
-                    core.update_borrower_as(nid, owner, key, false).await;
-                }
-            });
         }
     }
 
@@ -1283,6 +1462,10 @@ impl Core {
         args: Vec<Arg>,
         function: &str,
     ) -> Result<(Vec<pb::TaskArg>, Vec<RawRef>), pb::TaskError> {
+        if crate::placement_group::creating() {
+            // PG-1: the arguments may name a group this process is still creating.
+            crate::placement_group::all_created().await;
+        }
         let mut out = Vec::with_capacity(args.len());
         let mut pins = Vec::new();
         for a in args {
@@ -1612,6 +1795,7 @@ impl Core {
     /// to a second for a group not created yet; `Err` when the group was removed or is
     /// unknown.
     async fn bundle_agent(&self, pg: &str, index: i32) -> Result<Option<String>, String> {
+        crate::placement_group::created(pg).await?;
         let mut head = self.head_client().map_err(|e| e.to_string())?;
         let reply = head
             .get_placement_group(pb::GetPlacementGroupRequest {
@@ -1790,14 +1974,28 @@ impl Core {
         let (node, worker) = (reply.node_id, reply.worker_id);
         let returns = reply.returns;
         if let (Some(first), false) = (spec.return_ids.first(), reply.nested_in_return.is_empty()) {
-            let nested = reply
+            let nested: Vec<(String, String)> = reply
                 .nested_in_return
                 .into_iter()
                 .map(|r| (r.object_id, r.owner_address))
                 .collect();
-            match self.objects.lock().unwrap().get_mut(first) {
-                Some(o) => o.nested = nested,
+            // Counted as covers before the object can be freed (on_freed uncovers them).
+            self.cover_nested(&nested);
+            let mut objs = self.objects.lock().unwrap();
+            match objs.get_mut(first) {
+                Some(o) => {
+                    // A run again (CORE-6) registered the same `#ret` key anew: the refs
+                    // of the earlier run's value are only no longer covered by it.
+                    let old = std::mem::replace(&mut o.nested, nested);
+                    drop(objs);
+                    for (nid, owner) in old {
+                        if owner != self.address {
+                            self.uncover(&nid, &owner);
+                        }
+                    }
+                }
                 None => {
+                    drop(objs);
                     // Already freed by the caller: release at once.
                     let o = Owned {
                         state: ObjState::Pending,
@@ -2210,6 +2408,32 @@ impl Core {
                 }
             });
         }
+    }
+}
+
+/// One borrower change on the owner's table: (whether the object is known, the object
+/// when this change dropped its last reference and it is to be freed).
+fn apply_borrower_update(
+    objs: &mut HashMap<String, Owned>,
+    id: &str,
+    borrower: &str,
+    add: bool,
+) -> (bool, Option<Owned>) {
+    let Some(o) = objs.get_mut(id) else { return (false, None) };
+    if add {
+        if o.borrowers.insert(borrower.to_string()) {
+            o.refs += 1;
+        }
+        (true, None)
+    } else if o.borrowers.remove(borrower) {
+        o.refs = o.refs.saturating_sub(1);
+        if o.refs == 0 && !matches!(o.state, ObjState::Pending) {
+            (true, objs.remove(id))
+        } else {
+            (true, None)
+        }
+    } else {
+        (true, None)
     }
 }
 

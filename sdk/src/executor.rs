@@ -337,6 +337,8 @@ impl Executor {
         let key = format!("{}#ret:{}", spec.owner_address, spec.return_ids[0]);
         let mut seen = std::collections::HashSet::new();
         let mut out = Vec::new();
+        // Registrations with other owners go out in one batch per owner.
+        let mut waits = Vec::new();
         for r in nested {
             if !seen.insert(r.id().to_string()) {
                 continue;
@@ -344,17 +346,15 @@ impl Executor {
             if r.owner() == core.address {
                 core.serve_update_borrower(r.id(), &key, true);
             } else {
-                core.rt.block_on(core.update_borrower_as(
-                    r.id().to_string(),
-                    r.owner().to_string(),
-                    key.clone(),
-                    true,
-                ));
+                waits.push(core.queue_borrower(r.owner(), r.id(), &key));
             }
             out.push(pb::ObjectRefMsg {
                 object_id: r.id().to_string(),
                 owner_address: r.owner().to_string(),
             });
+        }
+        if !waits.is_empty() {
+            core.rt.block_on(crate::core::all_confirmed(waits));
         }
         out
     }

@@ -12,15 +12,62 @@
 //! A group is reserved by the head all or nothing (two-phase with the node agents); work
 //! scheduled into a bundle uses the resources the bundle reserved, and removing the group
 //! stops what runs inside it.
+//!
+//! PG-1: an unnamed, non-detached group is created in the background: `placement_group`
+//! checks the request here, picks the group's id and returns at once, and its
+//! `CreatePlacementGroup` goes out on the runtime (so a loop creating groups sends them
+//! together, and the head records them in a few log entries instead of one each). Every
+//! later use of such a group by this process first waits until the head answered the
+//! creation: `wait`/`state`/removal (which report a refused creation), the table, tasks
+//! and actors scheduled into it, and any task or actor submitted meanwhile (its arguments
+//! may carry the id to another process). Named groups (whose name may be taken) and
+//! detached ones (which must outlive this process) are created before the call returns.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
+use tokio::sync::watch;
 use tpuray_proto::pb;
 use tpuray_scheduler::AcceleratorType;
 
 use crate::core::core;
 use crate::error::Error;
+
+/// Creations of this process's groups (PG-1): group id -> the head's answer once known.
+/// Answered successes are dropped; refusals stay, for later uses to report.
+static CREATING: LazyLock<Mutex<HashMap<String, Creation>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// The head's answer to one background creation, once it came.
+type Creation = watch::Receiver<Option<Result<(), String>>>;
+/// Creations not answered yet.
+static CREATING_NOW: AtomicUsize = AtomicUsize::new(0);
+
+/// Waits until the head answered the creation of group `id` if this process created it
+/// in the background (PG-1); the refusal's message when it refused.
+pub(crate) async fn created(id: &str) -> Result<(), String> {
+    let rx = CREATING.lock().unwrap().get(id).cloned();
+    let Some(mut rx) = rx else { return Ok(()) };
+    match rx.wait_for(Option::is_some).await {
+        Ok(v) => v.clone().unwrap_or(Ok(())),
+        Err(_) => Ok(()),
+    }
+}
+
+/// Whether some background creation is not answered yet (PG-1).
+pub(crate) fn creating() -> bool {
+    CREATING_NOW.load(Ordering::SeqCst) > 0
+}
+
+/// Waits until the head answered every background creation started so far (PG-1).
+pub(crate) async fn all_created() {
+    let pending: Vec<_> = CREATING.lock().unwrap().values().cloned().collect();
+    for mut rx in pending {
+        let _ = rx.wait_for(Option::is_some).await;
+    }
+}
 
 /// A placement group handle (cheap to clone; the group lives in the head).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -140,6 +187,7 @@ pub fn state_of_id(id: &str, wait: Duration) -> Result<PlacementGroupState, Erro
 fn fetch(id: &str, wait: Duration) -> Result<PlacementGroupState, Error> {
     let core = core()?;
     core.rt.block_on(async {
+        created(id).await.map_err(Error::Cluster)?;
         let mut head = core.head_client()?;
         let info = head
             .get_placement_group(pb::GetPlacementGroupRequest {
@@ -156,8 +204,38 @@ fn fetch(id: &str, wait: Duration) -> Result<PlacementGroupState, Error> {
     })
 }
 
-fn create(req: pb::CreatePlacementGroupRequest) -> Result<PlacementGroup, Error> {
+fn create(mut req: pb::CreatePlacementGroupRequest) -> Result<PlacementGroup, Error> {
     let core = core()?;
+    if req.name.is_empty() && !req.detached && req.slice.is_none() {
+        // PG-1: in the background, with the head's checks made here first.
+        check_request(&req)
+            .map_err(|e| Error::Cluster(format!("creating placement group: {e}")))?;
+        let id = tpuray_proto::ids::PlacementGroupId::random().to_string();
+        req.placement_group_id = id.clone();
+        let bundle_count = req.bundles.len();
+        let (tx, rx) = watch::channel(None);
+        CREATING.lock().unwrap().insert(id.clone(), rx);
+        CREATING_NOW.fetch_add(1, Ordering::SeqCst);
+        let head = core.head_client();
+        let key = id.clone();
+        core.rt.spawn(async move {
+            let out = match head {
+                Ok(mut h) => h
+                    .create_placement_group(req)
+                    .await
+                    .map(|_| ())
+                    .map_err(|s| format!("creating placement group: {}", s.message())),
+                Err(e) => Err(format!("creating placement group: {e}")),
+            };
+            let ok = out.is_ok();
+            let _ = tx.send(Some(out));
+            if ok {
+                CREATING.lock().unwrap().remove(&key);
+            }
+            CREATING_NOW.fetch_sub(1, Ordering::SeqCst);
+        });
+        return Ok(PlacementGroup { id, bundle_count });
+    }
     core.rt.block_on(async {
         let mut head = core.head_client()?;
         let info = head
@@ -169,6 +247,27 @@ fn create(req: pb::CreatePlacementGroupRequest) -> Result<PlacementGroup, Error>
             .unwrap_or_default();
         Ok(PlacementGroup { id: info.placement_group_id, bundle_count: info.bundles.len() })
     })
+}
+
+/// The checks the head makes of an unnamed group's request (same messages), so that a
+/// group created in the background (PG-1) is refused at the call as before.
+fn check_request(req: &pb::CreatePlacementGroupRequest) -> Result<(), String> {
+    tpuray_scheduler::PgStrategy::parse(&req.strategy)?;
+    if req.bundles.is_empty() {
+        return Err("a placement group needs at least one bundle (got an empty list)".into());
+    }
+    for (i, b) in req.bundles.iter().enumerate() {
+        let demand = tpuray_proto::convert::resources_from_proto(&b.resources)
+            .map_err(|e| format!("bundle {i}: {e}"))?;
+        if demand.is_empty() {
+            return Err(format!(
+                "bundle {i} is empty (expected at least one resource with an amount above 0, e.g. {{\"CPU\": 1}})"
+            ));
+        }
+        tpuray_proto::convert::labels_from_proto(&b.label_selector)
+            .map_err(|e| format!("bundle {i}: {e}"))?;
+    }
+    Ok(())
 }
 
 fn bundle_to_proto(
@@ -229,6 +328,7 @@ pub fn placement_group_with(
         strategy: strategy.to_string(),
         detached: opts.detached,
         slice: None,
+        placement_group_id: String::new(),
     })
 }
 
@@ -248,6 +348,7 @@ pub fn remove_placement_group(pg: &PlacementGroup) -> Result<(), Error> {
 pub fn remove_by_id(id: &str) -> Result<(), Error> {
     let core = core()?;
     core.rt.block_on(async {
+        created(id).await.map_err(Error::Cluster)?;
         let mut head = core.head_client()?;
         head.remove_placement_group(pb::RemovePlacementGroupRequest {
             request_id: tpuray_proto::new_request_id(),
@@ -289,6 +390,7 @@ pub fn get_placement_group(name: &str, namespace: Option<&str>) -> Result<Placem
 pub fn placement_group_table() -> Result<Vec<PlacementGroupState>, Error> {
     let core = core()?;
     core.rt.block_on(async {
+        all_created().await;
         let mut head = core.head_client()?;
         let groups = head
             .list_placement_groups(pb::ListPlacementGroupsRequest {})
@@ -402,4 +504,38 @@ pub fn slice_placement_group_named(
         num_slices,
         chips_per_host,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(bundles: &[&[(&str, f64)]], strategy: &str) -> pb::CreatePlacementGroupRequest {
+        pb::CreatePlacementGroupRequest {
+            bundles: bundles
+                .iter()
+                .map(|b| pb::Bundle {
+                    resources: b.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+                    label_selector: vec![],
+                })
+                .collect(),
+            strategy: strategy.into(),
+            ..Default::default()
+        }
+    }
+
+    /// PG-1: what the head would refuse is refused at the call, before a background
+    /// creation could hide it.
+    #[test]
+    fn requests_the_head_would_refuse_are_refused_before_a_background_creation() {
+        assert_eq!(check_request(&req(&[&[("CPU", 1.0)]], "STRICT_SPREAD")), Ok(()));
+        let e = check_request(&req(&[&[("CPU", 1.0)]], "NOPE")).unwrap_err();
+        assert!(e.contains("strategy \"NOPE\""), "{e}");
+        let e = check_request(&req(&[], "PACK")).unwrap_err();
+        assert!(e.contains("at least one bundle"), "{e}");
+        let e = check_request(&req(&[&[("CPU", 1.0)], &[]], "PACK")).unwrap_err();
+        assert!(e.starts_with("bundle 1 is empty"), "{e}");
+        let e = check_request(&req(&[&[("CPU", -1.0)]], "PACK")).unwrap_err();
+        assert!(e.starts_with("bundle 0: "), "{e}");
+    }
 }

@@ -232,6 +232,19 @@ pub fn deserialized_ref(id: String, owner: String) -> RawRef {
     RawRef::new(id, owner)
 }
 
+/// Opens a borrow batch on this thread (around deserializing one value): refs made by
+/// [`deserialized_ref`] until the matching [`end_borrow_batch`] register with their
+/// owners together, one call per owner, instead of one call each (CORE-2). Batches nest.
+pub fn begin_borrow_batch() {
+    crate::core::begin_borrow_batch();
+}
+
+/// Closes a batch [`begin_borrow_batch`] opened; the outermost one returns once every
+/// owner confirmed the registrations made inside it. Blocks; call without the GIL.
+pub fn end_borrow_batch() {
+    crate::core::end_borrow_batch();
+}
+
 /// Cancels the task that makes `r` (Ray's `cancel`; `force` kills its worker).
 ///
 /// # Errors

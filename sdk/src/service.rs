@@ -121,6 +121,15 @@ impl WorkerService for SvcRef {
         Ok(Response::new(pb::UpdateBorrowerReply { known }))
     }
 
+    async fn update_borrowers(
+        &self,
+        req: Request<pb::UpdateBorrowersRequest>,
+    ) -> Result<Response<pb::UpdateBorrowersReply>, Status> {
+        let req = req.into_inner();
+        self.0.core.serve_update_borrowers(&req.borrower_address, &req.updates);
+        Ok(Response::new(pb::UpdateBorrowersReply {}))
+    }
+
     async fn report_object_copy(
         &self,
         req: Request<pb::ReportObjectCopyRequest>,
@@ -160,9 +169,6 @@ pub(crate) async fn serve(
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .add_service(server)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        )
+        .serve_with_incoming_shutdown(tpuray_proto::incoming(listener), shutdown)
         .await
 }

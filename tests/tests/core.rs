@@ -388,6 +388,18 @@ fn refs_returned_by_a_task_stay_readable() {
     assert_eq!(out.line("RESULT "), "RESULT sizes=[1000, 2000000]", "{out}");
 }
 
+/// CORE-2: refs read out of a task's return value lean on the value's own hold (no
+/// registration each); when the value goes first, the caller registers before that
+/// hold is released, so the objects stay readable.
+#[test]
+fn refs_read_from_a_returned_list_stay_readable_after_the_list_goes() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let out = start_driver(&c, "return-many-refs", &[]).finish(RUN);
+    out.assert_success();
+    assert_eq!(out.line("RESULT "), "RESULT count=2000 sum=1999000", "{out}");
+}
+
 /// CORE-2: an object put inside another one lives as long as the outer one,
 /// even after the caller dropped its own ref to the inner object.
 #[test]

@@ -440,8 +440,8 @@ pub async fn serve_agent(
 
 fn tokio_stream_listener(
     listener: tokio::net::TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    tokio_stream::wrappers::TcpListenerStream::new(listener)
+) -> tonic::transport::server::TcpIncoming {
+    tpuray_proto::incoming(listener)
 }
 
 /// A status's message followed by its underlying causes ("tcp connect

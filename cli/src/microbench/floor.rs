@@ -84,12 +84,9 @@ fn rpc(t: &Timing) -> Result<()> {
         tonic::transport::Server::builder()
             .tcp_nodelay(true)
             .add_service(ObjectTransferServiceServer::new(Empty))
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listener),
-                async {
-                    let _ = stop_rx.await;
-                },
-            ),
+            .serve_with_incoming_shutdown(tpuray_proto::incoming(listener), async {
+                let _ = stop_rx.await;
+            }),
     );
     let mut client = {
         let _in_rt = rt.enter(); // the channel's lazy connector needs a runtime

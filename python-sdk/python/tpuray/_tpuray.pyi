@@ -74,6 +74,12 @@ def put(parts: list[Any], nested: list[RefCore]) -> RefCore:
     buffer) as an object owned by this process; large ones are written into the node's
     store part by part, without the GIL."""
 def wait(refs: list[RefCore], num_returns: int, timeout: Optional[float] = None) -> list[bool]: ...
+def begin_borrow_batch() -> None:
+    """Opens a borrow batch around unpickling one value (refs register together)."""
+
+def end_borrow_batch() -> None:
+    """Closes it; the outermost waits until the owners confirmed the registrations."""
+
 def deserialize_ref(id: str, owner: str) -> RefCore:
     """A ref rebuilt while unpickling; registers this process as a borrower."""
 def cancel(ref: RefCore, force: bool) -> None: ...

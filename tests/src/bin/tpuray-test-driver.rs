@@ -46,6 +46,12 @@ fn make_ref(bytes: usize) -> Result<tpuray::ObjectRef<tpuray::Blob>, String> {
     tpuray::put(&tpuray::Blob(vec![3u8; bytes])).map_err(|e| e.to_string())
 }
 
+/// Puts `n` objects (0..n) in this worker and returns refs to them.
+#[tpuray::remote]
+fn make_refs(n: u64) -> Result<Vec<tpuray::ObjectRef<u64>>, String> {
+    (0..n).map(|i| tpuray::put(&i).map_err(|e| e.to_string())).collect()
+}
+
 /// Fails until it has been attempted `fail_times` times (counted in a file).
 #[tpuray::remote]
 fn flaky(counter_file: String, fail_times: u32) -> Result<u32, String> {
@@ -670,6 +676,22 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
                 inners.iter().map(|r| tpuray::get(r).map(|b| b.0.len())).collect();
             match sizes {
                 Ok(s) => say(&format!("RESULT sizes={s:?}")),
+                Err(e) => print_error(&e, Instant::now()),
+            }
+        }
+        // A task returns 2,000 refs to objects it put; the caller reads the list twice
+        // (refs in it need no registration of their own while the list lives), drops
+        // the list and one copy, and still reads every object through the other: the
+        // list's hold passed to the caller before it went (CORE-2).
+        "return-many-refs" => {
+            let outer = make_refs::remote(2000);
+            let first: Vec<tpuray::ObjectRef<u64>> = tpuray::get(&outer)?;
+            let second: Vec<tpuray::ObjectRef<u64>> = tpuray::get(&outer)?;
+            drop(second);
+            drop(outer);
+            std::thread::sleep(Duration::from_millis(500));
+            match tpuray::get_all(&first) {
+                Ok(v) => say(&format!("RESULT count={} sum={}", v.len(), v.iter().sum::<u64>())),
                 Err(e) => print_error(&e, Instant::now()),
             }
         }

@@ -221,14 +221,19 @@ def serialize(value) -> tuple[bytes, list]:
 def deserialize(data):
     """Unpickles what :func:`serialize` made, from bytes or any bytes-like object (a
     mapped store object): out-of-band buffers come back as read-only views of ``data``,
-    which they keep alive. Refs inside become borrowed refs."""
-    if data[: len(_MAGIC)] != _MAGIC:
-        return pickle.loads(data)
-    view = memoryview(data)
-    _, size, count = _HEAD.unpack_from(view)
-    start = _HEAD.size + _ENTRY.size * count
-    buffers = [view[o : o + n] for o, n in _ENTRY.iter_unpack(view[_HEAD.size : start])]
-    return pickle.loads(view[start : start + size], buffers=buffers)
+    which they keep alive. Refs inside become borrowed refs, registered with their owners
+    in one call per owner before this returns (CORE-2)."""
+    _tpuray.begin_borrow_batch()
+    try:
+        if data[: len(_MAGIC)] != _MAGIC:
+            return pickle.loads(data)
+        view = memoryview(data)
+        _, size, count = _HEAD.unpack_from(view)
+        start = _HEAD.size + _ENTRY.size * count
+        buffers = [view[o : o + n] for o, n in _ENTRY.iter_unpack(view[_HEAD.size : start])]
+        return pickle.loads(view[start : start + size], buffers=buffers)
+    finally:
+        _tpuray.end_borrow_batch()
 
 
 def mapped_view(buf) -> memoryview:
