@@ -7,6 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 cargo fmt --all -- --check
+# The Python extension is a workspace of its own (python-sdk/Cargo.toml).
+(cd python-sdk && cargo fmt -- --check)
 cargo clippy --workspace --all-targets -- -D warnings
 # The integration tests run the real `tpuray` binary.
 cargo build -p tpuray-cli

@@ -811,7 +811,11 @@ fn gang_options(
         topology,
         accelerator_version,
         num_slices,
-        mode: if per_chip { tpuray::gang::GangMode::PerChip } else { tpuray::gang::GangMode::PerHost },
+        mode: if per_chip {
+            tpuray::gang::GangMode::PerChip
+        } else {
+            tpuray::gang::GangMode::PerHost
+        },
         max_restarts,
         name,
         ready_timeout: Duration::from_secs_f64(timeout.max(0.0)),
@@ -851,10 +855,7 @@ fn gang_dicts<'py>(
     Ok((d, members))
 }
 
-fn member_dict<'py>(
-    py: Python<'py>,
-    m: &tpuray::gang::GangMember,
-) -> PyResult<Bound<'py, PyDict>> {
+fn member_dict<'py>(py: Python<'py>, m: &tpuray::gang::GangMember) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("index", m.index)?;
     d.set_item("bundle_index", m.bundle_index)?;
@@ -898,9 +899,9 @@ fn gang_start(
                     let r = launch
                         .call1(py, (gd, md))
                         .map_err(|e| Error::Cluster(format!("launching a gang member: {e}")))?;
-                    let r = r
-                        .cast_bound::<PyRef>(py)
-                        .map_err(|e| Error::Cluster(format!("launch must return an ObjectRef: {e}")))?;
+                    let r = r.cast_bound::<PyRef>(py).map_err(|e| {
+                        Error::Cluster(format!("launch must return an ObjectRef: {e}"))
+                    })?;
                     Ok(r.get().inner.clone())
                 })
             })
@@ -924,8 +925,7 @@ fn gang_reserve<'py>(
     gang_id: String,
     generation: u32,
 ) -> PyResult<(String, Bound<'py, PyDict>, Bound<'py, PyList>)> {
-    let opts =
-        gang_options(topology, accelerator_version, num_slices, per_chip, 0, name, timeout);
+    let opts = gang_options(topology, accelerator_version, num_slices, per_chip, 0, name, timeout);
     let g = py
         .detach(|| tpuray::gang::GangGeneration::reserve(&opts, &gang_id, generation))
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -951,8 +951,7 @@ fn gang_adopt<'py>(
     timeout: f64,
     gang_id: String,
 ) -> PyResult<(String, Bound<'py, PyDict>, Bound<'py, PyList>)> {
-    let opts =
-        gang_options(topology, accelerator_version, num_slices, per_chip, 0, name, timeout);
+    let opts = gang_options(topology, accelerator_version, num_slices, per_chip, 0, name, timeout);
     let g = py
         .detach(|| {
             let slice = tpuray::SlicePlacementGroup::from_id(
