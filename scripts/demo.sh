@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds tpuray and runs the demo on a local three-node cluster: a head node
+# Builds tpuray and runs the demo on a local cluster: a head node
 # and two worker nodes (one with a custom "special" resource); the Rust
 # examples join as jobs (cluster_info prints the cluster; tour runs remote
 # functions, refs between tasks, nested tasks, an ordered actor, a task on
@@ -28,10 +28,26 @@ PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pip install -q "maturin>=1.7,<2"
 PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pip install -q --no-build-isolation --no-deps --force-reinstall ./python-sdk
 
 # A private registry and port, so the demo never touches another cluster.
-export TPURAY_REGISTRY_DIR="${TPURAY_REGISTRY_DIR:-$(mktemp -d /tmp/tpuray-demo-registry.XXXXXX)}"
+OWN_REGISTRY=""
+if [ -z "${TPURAY_REGISTRY_DIR:-}" ]; then
+    OWN_REGISTRY="$(mktemp -d /tmp/tpuray-demo-registry.XXXXXX)"
+    export TPURAY_REGISTRY_DIR="$OWN_REGISTRY"
+fi
 PORT="${TPURAY_DEMO_PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo 6390)}"
 TMP="$(mktemp -d /tmp/tpuray-demo.XXXXXX)"
-trap 'tpuray stop >/dev/null 2>&1 || true; rm -rf "$TMP"' EXIT
+# On success the cluster's folders go; on failure its logs stay for a look
+# (<temp-dir>/session_latest/logs/ of each node, under $TMP).
+cleanup() {
+    rc=$?
+    tpuray stop >/dev/null 2>&1 || true
+    [ -n "$OWN_REGISTRY" ] && rm -rf "$OWN_REGISTRY"
+    if [ "$rc" -eq 0 ]; then
+        rm -rf "$TMP"
+    else
+        echo "demo failed (exit $rc); the nodes' logs are kept in $TMP/*/session_latest/logs/" >&2
+    fi
+}
+trap cleanup EXIT
 
 echo "== tpuray start --head"
 tpuray start --head --port "$PORT" --num-cpus 1 --temp-dir "$TMP/head"

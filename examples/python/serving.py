@@ -254,7 +254,7 @@ def node_kinds() -> dict:
 
 def print_stages(label: str, stages: dict) -> None:
     """One line: what was checked, and the node and actor of each stage that served it."""
-    print(f"  {label:44} ok  " + "  ".join(
+    print(f"  {label:44} = local  " + "  ".join(
         f"{k}@node {v['node']}" + (f" ({NODE_KINDS[v['node']]})" if v["node"] in NODE_KINDS else "")
         + f" actor {v['actor']}" + (f" (batch {v['batch']})" if "batch" in v else "")
         for k, v in stages.items()))
