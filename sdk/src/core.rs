@@ -842,7 +842,18 @@ impl Core {
         }
     }
 
-    fn free_copies(&self, id: String, locations: Vec<pb::ObjectLocation>) {
+    fn free_copies(&self, id: String, mut locations: Vec<pb::ObjectLocation>) {
+        // This node's copy goes at once, on the caller's thread: a few system calls,
+        // and the next put (`ray.put` in a loop) then reuses its pages (OBJ-9) instead
+        // of racing a background free. Other nodes' copies go through their agents.
+        let before = locations.len();
+        locations.retain(|loc| loc.agent_address != self.agent_address);
+        if locations.len() < before {
+            self.store.delete(&id);
+        }
+        if locations.is_empty() {
+            return;
+        }
         let token = self.token.clone();
         self.rt.spawn(async move {
             for loc in locations {
