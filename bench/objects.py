@@ -102,7 +102,8 @@ def bench_size(size: int) -> None:
     put_once()
     put = median_time(put_once)
     print(f"{label}: put, 1 client {gbps(size, put):.2f} GB/s "
-          f"({100 * fresh / put:.0f}% of memcpy into new memory)", flush=True)
+          f"({100 * reused / put:.0f}% of memcpy into reused memory, "
+          f"{100 * fresh / put:.0f}% of memcpy into new memory)", flush=True)
 
     ref = ray.put(arr)
     got = ray.get(ref)
