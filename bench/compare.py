@@ -125,7 +125,10 @@ def ensure_ray(venv: Path, version: str) -> Path:
     if not py.exists():
         print(f"creating {venv} with ray=={version} from PyPI", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", f"ray=={version}", "numpy"], check=True)
+        # grpcio: ray_perf imports Ray Client's helpers, which need it, and plain `ray`
+        # does not depend on it.
+        subprocess.run([str(py), "-m", "pip", "install", "-q", f"ray=={version}", "numpy",
+                        "grpcio"], check=True)
     return py
 
 
