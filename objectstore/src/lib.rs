@@ -787,6 +787,22 @@ mod tests {
     }
 
     #[test]
+    fn a_recycled_file_is_counted_once_obj_9() {
+        let d = tempfile::tempdir().unwrap();
+        let s = LocalStore::open(d.path().join("s")).unwrap();
+        let mib = 1 << 20;
+        let used = || s.lock().unwrap().used();
+        s.put("a", &vec![1u8; 2 * mib]).unwrap();
+        s.delete("a");
+        assert_eq!(used(), 2 * mib as u64, "the pool's bytes are counted");
+        for (id, len) in [("b", 2 * mib), ("c", 3 * mib), ("d", 2 * mib)] {
+            s.put(id, &vec![2u8; len]).unwrap();
+            assert_eq!(used(), len as u64, "{id}: the ledger counts the object once");
+            s.delete(id);
+        }
+    }
+
+    #[test]
     fn empty_object_round_trips() {
         let d = tempfile::tempdir().unwrap();
         let s = LocalStore::open(d.path()).unwrap();

@@ -45,7 +45,7 @@ use std::path::{Path, PathBuf};
 use memmap2::MmapMut;
 
 use crate::ledger::Guard;
-use crate::pressure::{free_pages, next_temp_name};
+use crate::pressure::{free_pages, list, next_temp_name};
 use crate::{LocalStore, not_found_ok};
 
 /// Mappings a process keeps (OBJ-11).
@@ -95,14 +95,8 @@ impl LocalStore {
 
     /// The files waiting in the pool.
     pub(crate) fn pool_list(&self) -> io::Result<Vec<Pooled>> {
-        let rd = match std::fs::read_dir(self.pool_dir()) {
-            Ok(rd) => rd,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(vec![]),
-            Err(e) => return Err(e),
-        };
         let mut out = vec![];
-        for ent in rd {
-            let ent = ent?;
+        for (_, ent) in list(&self.pool_dir())? {
             match ent.metadata() {
                 Ok(m) if m.is_file() => {
                     out.push(Pooled { path: ent.path(), size: m.len(), key: (m.dev(), m.ino()) })

@@ -133,7 +133,8 @@ fn classify(name: &str) -> Name<'_> {
     }
 }
 
-fn list(dir: &Path) -> io::Result<Vec<(String, std::fs::DirEntry)>> {
+/// The entries of `dir` with UTF-8 names; none when it does not exist.
+pub(crate) fn list(dir: &Path) -> io::Result<Vec<(String, std::fs::DirEntry)>> {
     let rd = match std::fs::read_dir(dir) {
         Ok(rd) => rd,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(vec![]),

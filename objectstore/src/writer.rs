@@ -65,45 +65,37 @@ impl Writer {
         };
         let dio = |e| StoreError::Io { dir: dir.clone(), source: e };
         let reserve = if on_disk { 0 } else { size };
-        if on_disk {
-            std::fs::create_dir_all(&dir).map_err(dio)?;
-        } else if reserve > 0 {
-            store.make_room(g, id, reserve, true)?;
-            // Count first: a crash before the file grows leaves the counter
-            // too high, which the next scan corrects (ledger.rs).
-            g.add(reserve).map_err(dio)?;
-        }
-        if !on_disk
-            && reserve > 0
-            && let Some((tmp, file, map)) = from_pool(&store, g, id, reserve)?
-        {
-            return Ok(Self {
-                store,
-                id: id.to_string(),
-                copy: opts.copy,
-                owner: opts.owner.clone(),
-                file: Some(file),
-                tmp,
-                on_disk,
-                written: 0,
-                reserved: reserve,
-                map,
-            });
-        }
-        let made = new_temp(&dir, id).and_then(|(tmp, file)| {
-            if reserve > 0
-                && let Err(e) = file.set_len(reserve)
-            {
-                let _ = std::fs::remove_file(&tmp);
-                return Err(e);
-            }
-            Ok((tmp, file))
-        });
-        let (tmp, file) = match made {
-            Ok(x) => x,
-            Err(e) => {
-                let _ = g.sub(reserve);
-                return Err(dio(e));
+        // A pool file comes with its own bytes counted (OBJ-9); from_pool
+        // counts the difference to `reserve`.
+        let pooled =
+            if !on_disk && reserve > 0 { from_pool(&store, g, id, reserve)? } else { None };
+        let (tmp, file, map) = match pooled {
+            Some(x) => x,
+            None => {
+                if on_disk {
+                    std::fs::create_dir_all(&dir).map_err(dio)?;
+                } else if reserve > 0 {
+                    store.make_room(g, id, reserve, true)?;
+                    // Count first: a crash before the file grows leaves the
+                    // counter too high, which the next scan corrects (ledger.rs).
+                    g.add(reserve).map_err(dio)?;
+                }
+                let made = new_temp(&dir, id).and_then(|(tmp, file)| {
+                    if reserve > 0
+                        && let Err(e) = file.set_len(reserve)
+                    {
+                        let _ = std::fs::remove_file(&tmp);
+                        return Err(e);
+                    }
+                    Ok((tmp, file, None))
+                });
+                match made {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let _ = g.sub(reserve);
+                        return Err(dio(e));
+                    }
+                }
             }
         };
         Ok(Self {
@@ -116,7 +108,7 @@ impl Writer {
             on_disk,
             written: 0,
             reserved: reserve,
-            map: None,
+            map,
         })
     }
 
