@@ -1699,6 +1699,10 @@ impl Core {
     async fn lease_loop(self: &Arc<Self>, class: &Arc<Class>) {
         use pb::request_worker_lease_reply::Outcome;
         let mut failures = 0u32;
+        // Infeasible answers in a row: the first is asked again after a second before
+        // anyone is told, as an agent's view of the cluster can lag a node that joined
+        // a moment ago.
+        let mut infeasible = 0u32;
         while !class.queue.lock().unwrap().is_empty() {
             let mut target = self.agent_address.clone();
             let mut grant_or_reject = false;
@@ -1750,6 +1754,7 @@ impl Core {
             match outcome {
                 Ok(Some(Outcome::Granted(g))) => {
                     failures = 0;
+                    infeasible = 0;
                     let broken = self.run_on_worker(class, &g).await;
                     if let Ok(mut c) = self.agent_client(&target) {
                         let _ = c
@@ -1760,6 +1765,10 @@ impl Core {
                             })
                             .await;
                     }
+                }
+                Ok(Some(Outcome::Infeasible(_))) if infeasible == 0 => {
+                    infeasible = 1;
+                    tokio::time::sleep(Duration::from_secs(1)).await;
                 }
                 Ok(Some(Outcome::Infeasible(i))) => {
                     if !class.warned.swap(true, Ordering::SeqCst) {
