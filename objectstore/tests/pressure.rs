@@ -393,11 +393,19 @@ fn readers_racing_recycling_see_only_their_own_object_obj_10() {
                 }
             }
         });
-        for _ in 0..300 {
+        // At least 300 rounds, and on until the reader has found "a" 50 times
+        // (a descheduled reader may miss the first rounds), for at most 60 s.
+        let start = std::time::Instant::now();
+        let mut rounds = 0;
+        while rounds < 300
+            || (seen.load(std::sync::atomic::Ordering::Relaxed) < 50
+                && start.elapsed() < std::time::Duration::from_secs(60))
+        {
             f.store.put("a", &a).unwrap();
             f.store.delete("a");
             f.store.put("b", &b).unwrap();
             f.store.delete("b");
+            rounds += 1;
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         reader.join().unwrap();
