@@ -26,7 +26,7 @@
 //! calls the blocking API (`get`, `wait`, submission) from its own threads.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -44,20 +44,28 @@ use crate::options::{Scheduling, TaskOptions};
 /// Results up to this size travel inline in replies; larger ones go to the
 /// executing node's object store (DESIGN.md §2).
 pub const INLINE_MAX_BYTES: usize = 100 * 1024;
-/// Tasks pushed to one leased worker before the first one finishes: 1 by
-/// default, as Ray's `max_tasks_in_flight_per_worker`, so a slow task never
-/// holds up quick ones queued behind it while other CPUs are free;
-/// `TPURAY_MAX_TASKS_IN_FLIGHT_PER_WORKER` raises it for throughput.
-fn pipeline_depth() -> usize {
-    static DEPTH: OnceLock<usize> = OnceLock::new();
+/// Tasks pushed to one leased worker before the first one finishes, when
+/// `TPURAY_MAX_TASKS_IN_FLIGHT_PER_WORKER` fixes it (Ray's
+/// `max_tasks_in_flight_per_worker`). Unset: adaptive (CORE-9), see
+/// [`Class::depth`].
+fn fixed_pipeline_depth() -> Option<usize> {
+    static DEPTH: OnceLock<Option<usize>> = OnceLock::new();
     *DEPTH.get_or_init(|| {
         std::env::var("TPURAY_MAX_TASKS_IN_FLIGHT_PER_WORKER")
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|&d| d >= 1)
-            .unwrap_or(1)
     })
 }
+/// CORE-9: tasks pushed to one leased worker at once while the node has no
+/// CPU left for another lease of the class and its tasks are quick.
+const DEEP_PIPELINE: usize = 16;
+/// A class whose pushes (round trip included) take at most this long on
+/// average counts as quick (CORE-9), in microseconds.
+const QUICK_TASK_US: u64 = 2_000;
+/// How long a class pushes one task at a time after a task of it came back
+/// unrun (CORE-9).
+const SHALLOW_AFTER_GIVE_BACK: Duration = Duration::from_secs(1);
 /// How an `ObjectLost` error whose owner process is gone begins (Python raises
 /// `OwnerDiedError` for it).
 pub const OWNER_DIED: &str = "owner died";
@@ -221,6 +229,43 @@ struct Class {
     warned: AtomicBool,
     /// Signalled when a task is queued (a lingering lease picks it up).
     queued: Notify,
+    /// Lease requests of this class waiting for an agent's answer: while one
+    /// waits, the node has no resources for another worker of the class.
+    asking: AtomicUsize,
+    /// Moving average of a push's round trip, in microseconds (`u64::MAX`
+    /// before the first).
+    push_us: AtomicU64,
+    /// Until when (`now_ms`) the class pushes one task at a time.
+    shallow_until_ms: AtomicU64,
+}
+
+impl Class {
+    /// Tasks one leased worker of this class may hold at once (CORE-3, CORE-9):
+    /// `TPURAY_MAX_TASKS_IN_FLIGHT_PER_WORKER` when set; else 1 (as Ray's
+    /// default), and [`DEEP_PIPELINE`] while a lease request of the class waits
+    /// for resources (every CPU it could use is busy) and its tasks are quick,
+    /// so quick tasks stop paying a round trip each without ever waiting behind
+    /// a slow one while a CPU is free. A task queued behind another that
+    /// blocks or runs long comes back unrun (the executor hands it back).
+    fn depth(&self) -> usize {
+        if let Some(d) = fixed_pipeline_depth() {
+            return d;
+        }
+        let quick = self.push_us.load(Ordering::Relaxed) <= QUICK_TASK_US;
+        let busy_node = self.asking.load(Ordering::Relaxed) > 0;
+        if quick && busy_node && now_ms() >= self.shallow_until_ms.load(Ordering::Relaxed) {
+            DEEP_PIPELINE
+        } else {
+            1
+        }
+    }
+
+    fn note_push(&self, took: Duration) {
+        let us = took.as_micros().min(u128::from(u64::MAX / 8)) as u64;
+        let old = self.push_us.load(Ordering::Relaxed);
+        let new = if old == u64::MAX { us } else { (old * 7 + us) / 8 };
+        self.push_us.store(new, Ordering::Relaxed);
+    }
 }
 
 /// Per-actor caller state: the ordered sender (CORE-4).
@@ -261,6 +306,9 @@ pub(crate) struct Core {
     /// Threads of this worker blocked in get/wait (AGENT-11): the agent lends the lease's
     /// CPUs back while it is above zero.
     blocked_depth: Mutex<usize>,
+    /// Signalled when a thread of this worker starts waiting in get/wait: the
+    /// executor hands back tasks queued behind the running one (CORE-9).
+    pub(crate) blocked_now: Notify,
     /// Bounds the pulls this process runs at once.
     pull_permits: tokio::sync::Semaphore,
     /// Borrower changes on their way to each owner (by owner address).
@@ -585,6 +633,7 @@ impl Core {
             clients: Mutex::new(Clients::default()),
             borrowed: Mutex::new(HashMap::new()),
             blocked_depth: Mutex::new(0),
+            blocked_now: Notify::new(),
             pull_permits: tokio::sync::Semaphore::new(MAX_PULLS_PER_PROCESS),
             borrow_queues: Mutex::new(HashMap::new()),
         }
@@ -895,6 +944,7 @@ impl Core {
         let mut depth = self.blocked_depth.lock().unwrap();
         let notify = if blocked {
             *depth += 1;
+            self.blocked_now.notify_waiters();
             *depth == 1
         } else {
             *depth = depth.saturating_sub(1);
@@ -905,6 +955,11 @@ impl Core {
             // Under the lock, so the agent sees blocked/unblocked in order.
             let _ = self.rt.block_on(c.notify_worker_blocked(req));
         }
+    }
+
+    /// Whether a thread of this worker waits in get/wait now (AGENT-11).
+    pub(crate) fn is_blocked(&self) -> bool {
+        *self.blocked_depth.lock().unwrap() > 0
     }
 
     /// A new owned object that stays pending until [`Core::fulfil`] settles it: the
@@ -1640,6 +1695,9 @@ impl Core {
                     in_flight: AtomicUsize::new(0),
                     warned: AtomicBool::new(false),
                     queued: Notify::new(),
+                    asking: AtomicUsize::new(0),
+                    push_us: AtomicU64::new(u64::MAX),
+                    shallow_until_ms: AtomicU64::new(0),
                 })
             }))
         };
@@ -1675,7 +1733,8 @@ impl Core {
             // Busy leases count too: a task queued behind a running one gets a
             // lease of its own instead of waiting (as Ray requests one per task).
             let busy = class.in_flight.load(Ordering::SeqCst);
-            let want = (queued + busy).div_ceil(pipeline_depth()).clamp(1, MAX_LEASES_PER_CLASS);
+            let per_lease = fixed_pipeline_depth().unwrap_or(1);
+            let want = (queued + busy).div_ceil(per_lease).clamp(1, MAX_LEASES_PER_CLASS);
             if queued == 0 || cur >= want {
                 return;
             }
@@ -1739,10 +1798,12 @@ impl Core {
                     queue_timeout_ms: 2000,
                     owner_address: self.address.clone(),
                 };
+                class.asking.fetch_add(1, Ordering::SeqCst);
                 let reply = match self.agent_client(&target) {
                     Ok(mut c) => c.request_worker_lease(req).await.map(|r| r.into_inner().outcome),
                     Err(e) => Err(tonic::Status::internal(e.to_string())),
                 };
+                class.asking.fetch_sub(1, Ordering::SeqCst);
                 match reply {
                     Ok(Some(Outcome::Spillback(s))) if !grant_or_reject => {
                         target = s.address;
@@ -1866,8 +1927,15 @@ impl Core {
         };
         let mut in_flight = tokio::task::JoinSet::new();
         let mut broken = false;
+        // A task came back unrun: its worker is blocked or slow, so nothing more goes to
+        // it until what it holds is answered (else the same tasks would bounce back).
+        let mut handing_back = false;
         loop {
-            while !broken && in_flight.len() < pipeline_depth() {
+            if in_flight.is_empty() {
+                handing_back = false;
+            }
+            let depth = if handing_back { 1 } else { class.depth() };
+            while !broken && in_flight.len() < depth {
                 let Some(q) = class.queue.lock().unwrap().pop_front() else { break };
                 self.running.lock().unwrap().insert(
                     q.spec.task_id.clone(),
@@ -1876,8 +1944,9 @@ impl Core {
                 let mut c = client.clone();
                 class.in_flight.fetch_add(1, Ordering::SeqCst);
                 in_flight.spawn(async move {
+                    let t = Instant::now();
                     let r = c.push_task(pb::PushTaskRequest { spec: Some(q.spec.clone()) }).await;
-                    (q, r)
+                    (q, r, t.elapsed())
                 });
             }
             if in_flight.is_empty() {
@@ -1897,9 +1966,16 @@ impl Core {
             }
             let Some(done) = in_flight.join_next().await else { break };
             class.in_flight.fetch_sub(1, Ordering::SeqCst);
-            let Ok((q, result)) = done else { continue };
+            let Ok((q, result, took)) = done else { continue };
             match result {
-                Ok(reply) => self.complete(class, q, reply.into_inner()),
+                Ok(reply) if reply.get_ref().not_run => {
+                    handing_back = true;
+                    self.given_back(class, q);
+                }
+                Ok(reply) => {
+                    class.note_push(took);
+                    self.complete(class, q, reply.into_inner());
+                }
                 Err(status) => {
                     broken = true;
                     self.worker_died(
@@ -1926,6 +2002,20 @@ impl Core {
             return true;
         }
         false
+    }
+
+    /// Queues a task the worker handed back unrun (CORE-9) again, first in line, without
+    /// counting an attempt; the class pushes one task at a time for a while.
+    fn given_back(self: &Arc<Self>, class: &Arc<Class>, q: Queued) {
+        if self.finish_if_cancelled(&q.spec) {
+            return;
+        }
+        class
+            .shallow_until_ms
+            .store(now_ms() + SHALLOW_AFTER_GIVE_BACK.as_millis() as u64, Ordering::Relaxed);
+        class.queue.lock().unwrap().push_front(q);
+        class.queued.notify_one();
+        self.ensure_leases(class);
     }
 
     /// Queues a task again for its next attempt (CORE-5).

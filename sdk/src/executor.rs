@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,7 +22,18 @@ use crate::registry::{self, ActorClass};
 struct Job {
     spec: pb::TaskSpec,
     reply: oneshot::Sender<pb::PushTaskReply>,
+    /// [`QUEUED`], [`STARTED`] or [`HANDED_BACK`]: a task (not an actor call) queued
+    /// behind another is handed back unrun when that one blocks or runs long (CORE-9).
+    state: Arc<AtomicU8>,
 }
+
+const QUEUED: u8 = 0;
+const STARTED: u8 = 1;
+const HANDED_BACK: u8 = 2;
+/// A task queued behind another on this worker longer than this goes back to
+/// its owner unrun (CORE-9): owners queue several only while their tasks are
+/// quick, so a wait this long means the one in front is slow.
+const QUEUED_MAX: Duration = Duration::from_millis(50);
 
 struct CallerQueue {
     next: u64,
@@ -63,6 +75,17 @@ fn failure(spec: &pb::TaskSpec, core: &Core, f: TaskFailure) -> pb::PushTaskRepl
 const MAX_EXECUTOR_THREADS: u32 = 256;
 
 /// The foreign runtime that runs `spec`, when its language is not Rust.
+fn stopped() -> pb::PushTaskReply {
+    pb::PushTaskReply {
+        error: Some(pb::TaskError {
+            kind: Kind::WorkerDied as i32,
+            message: "executor stopped".into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
 fn foreign_of(spec: &pb::TaskSpec) -> Option<&'static dyn crate::foreign::ForeignRuntime> {
     let lang = spec.function.as_ref().map(|f| f.language.as_str()).unwrap_or("rust");
     if lang == "rust" || lang.is_empty() { None } else { crate::foreign::runtime_for(lang) }
@@ -156,6 +179,13 @@ impl Executor {
                     loop {
                         let job = { rx.lock().unwrap().recv() };
                         let Ok(job) = job else { return };
+                        if job
+                            .state
+                            .compare_exchange(QUEUED, STARTED, Ordering::SeqCst, Ordering::SeqCst)
+                            .is_err()
+                        {
+                            continue; // handed back unrun (CORE-9)
+                        }
                         let reply = ex.run(&job.spec);
                         let _ = job.reply.send(reply);
                     }
@@ -165,12 +195,32 @@ impl Executor {
         Ok(ex)
     }
 
-    /// Accepts a pushed task; the reply arrives when it has run.
+    /// Accepts a pushed task; the reply arrives when it has run, or (a task queued behind
+    /// another, CORE-9) when it is handed back unrun: `not_run` set.
     pub(crate) async fn push(&self, spec: pb::TaskSpec) -> pb::PushTaskReply {
-        let (tx, rx) = oneshot::channel();
-        let job = Job { spec, reply: tx };
+        let (tx, mut rx) = oneshot::channel();
+        let state = Arc::new(AtomicU8::new(QUEUED));
+        let job = Job { spec, reply: tx, state: Arc::clone(&state) };
         if job.spec.actor_id.is_empty() {
+            let blocked = self.core.blocked_now.notified();
+            tokio::pin!(blocked);
+            blocked.as_mut().enable();
             let _ = self.tx.send(job);
+            // CORE-9: a task waiting behind one that blocks in get/wait (it may be
+            // waiting for this very task) or runs long goes back to its owner.
+            let hand_back = tokio::select! {
+                r = &mut rx => return r.unwrap_or_else(|_| stopped()),
+                () = &mut blocked => true,
+                () = tokio::time::sleep(QUEUED_MAX) => true,
+                () = async {}, if self.core.is_blocked() => true,
+            };
+            if hand_back
+                && state
+                    .compare_exchange(QUEUED, HANDED_BACK, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+            {
+                return pb::PushTaskReply { not_run: true, ..Default::default() };
+            }
         } else {
             let Some(actor) = &self.actor else {
                 return failure(
@@ -190,15 +240,7 @@ impl Executor {
                 let _ = self.tx.send(j);
             }
         }
-        rx.await.unwrap_or_else(|_| pb::PushTaskReply {
-            returns: vec![],
-            error: Some(pb::TaskError {
-                kind: Kind::WorkerDied as i32,
-                message: "executor stopped".into(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
+        rx.await.unwrap_or_else(|_| stopped())
     }
 
     /// Cancels a running task: with `force`, the process exits.

@@ -353,6 +353,35 @@ fn retry_exceptions_retries_application_errors_only_when_asked() {
     assert!(err.contains("kind=Task") && err.contains("flaky failure 1"), "{out}");
 }
 
+/// CORE-9: with quick tasks pipelined onto the only worker of a one-CPU node, a task
+/// that waits for one queued behind it on the same worker does not deadlock (that one
+/// is handed back and runs on the CPU the waiter lends), whether the depth is adaptive
+/// or fixed by `TPURAY_MAX_TASKS_IN_FLIGHT_PER_WORKER`.
+#[test]
+fn a_task_waiting_for_one_queued_behind_it_does_not_deadlock() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "1"]);
+    for depth in [None, Some("8")] {
+        let envs: Vec<(&str, &str)> =
+            depth.map(|d| vec![("TPURAY_MAX_TASKS_IN_FLIGHT_PER_WORKER", d)]).unwrap_or_default();
+        let out =
+            start_driver_with(&c, &driver_bin(), "pipeline-nested-get", &[], &envs).finish(RUN);
+        out.assert_success();
+        assert_eq!(out.line("RESULT "), "RESULT waiter=1007 sum=9900", "depth {depth:?}:\n{out}");
+    }
+}
+
+/// CORE-9: quick tasks are never held behind a slow task of their class while another
+/// CPU is free: they all finish while it still runs.
+#[test]
+fn quick_tasks_do_not_wait_behind_a_slow_one() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let out = start_driver(&c, "pipeline-slow-first", &[]).finish(RUN);
+    out.assert_success();
+    assert_eq!(out.line("RESULT "), "RESULT quick=400 slow_done=false", "{out}");
+}
+
 /// `wait` returns the ready refs once `num_returns` are ready, leaving the rest.
 #[test]
 fn wait_returns_ready_refs_before_the_slow_one() {

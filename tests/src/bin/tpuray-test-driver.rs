@@ -120,6 +120,45 @@ impl Journal {
     }
 }
 
+/// Holds refs posted by one process for another to take (CORE-9's test: a task
+/// learns the ref of a task submitted after it).
+#[derive(Default)]
+pub struct Mailbox {
+    refs: Vec<tpuray::ObjectRef<u64>>,
+}
+
+#[tpuray::actor]
+impl Mailbox {
+    pub fn new() -> Self {
+        Mailbox::default()
+    }
+    pub fn post(&mut self, refs: Vec<tpuray::ObjectRef<u64>>) -> usize {
+        self.refs.extend(refs);
+        self.refs.len()
+    }
+    pub fn take(&mut self) -> Vec<tpuray::ObjectRef<u64>> {
+        std::mem::take(&mut self.refs)
+    }
+}
+
+/// `value`, or (with a mailbox name) the value of the ref posted there plus `value`:
+/// waits in `get` for a task that may be queued behind this one on its worker.
+#[tpuray::remote]
+fn value_or_posted(value: u64, mailbox: String) -> Result<u64, String> {
+    if mailbox.is_empty() {
+        return Ok(value);
+    }
+    let e = |e: tpuray::Error| e.to_string();
+    let m = MailboxHandle(tpuray::get_actor(&mailbox, None).map_err(e)?);
+    loop {
+        let refs = tpuray::get(&m.take()).map_err(e)?;
+        if let Some(r) = refs.first() {
+            return Ok(value + tpuray::get(r).map_err(e)?);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// (node id, TPU_WORKER_ID, TPU_NAME) of the host running it.
 #[tpuray::remote]
 fn tpu_host() -> (String, String, String) {
@@ -573,6 +612,45 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             let sum: i64 = tpuray::get_all(&refs)?.iter().sum();
             let node = tpuray::get(&where_am_i::remote())?;
             say(&format!("RESULT {sum} node={node} ms={}", t.elapsed().as_millis()));
+        }
+        // CORE-9: quick tasks pipelined onto one worker while the node is full; one of
+        // them waits for a task submitted after it (learned through an actor), which
+        // is queued behind it on the same worker: the executor hands that one back
+        // when the first blocks, so both finish.
+        "pipeline-nested-get" => {
+            let m = Mailbox::options(ActorOptions {
+                name: Some("mailbox".into()),
+                num_cpus: Some(0.0),
+                ..Default::default()
+            })
+            .remote()?;
+            let t = Instant::now();
+            let warm: Vec<_> =
+                (0..100).map(|i| value_or_posted::remote(i, String::new())).collect();
+            tpuray::get_all(&warm)?;
+            say(&format!("WARM ms={}", t.elapsed().as_millis()));
+            let mut refs: Vec<_> =
+                (0..100).map(|i| value_or_posted::remote(i, String::new())).collect();
+            let waiter = value_or_posted::remote(1000, "mailbox".to_string());
+            let awaited = value_or_posted::remote(7, String::new());
+            refs.extend((0..100).map(|i| value_or_posted::remote(i, String::new())));
+            tpuray::get(&m.post(vec![awaited.clone()]))?;
+            let got = tpuray::get(&waiter)?;
+            say(&format!("WAITER ms={}", t.elapsed().as_millis()));
+            let sum: u64 = tpuray::get_all(&refs)?.iter().sum();
+            say(&format!("RESULT waiter={got} sum={sum}"));
+        }
+        // CORE-9: quick tasks never wait behind a slow one of their class while a CPU is
+        // free: they are all done before the slow one ends.
+        "pipeline-slow-first" => {
+            let warm: Vec<_> = (0..300).map(|_| sleep_ms::remote(0)).collect();
+            tpuray::get_all(&warm)?;
+            let slow = sleep_ms::remote(8_000);
+            let quick: Vec<_> = (0..400).map(|_| sleep_ms::remote(0)).collect();
+            tpuray::get_all(&quick)?;
+            let (ready, _) = tpuray::wait(std::slice::from_ref(&slow), 1, Some(Duration::ZERO))?;
+            say(&format!("RESULT quick={} slow_done={}", quick.len(), !ready.is_empty()));
+            tpuray::get(&slow)?;
         }
         "named" => {
             let name = arg(args, 0, "actor name")?;
