@@ -63,6 +63,9 @@ const DEEP_PIPELINE: usize = 16;
 /// A class whose pushes (round trip included) take at most this long on
 /// average counts as quick (CORE-9), in microseconds.
 const QUICK_TASK_US: u64 = 2_000;
+/// Tasks sent to one worker in one `PushTasks` call at most (CORE-9): half the deep
+/// pipeline, so the worker runs one batch while the next is on its way.
+const PUSH_BATCH_MAX: usize = DEEP_PIPELINE / 2;
 /// How long a class pushes one task at a time after a task of it came back
 /// unrun (CORE-9).
 const SHALLOW_AFTER_GIVE_BACK: Duration = Duration::from_secs(1);
@@ -345,6 +348,69 @@ macro_rules! cached_client {
             Ok(x)
         }
     };
+}
+
+/// A pushed task's answer: the task, its reply or the call's failure, and the time it
+/// took (for a batch: since the batch went out, divided by the answers so far).
+type Pushed = (Queued, Result<pb::PushTaskReply, tonic::Status>, Duration);
+
+/// Pushes one task (`PushTask`) or a batch (`PushTasks`) to a leased worker and sends
+/// each task's answer to `done` as it comes (CORE-9); tasks a broken stream left
+/// unanswered get the failure.
+async fn push_batch(
+    mut c: pb::worker_service_client::WorkerServiceClient<tpuray_proto::client::AuthChannel>,
+    batch: Vec<Queued>,
+    done: tokio::sync::mpsc::UnboundedSender<Pushed>,
+) {
+    let t = Instant::now();
+    if let [q] = batch.as_slice() {
+        let r = c.push_task(pb::PushTaskRequest { spec: Some(q.spec.clone()) }).await;
+        let q = batch.into_iter().next().expect("one task");
+        let _ = done.send((q, r.map(tonic::Response::into_inner), t.elapsed()));
+        return;
+    }
+    let specs = batch.iter().map(|q| q.spec.clone()).collect();
+    let mut slots: Vec<Option<Queued>> = batch.into_iter().map(Some).collect();
+    let mut answered = 0u32;
+    let failure = match c.push_tasks(pb::PushTasksRequest { specs }).await {
+        Ok(r) => {
+            let mut items = r.into_inner();
+            loop {
+                match items.message().await {
+                    Ok(Some(item)) => {
+                        let q = slots.get_mut(item.index as usize).and_then(Option::take);
+                        if let Some(q) = q {
+                            answered += 1;
+                            let reply = item.reply.unwrap_or_default();
+                            let _ = done.send((q, Ok(reply), t.elapsed() / answered));
+                        }
+                    }
+                    Ok(None) => {
+                        break tonic::Status::internal(
+                            "the worker's answers ended before every pushed task was answered",
+                        );
+                    }
+                    Err(s) => break s,
+                }
+            }
+        }
+        Err(s) => s,
+    };
+    for q in slots.into_iter().flatten() {
+        let _ = done.send((q, Err(failure.clone()), t.elapsed()));
+    }
+}
+
+/// A by-value task argument and the refs nested inside it.
+fn value_arg(v: Vec<u8>, nested: &[RawRef]) -> pb::TaskArg {
+    let nested = nested
+        .iter()
+        .map(|r| pb::ObjectRefMsg {
+            object_id: r.id().to_string(),
+            owner_address: r.owner().to_string(),
+        })
+        .collect();
+    pb::TaskArg { kind: Some(pb::task_arg::Kind::Value(v)), nested }
 }
 
 fn now_ms() -> u64 {
@@ -1523,6 +1589,24 @@ impl Core {
 
     /// Resolves arguments: owned inline values are copied in; everything
     /// else travels as a reference the executor resolves.
+    /// The arguments as [`Core::resolve_args`] makes them, when that needs no waiting: every
+    /// one is a value (refs only nested inside) and no placement group is being created.
+    /// Hands `args` back otherwise.
+    fn resolve_args_now(args: Vec<Arg>) -> Result<(Vec<pb::TaskArg>, Vec<RawRef>), Vec<Arg>> {
+        if crate::placement_group::creating() || args.iter().any(|a| matches!(a, Arg::Ref(_))) {
+            return Err(args);
+        }
+        let mut out = Vec::with_capacity(args.len());
+        let mut pins = Vec::new();
+        for a in args {
+            if let Arg::Value(v, nested) = a {
+                out.push(value_arg(v, &nested));
+                pins.extend(nested);
+            }
+        }
+        Ok((out, pins))
+    }
+
     async fn resolve_args(
         &self,
         args: Vec<Arg>,
@@ -1537,17 +1621,7 @@ impl Core {
         for a in args {
             match a {
                 Arg::Value(v, nested) => {
-                    let msgs = nested
-                        .iter()
-                        .map(|r| pb::ObjectRefMsg {
-                            object_id: r.id().to_string(),
-                            owner_address: r.owner().to_string(),
-                        })
-                        .collect();
-                    out.push(pb::TaskArg {
-                        kind: Some(pb::task_arg::Kind::Value(v)),
-                        nested: msgs,
-                    });
+                    out.push(value_arg(v, &nested));
                     pins.extend(nested);
                 }
                 Arg::Ref(r) => {
@@ -1706,23 +1780,29 @@ impl Core {
         let retries = opts.max_retries;
         let retry_exceptions = opts.retry_exceptions;
         let out = spec.clone();
-        self.rt.spawn(async move {
-            let function = spec.name.clone();
-            match core.resolve_args(args, &function).await {
-                Ok((args, pins)) => {
-                    spec.args = args;
-                    class.queue.lock().unwrap().push_back(Queued {
-                        spec,
-                        retries_left: retries,
-                        retry_exceptions,
-                        pins,
-                    });
-                    class.queued.notify_one();
-                    core.ensure_leases(&class);
-                }
-                Err(e) => core.finish_failed(&spec, e),
+        let enqueue = move |core: &Arc<Core>, mut spec: pb::TaskSpec, args, pins| {
+            spec.args = args;
+            class.queue.lock().unwrap().push_back(Queued {
+                spec,
+                retries_left: retries,
+                retry_exceptions,
+                pins,
+            });
+            class.queued.notify_one();
+            core.ensure_leases(&class);
+        };
+        match Self::resolve_args_now(args) {
+            Ok((args, pins)) => enqueue(&core, spec, args, pins),
+            Err(args) => {
+                self.rt.spawn(async move {
+                    let function = spec.name.clone();
+                    match core.resolve_args(args, &function).await {
+                        Ok((args, pins)) => enqueue(&core, spec, args, pins),
+                        Err(e) => core.finish_failed(&spec, e),
+                    }
+                });
             }
-        });
+        }
         Ok(out)
     }
 
@@ -1925,31 +2005,41 @@ impl Core {
         let Ok(client) = self.worker_client(&g.worker_address) else {
             return true;
         };
-        let mut in_flight = tokio::task::JoinSet::new();
+        // Each pushed task's answer (from a push of one task, or of a batch), as it comes.
+        let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<Pushed>();
+        let mut tasks_in_flight = 0usize;
         let mut broken = false;
         // A task came back unrun: its worker is blocked or slow, so nothing more goes to
         // it until what it holds is answered (else the same tasks would bounce back).
         let mut handing_back = false;
         loop {
-            if in_flight.is_empty() {
+            if tasks_in_flight == 0 {
                 handing_back = false;
             }
             let depth = if handing_back { 1 } else { class.depth() };
-            while !broken && in_flight.len() < depth {
-                let Some(q) = class.queue.lock().unwrap().pop_front() else { break };
-                self.running.lock().unwrap().insert(
-                    q.spec.task_id.clone(),
-                    Running { worker_address: g.worker_address.clone(), cancelled: false },
-                );
-                let mut c = client.clone();
-                class.in_flight.fetch_add(1, Ordering::SeqCst);
-                in_flight.spawn(async move {
-                    let t = Instant::now();
-                    let r = c.push_task(pb::PushTaskRequest { spec: Some(q.spec.clone()) }).await;
-                    (q, r, t.elapsed())
-                });
+            while !broken && tasks_in_flight < depth {
+                let batch: Vec<Queued> = {
+                    let mut queue = class.queue.lock().unwrap();
+                    let n = (depth - tasks_in_flight).min(PUSH_BATCH_MAX).min(queue.len());
+                    queue.drain(..n).collect()
+                };
+                if batch.is_empty() {
+                    break;
+                }
+                {
+                    let mut running = self.running.lock().unwrap();
+                    for q in &batch {
+                        running.insert(
+                            q.spec.task_id.clone(),
+                            Running { worker_address: g.worker_address.clone(), cancelled: false },
+                        );
+                    }
+                }
+                tasks_in_flight += batch.len();
+                class.in_flight.fetch_add(batch.len(), Ordering::SeqCst);
+                self.rt.spawn(push_batch(client.clone(), batch, done_tx.clone()));
             }
-            if in_flight.is_empty() {
+            if tasks_in_flight == 0 {
                 if broken {
                     break;
                 }
@@ -1964,30 +2054,27 @@ impl Core {
                 }
                 continue;
             }
-            let Some(done) = in_flight.join_next().await else { break };
+            let Some((q, result, took)) = done_rx.recv().await else { break };
+            tasks_in_flight -= 1;
             class.in_flight.fetch_sub(1, Ordering::SeqCst);
-            let Ok((q, result, took)) = done else { continue };
             match result {
-                Ok(reply) if reply.get_ref().not_run => {
+                Ok(reply) if reply.not_run => {
                     handing_back = true;
                     self.given_back(class, q);
                 }
                 Ok(reply) => {
                     class.note_push(took);
-                    self.complete(class, q, reply.into_inner());
+                    self.complete(class, q, reply);
                 }
                 Err(status) => {
                     broken = true;
-                    self.worker_died(
-                        class,
-                        q,
-                        &format!(
-                            "worker {} at {}: {}",
-                            g.worker_id,
-                            g.worker_address,
-                            status.message()
-                        ),
+                    let detail = format!(
+                        "worker {} at {}: {}",
+                        g.worker_id,
+                        g.worker_address,
+                        status.message()
                     );
+                    self.worker_died(class, q, &detail);
                 }
             }
         }
@@ -2351,10 +2438,17 @@ impl Core {
         // Resolve arguments at once, in parallel with earlier calls; the
         // sender awaits them in submission order.
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let core = Arc::clone(self);
-        self.rt.spawn(async move {
-            let _ = tx.send(core.resolve_args(args, &display).await);
-        });
+        match Self::resolve_args_now(args) {
+            Ok(resolved) => {
+                let _ = tx.send(Ok(resolved));
+            }
+            Err(args) => {
+                let core = Arc::clone(self);
+                self.rt.spawn(async move {
+                    let _ = tx.send(core.resolve_args(args, &display).await);
+                });
+            }
+        }
         let conn = self.actor_conn(&handle.actor_id);
         let _ = conn.tx.send((spec.clone(), rx, handle.max_task_retries));
         spec

@@ -27,6 +27,38 @@ struct Job {
     state: Arc<AtomicU8>,
 }
 
+/// A task in the executor's queue (see [`Executor::enqueue_task`]).
+pub(crate) struct QueuedTask {
+    core: Arc<Core>,
+    rx: oneshot::Receiver<pb::PushTaskReply>,
+    state: Arc<AtomicU8>,
+}
+
+impl QueuedTask {
+    /// The task's reply once it ran, or `not_run` when it was handed back (CORE-9): a task
+    /// waiting behind one that blocks in get/wait (it may be waiting for this very task)
+    /// or runs long goes back to its owner.
+    pub(crate) async fn reply(mut self) -> pb::PushTaskReply {
+        let blocked = self.core.blocked_now.notified();
+        tokio::pin!(blocked);
+        blocked.as_mut().enable();
+        tokio::select! {
+            r = &mut self.rx => return r.unwrap_or_else(|_| stopped()),
+            () = &mut blocked => {}
+            () = tokio::time::sleep(QUEUED_MAX) => {}
+            () = async {}, if self.core.is_blocked() => {}
+        }
+        if self
+            .state
+            .compare_exchange(QUEUED, HANDED_BACK, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            return pb::PushTaskReply { not_run: true, ..Default::default() };
+        }
+        self.rx.await.unwrap_or_else(|_| stopped())
+    }
+}
+
 const QUEUED: u8 = 0;
 const STARTED: u8 = 1;
 const HANDED_BACK: u8 = 2;
@@ -198,38 +230,20 @@ impl Executor {
     /// Accepts a pushed task; the reply arrives when it has run, or (a task queued behind
     /// another, CORE-9) when it is handed back unrun: `not_run` set.
     pub(crate) async fn push(&self, spec: pb::TaskSpec) -> pb::PushTaskReply {
-        let (tx, mut rx) = oneshot::channel();
-        let state = Arc::new(AtomicU8::new(QUEUED));
-        let job = Job { spec, reply: tx, state: Arc::clone(&state) };
-        if job.spec.actor_id.is_empty() {
-            let blocked = self.core.blocked_now.notified();
-            tokio::pin!(blocked);
-            blocked.as_mut().enable();
-            let _ = self.tx.send(job);
-            // CORE-9: a task waiting behind one that blocks in get/wait (it may be
-            // waiting for this very task) or runs long goes back to its owner.
-            let hand_back = tokio::select! {
-                r = &mut rx => return r.unwrap_or_else(|_| stopped()),
-                () = &mut blocked => true,
-                () = tokio::time::sleep(QUEUED_MAX) => true,
-                () = async {}, if self.core.is_blocked() => true,
-            };
-            if hand_back
-                && state
-                    .compare_exchange(QUEUED, HANDED_BACK, Ordering::SeqCst, Ordering::SeqCst)
-                    .is_ok()
-            {
-                return pb::PushTaskReply { not_run: true, ..Default::default() };
-            }
-        } else {
-            let Some(actor) = &self.actor else {
-                return failure(
-                    &job.spec,
-                    &self.core,
-                    TaskFailure::new(Kind::ActorDied, "this worker hosts no actor"),
-                );
-            };
-            // CORE-4: release each caller's calls in sequence order.
+        if spec.actor_id.is_empty() {
+            return self.enqueue_task(spec).reply().await;
+        }
+        let (tx, rx) = oneshot::channel();
+        let job = Job { spec, reply: tx, state: Arc::new(AtomicU8::new(QUEUED)) };
+        let Some(actor) = &self.actor else {
+            return failure(
+                &job.spec,
+                &self.core,
+                TaskFailure::new(Kind::ActorDied, "this worker hosts no actor"),
+            );
+        };
+        // CORE-4: release each caller's calls in sequence order.
+        {
             let mut callers = actor.callers.lock().unwrap();
             let q = callers
                 .entry(job.spec.caller_id.clone())
@@ -241,6 +255,15 @@ impl Executor {
             }
         }
         rx.await.unwrap_or_else(|_| stopped())
+    }
+
+    /// Queues a task (not an actor call) behind those queued before it; its reply comes
+    /// from [`QueuedTask::reply`].
+    pub(crate) fn enqueue_task(&self, spec: pb::TaskSpec) -> QueuedTask {
+        let (tx, rx) = oneshot::channel();
+        let state = Arc::new(AtomicU8::new(QUEUED));
+        let _ = self.tx.send(Job { spec, reply: tx, state: Arc::clone(&state) });
+        QueuedTask { core: Arc::clone(&self.core), rx, state }
     }
 
     /// Cancels a running task: with `force`, the process exits.

@@ -23,6 +23,27 @@ pub(crate) struct Svc {
     pub exit: tokio::sync::mpsc::Sender<()>,
 }
 
+/// A pushed task's spec names as many return ids as it declares returns.
+fn check_spec(spec: &pb::TaskSpec) -> Result<(), Status> {
+    if spec.return_ids.len() != spec.num_returns as usize {
+        return Err(Status::invalid_argument(format!(
+            "task {} declares {} returns but names {} return ids",
+            spec.task_id,
+            spec.num_returns,
+            spec.return_ids.len()
+        )));
+    }
+    Ok(())
+}
+
+impl SvcRef {
+    fn executor(&self) -> Result<&std::sync::Arc<crate::executor::Executor>, Status> {
+        self.0.executor.get().ok_or_else(|| {
+            Status::failed_precondition("this process is a driver and does not execute tasks")
+        })
+    }
+}
+
 #[tonic::async_trait]
 impl WorkerService for SvcRef {
     async fn get_worker_info(
@@ -72,18 +93,44 @@ impl WorkerService for SvcRef {
     ) -> Result<Response<pb::PushTaskReply>, Status> {
         let spec =
             req.into_inner().spec.ok_or_else(|| Status::invalid_argument("missing task spec"))?;
-        if spec.return_ids.len() != spec.num_returns as usize {
-            return Err(Status::invalid_argument(format!(
-                "task {} declares {} returns but names {} return ids",
-                spec.task_id,
-                spec.num_returns,
-                spec.return_ids.len()
-            )));
-        }
-        let ex = self.0.executor.get().ok_or_else(|| {
-            Status::failed_precondition("this process is a driver and does not execute tasks")
-        })?;
+        check_spec(&spec)?;
+        let ex = self.executor()?;
         Ok(Response::new(ex.push(spec).await))
+    }
+
+    type PushTasksStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<pb::PushTasksItem, Status>> + Send>,
+    >;
+
+    async fn push_tasks(
+        &self,
+        req: Request<pb::PushTasksRequest>,
+    ) -> Result<Response<Self::PushTasksStream>, Status> {
+        let specs = req.into_inner().specs;
+        for spec in &specs {
+            check_spec(spec)?;
+            if !spec.actor_id.is_empty() {
+                return Err(Status::invalid_argument(format!(
+                    "task {} is an actor call; actor calls go one per PushTask (CORE-4)",
+                    spec.task_id
+                )));
+            }
+        }
+        let ex = self.executor()?;
+        // Queued in order at once (each runs after the one before it); each reply goes
+        // out when it is ready, so a task handed back (CORE-9) is not held up by the one
+        // it was queued behind.
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        for (i, spec) in specs.into_iter().enumerate() {
+            let queued = ex.enqueue_task(spec);
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let reply = queued.reply().await;
+                let _ = tx.send(Ok(pb::PushTasksItem { index: i as u32, reply: Some(reply) }));
+            });
+        }
+        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+        Ok(Response::new(Box::pin(stream) as Self::PushTasksStream))
     }
 
     async fn get_object(
