@@ -1049,7 +1049,8 @@ fn parse_reply(r: &Bound<'_, PyAny>) -> PyResult<Result<ForeignReturn, TaskFailu
 
 /// A method call waiting for the async actor's event loop.
 struct AsyncCall {
-    info: TaskInfo,
+    function: String,
+    num_returns: u32,
     args: Vec<Vec<u8>>,
     reply: SyncSender<Result<ForeignReturn, TaskFailure>>,
 }
@@ -1072,7 +1073,12 @@ impl AsyncCalls {
         let (tx, rx) = sync_channel(1);
         let wake = {
             let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
-            q.0.push(AsyncCall { info: t.clone(), args, reply: tx });
+            q.0.push(AsyncCall {
+                function: t.function.clone(),
+                num_returns: t.num_returns,
+                args,
+                reply: tx,
+            });
             !std::mem::replace(&mut q.1, true)
         };
         if wake && let Err(e) = (&self.wake).write_all(&[1]) {
@@ -1127,7 +1133,7 @@ fn enable_async_calls(methods: Vec<String>, wake_fd: i32) -> PyResult<()> {
         .map_err(|_| PyRuntimeError::new_err("async calls are already enabled in this worker"))
 }
 
-/// The queued async method calls, each `(reply, info, [arg bytes...])`.
+/// The queued async method calls, each `(reply, method, num_returns, [arg bytes...])`.
 #[pyfunction]
 fn take_async_calls(py: Python<'_>) -> PyResult<Py<PyList>> {
     let out = PyList::empty(py);
@@ -1138,10 +1144,9 @@ fn take_async_calls(py: Python<'_>) -> PyResult<Py<PyList>> {
         std::mem::take(&mut q.0)
     };
     for c in calls {
-        let info = info_dict(py, &c.info)?;
         let args = PyList::new(py, c.args.iter().map(|b| PyBytes::new(py, b)))?;
         let reply = Py::new(py, AsyncReply { tx: Mutex::new(Some(c.reply)) })?;
-        out.append((reply, info, args))?;
+        out.append((reply, &c.function, c.num_returns, args))?;
     }
     Ok(out.unbind())
 }

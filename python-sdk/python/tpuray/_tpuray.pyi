@@ -156,4 +156,5 @@ class AsyncReply:
 
 def enable_async_calls(methods: list[str], wake_fd: int) -> None:
     """Hands calls of ``methods`` to the event loop woken through ``wake_fd`` (taken over)."""
-def take_async_calls() -> list[tuple[AsyncReply, dict[str, Any], list[bytes]]]: ...
+def take_async_calls() -> list[tuple[AsyncReply, str, int, list[bytes]]]:
+    """The queued calls: ``(reply, method, num_returns, args)``."""

@@ -401,6 +401,10 @@ def current_placement_group_id():
     return getattr(_task_context, "placement_group_id", None)
 
 
+#: ``_failure``'s default: the retry filter of the arguments this thread decoded last.
+_FROM_CONTEXT = object()
+
+
 class WorkerRuntime:
     """What a Python worker process hands the core: runs tasks, the actor's constructor
     and its methods. Answers ``("ok", [bytes...], [refs...])`` or ``("err", message,
@@ -428,8 +432,8 @@ class WorkerRuntime:
         """Has the core hand calls of ``methods`` (the actor's ``async def`` methods) to the
         event loop directly: an executor thread queues the call in the extension and waits
         there without the GIL; the loop, woken through a pipe, takes every queued call at
-        once, runs each as a task and answers from its done callback. No thread hop and no
-        GIL hand-over per call besides the loop's own."""
+        once and runs each as a task that answers when it ends: no Python thread blocked per
+        call, no GIL taken by the executor thread."""
         import asyncio
 
         loop = self._event_loop()
@@ -453,31 +457,31 @@ class WorkerRuntime:
             os.read(self._wake_read, 4096)
         except BlockingIOError:
             pass
-        for reply, info, raw_args in _tpuray.take_async_calls():
-            self._start_async_call(reply, info, raw_args)
+        for reply, name, num_returns, raw_args in _tpuray.take_async_calls():
+            self._start_async_call(reply, name, num_returns, raw_args)
 
-    def _start_async_call(self, reply, info, raw_args) -> None:
+    def _start_async_call(self, reply, name, num_returns, raw_args) -> None:
         # Runs on the loop thread: the coroutine starts as a task (so calls overlap) that
         # answers itself when it ends.
         retry_filter = None
         try:
-            method = getattr(self.actor, info["function"])
+            method = getattr(self.actor, name)
             args, kwargs, retry_filter = _decode(raw_args)
             result = method(*args, **kwargs)
             if not inspect.iscoroutine(result):
-                reply.send(self._returns(info, result))
+                reply.send(self._returns(num_returns, result))
                 return
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
-            reply.send(self._failure(info, e, retry_filter))
+            reply.send(self._failure(None, e, retry_filter))
             return
         # The loop holds tasks weakly: the set keeps a waiting one alive.
-        self._async_tasks.add(self.loop.create_task(self._answer(result, reply, info, retry_filter)))
+        self._async_tasks.add(self.loop.create_task(self._answer(result, reply, num_returns, retry_filter)))
 
-    async def _answer(self, coro, reply, info, retry_filter):
+    async def _answer(self, coro, reply, num_returns, retry_filter):
         try:
-            answer = self._returns(info, await coro)
+            answer = self._returns(num_returns, await coro)
         except BaseException as e:  # noqa: BLE001 - cancellation and failures alike
-            answer = self._failure(info, e, retry_filter)
+            answer = self._failure(None, e, retry_filter)
         finally:
             self._async_tasks.discard(self._current_task())
         reply.send(answer)
@@ -493,7 +497,7 @@ class WorkerRuntime:
                 import asyncio
 
                 result = asyncio.run_coroutine_threadsafe(result, self._event_loop()).result()
-            return self._returns(info, result)
+            return self._returns(info["num_returns"], result)
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
             return self._failure(info, e)
         finally:
@@ -501,14 +505,14 @@ class WorkerRuntime:
             _flush_output()
 
     @staticmethod
-    def _returns(info, result):
-        """The answer for a call that returned ``result``: ``("ok", [bytes...], [refs...])``.
+    def _returns(n, result):
+        """The answer for a call with ``n`` return values that returned ``result``:
+        ``("ok", [bytes...], [refs...])``.
 
         Raises:
             ValueError: ``result`` does not match ``num_returns``.
             TypeError: a value cannot be pickled.
         """
-        n = info["num_returns"]
         if n == 1:
             data, refs = serialize(result)
             return ("ok", [data], refs)
@@ -525,14 +529,14 @@ class WorkerRuntime:
         return ("ok", out, nested)
 
     @staticmethod
-    def _failure(info, e, retry_filter=None):
+    def _failure(info, e, retry_filter=_FROM_CONTEXT):
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         try:
             payload = serialize(e)[0]
         except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
             payload = b""
         # retry_exceptions=[...]: other exceptions are final.
-        if retry_filter is None:
+        if retry_filter is _FROM_CONTEXT:
             retry_filter = getattr(_task_context, "retry_filter", None)
         no_retry = bool(retry_filter) and not isinstance(e, tuple(retry_filter))
         return ("err", tb, payload, no_retry)
