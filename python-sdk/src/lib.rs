@@ -1002,6 +1002,24 @@ fn info_dict<'py>(py: Python<'py>, t: &TaskInfo) -> PyResult<Bound<'py, PyDict>>
     Ok(d)
 }
 
+/// Keeps this thread's Python thread state between calls. `attach` on a thread that Python
+/// did not start (an executor thread) makes a thread state and deletes it again when it
+/// detaches, every call; one `PyGILState_Ensure` never released keeps it (and its
+/// `threading.local` values), and each later `attach` only takes the GIL. Executor threads
+/// live as long as the process.
+fn keep_thread_state(_py: Python<'_>) {
+    thread_local! {
+        static KEPT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    KEPT.with(|kept| {
+        if !kept.get() {
+            // SAFETY: the GIL is held (`_py`); this only raises the thread state's count.
+            unsafe { pyo3::ffi::PyGILState_Ensure() };
+            kept.set(true);
+        }
+    });
+}
+
 impl PyRuntime {
     /// Calls `method(info, args)` on the runtime object, which answers `("ok", [bytes...],
     /// [RefCore...])` or `("err", message, payload)`.
@@ -1012,6 +1030,7 @@ impl PyRuntime {
         args: Vec<Vec<u8>>,
     ) -> Result<ForeignReturn, TaskFailure> {
         Python::attach(|py| {
+            keep_thread_state(py);
             let run = || -> PyResult<Result<ForeignReturn, TaskFailure>> {
                 let info = info_dict(py, t)?;
                 let args = PyList::new(py, args.iter().map(|a| PyBytes::new(py, a)))?;
@@ -1161,6 +1180,7 @@ impl Iterator for PyStream {
     type Item = Result<Vec<u8>, TaskFailure>;
     fn next(&mut self) -> Option<Self::Item> {
         Python::attach(|py| {
+            keep_thread_state(py);
             let step = || -> PyResult<Option<Result<Vec<u8>, TaskFailure>>> {
                 let r = self.obj.bind(py).call_method0("next_item")?;
                 let tag: String = r.get_item(0)?.extract()?;
@@ -1187,6 +1207,7 @@ impl ForeignRuntime for PyRuntime {
         args: Vec<Vec<u8>>,
     ) -> Result<ForeignStream, TaskFailure> {
         Python::attach(|py| {
+            keep_thread_state(py);
             let run = || -> PyResult<Result<ForeignStream, TaskFailure>> {
                 let info = info_dict(py, task)?;
                 let args = PyList::new(py, args.iter().map(|a| PyBytes::new(py, a)))?;

@@ -439,3 +439,23 @@ def test_async_actor_awaits_object_refs():
     a = AsyncWorkshop.remote()
     refs = [double.remote(i) for i in range(5)] + [ray.put(100)]
     assert ray.get(a.fetch.remote(refs), timeout=60) == sum(2 * i for i in range(5)) + 100
+
+
+@ray.remote
+class ThreadLocalKeeper:
+    def __init__(self):
+        self.local = threading.local()
+
+    def put(self, v):
+        self.local.v = v
+
+    def value(self):
+        return getattr(self.local, "v", None)
+
+
+def test_threading_local_lives_between_calls_on_an_executor_thread():
+    # As on Ray (whose calls run on the worker's main thread): the executor thread keeps its
+    # Python thread state from call to call.
+    a = ThreadLocalKeeper.remote()
+    ray.get(a.put.remote(7), timeout=60)
+    assert ray.get(a.value.remote(), timeout=60) == 7

@@ -501,7 +501,9 @@ class WorkerRuntime:
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
             return self._failure(info, e)
         finally:
+            # The thread (and its thread state) serves the next task too.
             _task_context.task_id = None
+            _task_context.retry_filter = None
             _flush_output()
 
     @staticmethod
@@ -579,7 +581,9 @@ class WorkerRuntime:
         except BaseException as e:  # noqa: BLE001
             return self._failure(info, e)
         finally:
+            # The thread (and its thread state) serves the next task too.
             _task_context.task_id = None
+            _task_context.retry_filter = None
             _flush_output()
 
     def start_stream(self, info, raw_args):
