@@ -475,7 +475,8 @@ class WorkerRuntime:
             reply.send(self._failure(None, e, retry_filter))
             return
         # The loop holds tasks weakly: the set keeps a waiting one alive.
-        self._async_tasks.add(self.loop.create_task(self._answer(result, reply, num_returns, retry_filter)))
+        task = self.loop.create_task(self._answer(result, reply, num_returns, retry_filter))
+        self._async_tasks.add(task)
 
     async def _answer(self, coro, reply, num_returns, retry_filter):
         try:
