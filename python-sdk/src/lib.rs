@@ -9,7 +9,10 @@
 //! [`tpuray::foreign::ForeignRuntime`] that calls back into the Python runtime object for
 //! every task, actor constructor and method call.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::Write;
+use std::sync::mpsc::{SyncSender, sync_channel};
+use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -999,6 +1002,24 @@ fn info_dict<'py>(py: Python<'py>, t: &TaskInfo) -> PyResult<Bound<'py, PyDict>>
     Ok(d)
 }
 
+/// Keeps this thread's Python thread state between calls. `attach` on a thread that Python
+/// did not start (an executor thread) makes a thread state and deletes it again when it
+/// detaches, every call; one `PyGILState_Ensure` never released keeps it (and its
+/// `threading.local` values), and each later `attach` only takes the GIL. Executor threads
+/// live as long as the process.
+fn keep_thread_state(_py: Python<'_>) {
+    thread_local! {
+        static KEPT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    KEPT.with(|kept| {
+        if !kept.get() {
+            // SAFETY: the GIL is held (`_py`); this only raises the thread state's count.
+            unsafe { pyo3::ffi::PyGILState_Ensure() };
+            kept.set(true);
+        }
+    });
+}
+
 impl PyRuntime {
     /// Calls `method(info, args)` on the runtime object, which answers `("ok", [bytes...],
     /// [RefCore...])` or `("err", message, payload)`.
@@ -1009,32 +1030,144 @@ impl PyRuntime {
         args: Vec<Vec<u8>>,
     ) -> Result<ForeignReturn, TaskFailure> {
         Python::attach(|py| {
+            keep_thread_state(py);
             let run = || -> PyResult<Result<ForeignReturn, TaskFailure>> {
                 let info = info_dict(py, t)?;
                 let args = PyList::new(py, args.iter().map(|a| PyBytes::new(py, a)))?;
-                let r = self.obj.bind(py).call_method1(method, (info, args))?;
-                let tag: String = r.get_item(0)?.extract()?;
-                if tag == "ok" {
-                    let values: Vec<Vec<u8>> = r.get_item(1)?.extract()?;
-                    let nested: Vec<Bound<'_, PyRef>> = r.get_item(2)?.extract()?;
-                    Ok(Ok(ForeignReturn {
-                        values,
-                        nested: nested.iter().map(|n| n.get().inner.clone()).collect(),
-                    }))
-                } else {
-                    let message: String = r.get_item(1)?.extract()?;
-                    let payload: Vec<u8> = r.get_item(2)?.extract()?;
-                    let mut f = TaskFailure::with_payload(message, payload);
-                    // ("err", message, payload, no_retry): outside retry_exceptions' list.
-                    f.no_retry = r.len()? > 3 && r.get_item(3)?.extract::<bool>()?;
-                    Ok(Err(f))
-                }
+                parse_reply(&self.obj.bind(py).call_method1(method, (info, args))?)
             };
             run().unwrap_or_else(|e| {
                 Err(TaskFailure::application(format!("tpuray's Python runtime failed: {e}")))
             })
         })
     }
+}
+
+/// A call's answer from the runtime: `("ok", [bytes...], [RefCore...])` or `("err",
+/// message, payload[, no_retry])`.
+fn parse_reply(r: &Bound<'_, PyAny>) -> PyResult<Result<ForeignReturn, TaskFailure>> {
+    let tag: String = r.get_item(0)?.extract()?;
+    if tag == "ok" {
+        let values: Vec<Vec<u8>> = r.get_item(1)?.extract()?;
+        let nested: Vec<Bound<'_, PyRef>> = r.get_item(2)?.extract()?;
+        Ok(Ok(ForeignReturn {
+            values,
+            nested: nested.iter().map(|n| n.get().inner.clone()).collect(),
+        }))
+    } else {
+        let message: String = r.get_item(1)?.extract()?;
+        let payload: Vec<u8> = r.get_item(2)?.extract()?;
+        let mut f = TaskFailure::with_payload(message, payload);
+        // ("err", message, payload, no_retry): outside retry_exceptions' list.
+        f.no_retry = r.len()? > 3 && r.get_item(3)?.extract::<bool>()?;
+        Ok(Err(f))
+    }
+}
+
+// ---- async actors: calls handed to the actor's event loop without the GIL ----
+
+/// A method call waiting for the async actor's event loop.
+struct AsyncCall {
+    function: String,
+    num_returns: u32,
+    args: Vec<Vec<u8>>,
+    reply: SyncSender<Result<ForeignReturn, TaskFailure>>,
+}
+
+/// The async methods of this worker's actor and the queue of their calls. An executor
+/// thread queues a call and wakes the loop through a pipe (one byte while the loop has not
+/// taken the queue since), then waits for the reply without the GIL; the loop takes every
+/// queued call at once, runs each as a task and sends its reply back from there.
+struct AsyncCalls {
+    methods: HashSet<String>,
+    wake: std::fs::File,
+    /// The queued calls, and whether the loop has been woken since it last took them.
+    queue: Mutex<(Vec<AsyncCall>, bool)>,
+}
+
+static ASYNC_CALLS: OnceLock<AsyncCalls> = OnceLock::new();
+
+impl AsyncCalls {
+    fn call(&self, t: &TaskInfo, args: Vec<Vec<u8>>) -> Result<ForeignReturn, TaskFailure> {
+        let (tx, rx) = sync_channel(1);
+        let wake = {
+            let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+            q.0.push(AsyncCall {
+                function: t.function.clone(),
+                num_returns: t.num_returns,
+                args,
+                reply: tx,
+            });
+            !std::mem::replace(&mut q.1, true)
+        };
+        if wake && let Err(e) = (&self.wake).write_all(&[1]) {
+            return Err(TaskFailure::application(format!(
+                "could not wake the async actor's event loop: {e}"
+            )));
+        }
+        rx.recv().unwrap_or_else(|_| {
+            Err(TaskFailure::application(
+                "tpuray's Python runtime dropped the async actor call".to_string(),
+            ))
+        })
+    }
+}
+
+/// Where an async method call's result goes: `send(reply)` with the runtime's
+/// `("ok", [bytes...], [RefCore...])` or `("err", message, payload[, no_retry])`.
+#[pyclass(module = "tpuray._tpuray", frozen)]
+struct AsyncReply {
+    tx: Mutex<Option<SyncSender<Result<ForeignReturn, TaskFailure>>>>,
+}
+
+#[pymethods]
+impl AsyncReply {
+    fn send(&self, reply: &Bound<'_, PyAny>) {
+        let r = parse_reply(reply).unwrap_or_else(|e| {
+            Err(TaskFailure::application(format!("tpuray's Python runtime failed: {e}")))
+        });
+        if let Some(tx) = self.tx.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            let _ = tx.send(r);
+        }
+    }
+}
+
+/// Sends this worker's calls of `methods` (the actor's `async def` methods) to its event
+/// loop: the loop is woken by a byte written to file descriptor `wake_fd` (which this
+/// takes over) and collects the calls with [`take_async_calls`].
+#[pyfunction]
+fn enable_async_calls(methods: Vec<String>, wake_fd: i32) -> PyResult<()> {
+    use std::os::fd::FromRawFd;
+    if wake_fd < 0 {
+        return Err(PyValueError::new_err("wake_fd must be a file descriptor"));
+    }
+    // SAFETY: the caller hands over an open descriptor that nothing else closes.
+    let wake = unsafe { std::fs::File::from_raw_fd(wake_fd) };
+    ASYNC_CALLS
+        .set(AsyncCalls {
+            methods: methods.into_iter().collect(),
+            wake,
+            queue: Mutex::new((Vec::new(), false)),
+        })
+        .map_err(|_| PyRuntimeError::new_err("async calls are already enabled in this worker"))
+}
+
+/// The queued async method calls, each `(reply, method, num_returns, [arg bytes...])`.
+#[pyfunction]
+fn take_async_calls(py: Python<'_>) -> PyResult<Py<PyList>> {
+    let out = PyList::empty(py);
+    let Some(a) = ASYNC_CALLS.get() else { return Ok(out.unbind()) };
+    let calls = {
+        let mut q = a.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        q.1 = false;
+        std::mem::take(&mut q.0)
+    };
+    for c in calls {
+        let args = PyList::new(py, c.args.iter().map(|b| PyBytes::new(py, b)))?;
+        let reply = Py::new(py, AsyncReply { tx: Mutex::new(Some(c.reply)) })?;
+        out.append((reply, &c.function, c.num_returns, args))?;
+    }
+    Ok(out.unbind())
 }
 
 /// The items of a Python generator: `next_item()` on the runtime's stream object answers
@@ -1047,6 +1180,7 @@ impl Iterator for PyStream {
     type Item = Result<Vec<u8>, TaskFailure>;
     fn next(&mut self) -> Option<Self::Item> {
         Python::attach(|py| {
+            keep_thread_state(py);
             let step = || -> PyResult<Option<Result<Vec<u8>, TaskFailure>>> {
                 let r = self.obj.bind(py).call_method0("next_item")?;
                 let tag: String = r.get_item(0)?.extract()?;
@@ -1073,6 +1207,7 @@ impl ForeignRuntime for PyRuntime {
         args: Vec<Vec<u8>>,
     ) -> Result<ForeignStream, TaskFailure> {
         Python::attach(|py| {
+            keep_thread_state(py);
             let run = || -> PyResult<Result<ForeignStream, TaskFailure>> {
                 let info = info_dict(py, task)?;
                 let args = PyList::new(py, args.iter().map(|a| PyBytes::new(py, a)))?;
@@ -1105,6 +1240,11 @@ impl ForeignRuntime for PyRuntime {
         task: &TaskInfo,
         args: Vec<Vec<u8>>,
     ) -> Result<ForeignReturn, TaskFailure> {
+        if let Some(a) = ASYNC_CALLS.get()
+            && a.methods.contains(&task.function)
+        {
+            return a.call(task, args);
+        }
         self.call("call_method", task, args)
     }
 }
@@ -1131,6 +1271,7 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_class::<PyRef>()?;
     m.add_class::<ObjectBuffer>()?;
+    m.add_class::<AsyncReply>()?;
     for f in [
         wrap_pyfunction!(init_driver, m)?,
         wrap_pyfunction!(process_info, m)?,
@@ -1167,6 +1308,8 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(next_item, m)?,
         wrap_pyfunction!(drop_stream, m)?,
         wrap_pyfunction!(prestart_workers, m)?,
+        wrap_pyfunction!(enable_async_calls, m)?,
+        wrap_pyfunction!(take_async_calls, m)?,
         wrap_pyfunction!(gang_start, m)?,
         wrap_pyfunction!(gang_reserve, m)?,
         wrap_pyfunction!(gang_release, m)?,

@@ -353,3 +353,109 @@ def test_task_inside_a_group_sees_it_and_helpers_ray_code_uses():
     with pytest.raises(ValueError, match="ray://"):
         ray.init("ray://127.0.0.1:10001")
     assert ray.get_gpu_ids() == []
+
+
+@ray.remote
+class AsyncWorkshop:
+    """An async actor whose ``async def`` calls reach its event loop directly."""
+
+    def __init__(self):
+        self.seen = []
+        self.running = 0
+        self.most = 0
+
+    async def record(self, i):
+        self.seen.append(i)
+        return i
+
+    def recorded(self):
+        # A plain method of an async actor still runs (on an executor thread).
+        return list(self.seen)
+
+    async def pair(self, x):
+        return x, x * 2
+
+    async def fail(self, msg):
+        await asyncio.sleep(0)
+        raise ValueError(msg)
+
+    async def nap(self, seconds):
+        self.running += 1
+        self.most = max(self.most, self.running)
+        await asyncio.sleep(seconds)
+        self.running -= 1
+        return self.most
+
+    async def fetch(self, refs):
+        return sum([await r for r in refs])
+
+    async def echo(self, *args, key=None, **kwargs):
+        return args, key, kwargs
+
+    async def big(self, n):
+        import numpy as np
+
+        return np.arange(n, dtype=np.int64)
+
+
+def test_async_actor_calls_answer():
+    a = AsyncWorkshop.remote()
+    refs = [a.record.remote(i) for i in range(200)]
+    assert ray.get(refs, timeout=60) == list(range(200))
+    # Each call ran once. (Calls from one caller reach the loop in the order the executor's
+    # threads take them up, which is not strictly the submission order when several run.)
+    assert sorted(ray.get(a.recorded.remote(), timeout=60)) == list(range(200))
+    one = AsyncWorkshop.options(max_concurrency=1).remote()
+    ray.get([one.record.remote(i) for i in range(200)], timeout=60)
+    assert ray.get(one.recorded.remote(), timeout=60) == list(range(200))
+    x, y = a.pair.options(num_returns=2).remote(7)
+    assert ray.get([x, y], timeout=60) == [7, 14]
+    assert ray.get(a.echo.remote(1, 2, key="k", z=3), timeout=60) == ((1, 2), "k", {"z": 3})
+    assert ray.get(a.big.remote(100_000), timeout=60).sum() == sum(range(100_000))
+
+
+def test_async_actor_exceptions_propagate():
+    a = AsyncWorkshop.remote()
+    with pytest.raises(ValueError, match="boom"):
+        ray.get(a.fail.remote("boom"), timeout=60)
+    with pytest.raises(ray.exceptions.RayTaskError):
+        ray.get(a.fail.remote("again"), timeout=60)
+    # The actor lives on after its methods raised.
+    assert ray.get(a.record.remote(1), timeout=60) == 1
+
+
+def test_async_actor_sleeps_overlap_up_to_max_concurrency():
+    a = AsyncWorkshop.remote()
+    ray.get(a.record.remote(0), timeout=60)
+    start = time.monotonic()
+    most = max(ray.get([a.nap.remote(1.0) for _ in range(20)], timeout=60))
+    assert time.monotonic() - start < 6
+    assert most == 20
+    b = AsyncWorkshop.options(max_concurrency=3).remote()
+    assert max(ray.get([b.nap.remote(0.3) for _ in range(9)], timeout=60)) == 3
+
+
+def test_async_actor_awaits_object_refs():
+    a = AsyncWorkshop.remote()
+    refs = [double.remote(i) for i in range(5)] + [ray.put(100)]
+    assert ray.get(a.fetch.remote(refs), timeout=60) == sum(2 * i for i in range(5)) + 100
+
+
+@ray.remote
+class ThreadLocalKeeper:
+    def __init__(self):
+        self.local = threading.local()
+
+    def put(self, v):
+        self.local.v = v
+
+    def value(self):
+        return getattr(self.local, "v", None)
+
+
+def test_threading_local_lives_between_calls_on_an_executor_thread():
+    # As on Ray (whose calls run on the worker's main thread): the executor thread keeps its
+    # Python thread state from call to call.
+    a = ThreadLocalKeeper.remote()
+    ray.get(a.put.remote(7), timeout=60)
+    assert ray.get(a.value.remote(), timeout=60) == 7

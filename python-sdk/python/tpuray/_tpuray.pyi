@@ -148,3 +148,13 @@ def call_actor_streaming(actor_id: str, display: str, method: str, args: list[Ar
 def next_item(task_id: str, name: str, index: int) -> Optional[tuple[int, Any]]:
     """``None`` after the last item, ``(0, RefCore)``, or ``(1, error tuple)``."""
 def drop_stream(task_id: str, consumed: int) -> None: ...
+
+class AsyncReply:
+    """Where an async actor method's answer goes (from :func:`take_async_calls`)."""
+    def send(self, reply: tuple) -> None:
+        """``("ok", [bytes...], [RefCore...])`` or ``("err", message, payload[, no_retry])``."""
+
+def enable_async_calls(methods: list[str], wake_fd: int) -> None:
+    """Hands calls of ``methods`` to the event loop woken through ``wake_fd`` (taken over)."""
+def take_async_calls() -> list[tuple[AsyncReply, str, int, list[bytes]]]:
+    """The queued calls: ``(reply, method, num_returns, args)``."""

@@ -136,6 +136,10 @@ def _rebuild_ref(object_id: str, owner: str) -> ObjectRef:
     return ObjectRef(_tpuray.deserialize_ref(object_id, owner))
 
 
+#: In every pickle with a ref inside: the name of the function that rebuilds it.
+_REF_MARK = _rebuild_ref.__name__.encode()
+
+
 #: Values the C pickler handles the same way cloudpickle does (no code, no refs inside).
 _PLAIN = (int, float, str, bytes, bool, type(None))
 _NO_REFS: list = []
@@ -223,6 +227,9 @@ def deserialize(data):
     mapped store object): out-of-band buffers come back as read-only views of ``data``,
     which they keep alive. Refs inside become borrowed refs, registered with their owners
     in one call per owner before this returns (CORE-2)."""
+    if type(data) is bytes and not data.startswith(_MAGIC) and _REF_MARK not in data:
+        # No ref inside (each pickled ref names _rebuild_ref): no borrow batch to open.
+        return pickle.loads(data)
     _tpuray.begin_borrow_batch()
     try:
         if data[: len(_MAGIC)] != _MAGIC:

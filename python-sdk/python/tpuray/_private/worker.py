@@ -271,11 +271,29 @@ def encode_args(args, kwargs, retry_filter=None) -> list:
     return out
 
 
-def decode_args(raw: list[bytes]):
-    n, kw_names, retry_filter = deserialize(raw[0])
-    _task_context.retry_filter = retry_filter
+#: The first entry of an argument list (its shape), unpickled, by its bytes.
+_decoded_meta: dict = {}
+
+
+def _decode(raw: list[bytes]):
+    """``(args, kwargs, retry_filter)`` of an argument list :func:`encode_args` made."""
+    head = raw[0]
+    meta = _decoded_meta.get(head)
+    if meta is None:
+        meta = deserialize(head)
+        if len(_decoded_meta) < 1024:
+            _decoded_meta[head] = meta
+    n, kw_names, retry_filter = meta
     values = [deserialize(b) for b in raw[1:]]
-    return values[:n], dict(zip(kw_names, values[n:]))
+    if not kw_names:
+        return values, {}, retry_filter
+    return values[:n], dict(zip(kw_names, values[n:])), retry_filter
+
+
+def decode_args(raw: list[bytes]):
+    args, kwargs, retry_filter = _decode(raw)
+    _task_context.retry_filter = retry_filter
+    return args, kwargs
 
 
 def _raise(err) -> None:
@@ -383,6 +401,10 @@ def current_placement_group_id():
     return getattr(_task_context, "placement_group_id", None)
 
 
+#: ``_failure``'s default: the retry filter of the arguments this thread decoded last.
+_FROM_CONTEXT = object()
+
+
 class WorkerRuntime:
     """What a Python worker process hands the core: runs tasks, the actor's constructor
     and its methods. Answers ``("ok", [bytes...], [refs...])`` or ``("err", message,
@@ -393,6 +415,9 @@ class WorkerRuntime:
         self.actor_id = ""
         self.loop = None
         self.loop_lock = threading.Lock()
+        self._wake_read = -1
+        self._async_tasks: set = set()
+        self._current_task = None
 
     def _event_loop(self):
         import asyncio  # only async actors need it (and it is slow to import)
@@ -402,6 +427,65 @@ class WorkerRuntime:
                 self.loop = asyncio.new_event_loop()
                 threading.Thread(target=self.loop.run_forever, daemon=True, name="tpuray-async").start()
             return self.loop
+
+    def _enable_async_calls(self, methods) -> None:
+        """Has the core hand calls of ``methods`` (the actor's ``async def`` methods) to the
+        event loop directly: an executor thread queues the call in the extension and waits
+        there without the GIL; the loop, woken through a pipe, takes every queued call at
+        once and runs each as a task that answers when it ends: no Python thread blocked per
+        call, no GIL taken by the executor thread."""
+        import asyncio
+
+        loop = self._event_loop()
+        self._current_task = asyncio.current_task
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        self._wake_read = r
+        ready = threading.Event()
+
+        def register():
+            loop.add_reader(r, self._take_async_calls)
+            ready.set()
+
+        loop.call_soon_threadsafe(register)
+        ready.wait()
+        _tpuray.enable_async_calls(sorted(methods), w)
+
+    def _take_async_calls(self) -> None:
+        # Runs on the loop thread.
+        try:
+            os.read(self._wake_read, 4096)
+        except BlockingIOError:
+            pass
+        for reply, name, num_returns, raw_args in _tpuray.take_async_calls():
+            self._start_async_call(reply, name, num_returns, raw_args)
+
+    def _start_async_call(self, reply, name, num_returns, raw_args) -> None:
+        # Runs on the loop thread: the coroutine starts as a task (so calls overlap) that
+        # answers itself when it ends.
+        retry_filter = None
+        try:
+            method = getattr(self.actor, name)
+            args, kwargs, retry_filter = _decode(raw_args)
+            result = method(*args, **kwargs)
+            if not inspect.iscoroutine(result):
+                reply.send(self._returns(num_returns, result))
+                return
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            reply.send(self._failure(None, e, retry_filter))
+            return
+        # The loop holds tasks weakly: the set keeps a waiting one alive.
+        task = self.loop.create_task(self._answer(result, reply, num_returns, retry_filter))
+        self._async_tasks.add(task)
+
+    async def _answer(self, coro, reply, num_returns, retry_filter):
+        try:
+            answer = self._returns(num_returns, await coro)
+        except BaseException as e:  # noqa: BLE001 - cancellation and failures alike
+            answer = self._failure(None, e, retry_filter)
+        finally:
+            self._async_tasks.discard(self._current_task())
+        reply.send(answer)
 
     def _run(self, info, fn, raw_args):
         _task_context.task_id = info["task_id"]
@@ -414,37 +498,49 @@ class WorkerRuntime:
                 import asyncio
 
                 result = asyncio.run_coroutine_threadsafe(result, self._event_loop()).result()
-            n = info["num_returns"]
-            if n == 1:
-                values = [result]
-            else:
-                if not isinstance(result, (tuple, list)) or len(result) != n:
-                    raise ValueError(
-                        f"Task returned {type(result).__name__} but num_returns={n} "
-                        "expects a tuple or list of that many values"
-                    )
-                values = list(result)
-            out, nested = [], []
-            for v in values:
-                data, refs = serialize(v)
-                out.append(data)
-                nested.extend(refs)
-            return ("ok", out, nested)
+            return self._returns(info["num_returns"], result)
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
             return self._failure(info, e)
         finally:
+            # The thread (and its thread state) serves the next task too.
             _task_context.task_id = None
+            _task_context.retry_filter = None
             _flush_output()
 
     @staticmethod
-    def _failure(info, e):
+    def _returns(n, result):
+        """The answer for a call with ``n`` return values that returned ``result``:
+        ``("ok", [bytes...], [refs...])``.
+
+        Raises:
+            ValueError: ``result`` does not match ``num_returns``.
+            TypeError: a value cannot be pickled.
+        """
+        if n == 1:
+            data, refs = serialize(result)
+            return ("ok", [data], refs)
+        if not isinstance(result, (tuple, list)) or len(result) != n:
+            raise ValueError(
+                f"Task returned {type(result).__name__} but num_returns={n} "
+                "expects a tuple or list of that many values"
+            )
+        out, nested = [], []
+        for v in result:
+            data, refs = serialize(v)
+            out.append(data)
+            nested.extend(refs)
+        return ("ok", out, nested)
+
+    @staticmethod
+    def _failure(info, e, retry_filter=_FROM_CONTEXT):
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         try:
             payload = serialize(e)[0]
         except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
             payload = b""
         # retry_exceptions=[...]: other exceptions are final.
-        retry_filter = getattr(_task_context, "retry_filter", None)
+        if retry_filter is _FROM_CONTEXT:
+            retry_filter = getattr(_task_context, "retry_filter", None)
         no_retry = bool(retry_filter) and not isinstance(e, tuple(retry_filter))
         return ("err", tb, payload, no_retry)
 
@@ -475,11 +571,20 @@ class WorkerRuntime:
                 import asyncio
 
                 asyncio.run_coroutine_threadsafe(init_result, self._event_loop()).result()
+            async_methods = [
+                name
+                for name, m in inspect.getmembers(cls, predicate=inspect.isfunction)
+                if inspect.iscoroutinefunction(m)
+            ]
+            if async_methods:
+                self._enable_async_calls(async_methods)
             return ("ok", [], [])
         except BaseException as e:  # noqa: BLE001
             return self._failure(info, e)
         finally:
+            # The thread (and its thread state) serves the next task too.
             _task_context.task_id = None
+            _task_context.retry_filter = None
             _flush_output()
 
     def start_stream(self, info, raw_args):
