@@ -539,6 +539,24 @@ impl Head {
         let mut starts = Vec::new();
         {
             let mut inner = self.lock();
+            // Nothing waits: skip building the views (they hold every node's resources,
+            // and a pass runs after every group and bundle change).
+            let groups_wait = inner
+                .sm
+                .placement_groups
+                .values()
+                .any(|p| p.wants_placement() && !inner.pg_placing.contains(&p.pg_id));
+            let actors_wait = || {
+                inner.sm.actors.values().any(|a| {
+                    matches!(
+                        a.status,
+                        ActorStatus::PendingCreation | ActorStatus::Restarting { .. }
+                    ) && !inner.placing.contains(&a.actor_id)
+                })
+            };
+            if !groups_wait && !actors_wait() {
+                return;
+            }
             let mut views = Self::alive_views(&inner);
             self.place_groups(&mut inner, &mut views);
             let waiting: Vec<ActorRecord> = inner
@@ -1481,8 +1499,11 @@ impl HeadService for HeadSvc {
         &self,
         req: Request<pb::GetPlacementGroupRequest>,
     ) -> Result<Response<pb::GetPlacementGroupReply>, Status> {
-        let info = self.0.get_placement_group(req.into_inner()).await?;
-        Ok(Response::new(pb::GetPlacementGroupReply { placement_group: Some(info) }))
+        let req = req.into_inner();
+        let more_ids = req.more_ids.clone();
+        let info = self.0.get_placement_group(req).await?;
+        let more = self.0.pg_infos_by_id(&more_ids);
+        Ok(Response::new(pb::GetPlacementGroupReply { placement_group: Some(info), more }))
     }
 
     async fn list_placement_groups(
