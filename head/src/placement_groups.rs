@@ -109,10 +109,11 @@ impl Head {
         views: &mut [NodeView<String>],
     ) {
         let waiting: Vec<PlacementGroupRecord> = inner
-            .sm
-            .placement_groups
-            .values()
-            .filter(|p| p.wants_placement() && !inner.pg_placing.contains(&p.pg_id))
+            .pg_waiting
+            .iter()
+            .filter(|id| !inner.pg_placing.contains(*id))
+            .filter_map(|id| inner.sm.placement_groups.get(id))
+            .filter(|p| p.wants_placement())
             .cloned()
             .collect();
         for pg in waiting {

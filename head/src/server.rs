@@ -11,7 +11,7 @@
 //! One `std::sync::Mutex` guards the state machine and soft state; it is held
 //! only for in-memory work, never across an `.await`.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -34,7 +34,8 @@ use tpuray_scheduler::{Decision, Labels, NodeView, ResourceSet};
 use crate::convert::{actor_to_proto, job_to_proto, node_to_proto};
 use crate::state::{
     ActorRecord, ActorStatus, Changed, Command, CommandKind, DEFAULT_NAMESPACE, JobRecord,
-    JobStatus, NodeRecord, NodeStatus as NodeLife, Outcome, Rejection, StateMachine,
+    JobStatus, NodeRecord, NodeStatus as NodeLife, Outcome, PlacementGroupRecord, Rejection,
+    StateMachine,
 };
 
 /// How many state changes are kept for subscribers that resume.
@@ -146,6 +147,9 @@ pub(crate) struct Inner {
     pub(crate) pg_pending: HashMap<PlacementGroupId, (String, bool)>,
     /// Groups whose reservation is in flight (HEAD-5).
     pub(crate) pg_placing: HashSet<PlacementGroupId>,
+    /// The groups that want placement (pending or rescheduling), kept with the state
+    /// machine's changes, so a placement pass need not scan every group ever made.
+    pub(crate) pg_waiting: BTreeSet<PlacementGroupId>,
     /// Bundles being given back because no record holds them (HEAD-8).
     pub(crate) returning: HashSet<(PlacementGroupId, NodeId)>,
     /// Task summaries from task events (soft, bounded, lossy).
@@ -207,6 +211,7 @@ impl Head {
                 placing: HashSet::new(),
                 pg_pending: HashMap::new(),
                 pg_placing: HashSet::new(),
+                pg_waiting: BTreeSet::new(),
                 returning: HashSet::new(),
                 tasks: HashMap::new(),
                 task_order: VecDeque::new(),
@@ -346,6 +351,12 @@ impl Head {
                 }
                 Changed::PlacementGroup(id) => {
                     groups_changed = true;
+                    let pg = inner.sm.placement_groups.get(id);
+                    if pg.is_some_and(PlacementGroupRecord::wants_placement) {
+                        inner.pg_waiting.insert(id.clone());
+                    } else {
+                        inner.pg_waiting.remove(id);
+                    }
                     inner
                         .sm
                         .placement_groups
@@ -384,6 +395,12 @@ impl Head {
     pub(crate) fn restore_state(&self, data: &[u8]) -> Result<(), String> {
         let (sm, seq) = StateMachine::restore(data)?;
         let mut inner = self.lock();
+        inner.pg_waiting = sm
+            .placement_groups
+            .values()
+            .filter(|p| p.wants_placement())
+            .map(|p| p.pg_id.clone())
+            .collect();
         inner.sm = sm;
         inner.seq = seq;
         inner.changes.clear();
@@ -541,11 +558,7 @@ impl Head {
             let mut inner = self.lock();
             // Nothing waits: skip building the views (they hold every node's resources,
             // and a pass runs after every group and bundle change).
-            let groups_wait = inner
-                .sm
-                .placement_groups
-                .values()
-                .any(|p| p.wants_placement() && !inner.pg_placing.contains(&p.pg_id));
+            let groups_wait = inner.pg_waiting.iter().any(|id| !inner.pg_placing.contains(id));
             let actors_wait = || {
                 inner.sm.actors.values().any(|a| {
                     matches!(
