@@ -38,6 +38,12 @@
 //! elsewhere, named, detached, or removed already) is synchronous, so an unknown id is
 //! reported by the call itself; so is every removal in a worker process (the task's
 //! caller may count on the group being gone when the task returns).
+//!
+//! PG-3: `wait` asks the head, in its own `GetPlacementGroup`, for the states of this
+//! process's other background groups not yet seen CREATED or REMOVED (`more_ids`); the
+//! next `wait` of a group seen CREATED that way within a second takes that state instead
+//! of asking again (once). So waiting for a batch of groups is a few calls, not one each;
+//! `state` and the table always ask the head.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
