@@ -26,11 +26,13 @@
 //! PG-2: removing a group this process created in the background (PG-1) is in the
 //! background too: `remove_placement_group` returns once the removal is queued, and the
 //! `RemovePlacementGroup` goes out on the runtime (so a loop removing groups sends them
-//! together, and the head records them in a few log entries). Every later use by this
+//! together, and the head makes them durable in a few log flushes). Every later use by this
 //! process that could observe the group or what ran inside it first waits until every
 //! removal queued so far is answered: `wait`/`state`/removal, the table,
 //! `get_placement_group`, tasks and actors scheduled into any group, and any task or actor
-//! submitted or actor called meanwhile (the same points PG-1 waits at), and `shutdown`.
+//! submitted or actor called meanwhile (the same points PG-1 waits at), and `shutdown`
+//! (Python calls it at exit; a Rust driver that ends without it may leave queued
+//! removals unsent, as it leaves its last task events).
 //! So work inside a removed group is stopped before a later call of this process runs,
 //! as when the removal was synchronous. A removal the head refused (or could not be
 //! sent) is reported by the next `wait`/`state`/removal/table call of this process (and
