@@ -262,7 +262,7 @@ def test_placement_group_reserves_bundles_and_runs_tasks_inside():
         placement_group([{"CPU": 1}], strategy="NOPE")
 
 
-def test_a_removal_in_the_background_is_seen_by_the_next_call():
+def test_placement_group_removal_in_the_background_is_seen_by_the_next_call():
     # PG-2: an unnamed group's removal returns once queued; the next call of this process
     # waits for it, so what ran inside is stopped and nothing more is placed there.
     pg = placement_group([{"CPU": 1}])
@@ -281,14 +281,14 @@ def test_a_removal_in_the_background_is_seen_by_the_next_call():
     remove_placement_group(pg)  # removing twice is harmless
 
 
-def test_removing_a_group_the_head_does_not_know_is_reported():
+def test_removing_a_placement_group_the_head_does_not_know_is_reported():
     from tpuray.util.placement_group import PlacementGroup
 
     with pytest.raises(Exception, match="no placement group"):
         remove_placement_group(PlacementGroup("0" * 32, 1))
 
 
-def test_removals_still_in_the_background_are_sent_before_the_driver_ends(tmp_path):
+def test_placement_group_removals_in_the_background_are_sent_before_the_driver_ends(tmp_path):
     # PG-2: a driver that removes a group and ends at once still sends the removal (its
     # job's end would remove the group too, but with another reason).
     import json
@@ -307,12 +307,16 @@ def test_removals_still_in_the_background_are_sent_before_the_driver_ends(tmp_pa
             remove_placement_group(pg)
         print(" ".join(pg.id.hex() for pg in pgs))
     """))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    from tpuray._private import worker
+
+    env = dict(worker.state.local_cluster["env"])  # finds the session's cluster
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     ids = r.stdout.split()
     assert len(ids) == 20
     r = subprocess.run([sys.executable, "-m", "tpuray", "list", "placement-groups", "--format", "json"],
-                       capture_output=True, text=True, timeout=60)
+                       env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     rows = {g["placement_group_id"]: g for g in json.loads(r.stdout)}
     for i in ids:
