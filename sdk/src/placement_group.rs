@@ -272,10 +272,11 @@ fn fetch(id: &str, wait: Duration) -> Result<PlacementGroupState, Error> {
         created(id).await.map_err(Error::Cluster)?;
         let mut more_ids = Vec::new();
         if !wait.is_zero() {
-            if let Some((st, at)) = SEEN.lock().unwrap().remove(id) {
-                if at.elapsed() < SEEN_FOR {
-                    return Ok(st);
-                }
+            let seen = SEEN.lock().unwrap().remove(id);
+            if let Some((st, at)) = seen
+                && at.elapsed() < SEEN_FOR
+            {
+                return Ok(st);
             }
             let unsettled = UNSETTLED.lock().unwrap();
             more_ids.extend(unsettled.iter().filter(|x| *x != id).take(MORE_IDS).cloned());
@@ -473,10 +474,11 @@ pub fn remove_by_id(id: &str) -> Result<(), Error> {
     forget(id);
     if mine {
         // PG-2: the creation's answer first (a refusal is reported here, as before).
-        if let Some(mut rx) = CREATING.lock().unwrap().get(id).cloned() {
-            if let Ok(v) = core.rt.block_on(rx.wait_for(Option::is_some)) {
-                v.clone().unwrap_or(Ok(())).map_err(Error::Cluster)?;
-            }
+        let creating = CREATING.lock().unwrap().get(id).cloned();
+        if let Some(mut rx) = creating
+            && let Ok(v) = core.rt.block_on(rx.wait_for(Option::is_some))
+        {
+            v.clone().unwrap_or(Ok(())).map_err(Error::Cluster)?;
         }
         let head = core.head_client();
         REMOVING.send_modify(|n| *n += 1);
