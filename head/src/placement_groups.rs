@@ -4,7 +4,9 @@
 //! - HEAD-5: a group's bundles are recorded as placed only after every agent involved has
 //!   prepared and committed them; when any step fails, every bundle this attempt touched
 //!   is returned and the group stays waiting. A group removed while its reservation is in
-//!   flight gets its bundles returned when the reservation ends.
+//!   flight gets its bundles returned when the reservation ends. A group whose bundles all
+//!   land on one node is prepared and committed there in one call (`commit` set): one
+//!   agent is all or nothing on its own.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -24,6 +26,9 @@ use crate::server::{Head, Inner, mark_waiting};
 use crate::state::{
     Command, CommandKind, DEFAULT_NAMESPACE, Outcome, PgStatus, PlacementGroupRecord, SliceSpec,
 };
+
+/// The most `more_ids` one `GetPlacementGroup` answers (PG-3).
+pub(crate) const MORE_IDS_MAX: usize = 1000;
 
 /// Per node of a reservation attempt: its agent address and (bundle index, demand) pairs.
 type ByNode = BTreeMap<NodeId, (String, Vec<(u32, ResourceSet)>)>;
@@ -104,10 +109,11 @@ impl Head {
         views: &mut [NodeView<String>],
     ) {
         let waiting: Vec<PlacementGroupRecord> = inner
-            .sm
-            .placement_groups
-            .values()
-            .filter(|p| p.wants_placement() && !inner.pg_placing.contains(&p.pg_id))
+            .pg_waiting
+            .iter()
+            .filter(|id| !inner.pg_placing.contains(*id))
+            .filter_map(|id| inner.sm.placement_groups.get(id))
+            .filter(|p| p.wants_placement())
             .cloned()
             .collect();
         for pg in waiting {
@@ -220,6 +226,27 @@ impl Head {
         pg_id: &PlacementGroupId,
         by_node: &ByNode,
     ) -> Result<(), String> {
+        if let [(node_id, (address, bundles))] = by_node.iter().collect::<Vec<_>>()[..] {
+            // HEAD-5: every bundle on one node: that agent prepares and commits in one
+            // call (all or nothing there), so no second phase is needed.
+            let mut c = self.agent_client(address).map_err(|e| e.message().to_string())?;
+            let mut r = Request::new(pb::PrepareBundlesRequest {
+                placement_group_id: pg_id.to_string(),
+                bundles: bundles
+                    .iter()
+                    .map(|(i, d)| pb::BundleOnNode { index: *i, resources: resources_to_proto(d) })
+                    .collect(),
+                commit: true,
+            });
+            r.set_timeout(Duration::from_secs(10));
+            let reply = c
+                .prepare_bundles(r)
+                .await
+                .map_err(|s| format!("reserving on node {node_id}: {}", s.message()))?
+                .into_inner();
+            self.note_node_resources(node_id, reply.resources);
+            return Ok(());
+        }
         let mut prepares = tokio::task::JoinSet::new();
         for (node_id, (address, bundles)) in by_node {
             let req = pb::PrepareBundlesRequest {
@@ -228,6 +255,7 @@ impl Head {
                     .iter()
                     .map(|(i, d)| pb::BundleOnNode { index: *i, resources: resources_to_proto(d) })
                     .collect(),
+                commit: false,
             };
             let node_id = node_id.clone();
             let client = self.agent_client(address);
@@ -270,6 +298,19 @@ impl Head {
     /// Takes an agent's word for its resources right after a bundle change.
     fn note_node_resources(&self, node_id: &NodeId, now: Option<pb::NodeResourcesNow>) {
         let Some(now) = now else { return };
+        if now.partial {
+            // Only the names the change touched, each with its amount now (0: gone).
+            let mut inner = self.lock();
+            let Some(s) = inner.soft.get_mut(node_id) else { return };
+            for (map, set) in [(&now.total, &mut s.total), (&now.available, &mut s.available)] {
+                for (name, v) in map {
+                    if let Ok(a) = tpuray_scheduler::Amount::from_f64(name, *v) {
+                        set.set(name, a);
+                    }
+                }
+            }
+            return;
+        }
         let (Ok(total), Ok(available)) =
             (resources_from_proto(&now.total), resources_from_proto(&now.available))
         else {
@@ -460,6 +501,22 @@ impl Head {
             )));
         }
         Ok(())
+    }
+
+    /// The groups of `ids` that exist (PG-3: `GetPlacementGroup`'s `more_ids`), at most
+    /// [`MORE_IDS_MAX`]; malformed and unknown ids are skipped.
+    pub(crate) fn pg_infos_by_id(&self, ids: &[String]) -> Vec<pb::PlacementGroupInfo> {
+        if ids.is_empty() {
+            return Vec::new();
+        }
+        let inner = self.lock();
+        ids.iter()
+            .take(MORE_IDS_MAX)
+            .filter_map(|id| {
+                let id = PlacementGroupId::from_wire(id.clone());
+                inner.sm.placement_groups.get(&id).map(|p| self.pg_info(&inner, p))
+            })
+            .collect()
     }
 
     pub(crate) fn pg_info_by_id(&self, id: &PlacementGroupId) -> Option<pb::PlacementGroupInfo> {

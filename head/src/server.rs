@@ -11,7 +11,7 @@
 //! One `std::sync::Mutex` guards the state machine and soft state; it is held
 //! only for in-memory work, never across an `.await`.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -34,7 +34,8 @@ use tpuray_scheduler::{Decision, Labels, NodeView, ResourceSet};
 use crate::convert::{actor_to_proto, job_to_proto, node_to_proto};
 use crate::state::{
     ActorRecord, ActorStatus, Changed, Command, CommandKind, DEFAULT_NAMESPACE, JobRecord,
-    JobStatus, NodeRecord, NodeStatus as NodeLife, Outcome, Rejection, StateMachine,
+    JobStatus, NodeRecord, NodeStatus as NodeLife, Outcome, PlacementGroupRecord, Rejection,
+    StateMachine,
 };
 
 /// How many state changes are kept for subscribers that resume.
@@ -146,6 +147,9 @@ pub(crate) struct Inner {
     pub(crate) pg_pending: HashMap<PlacementGroupId, (String, bool)>,
     /// Groups whose reservation is in flight (HEAD-5).
     pub(crate) pg_placing: HashSet<PlacementGroupId>,
+    /// The groups that want placement (pending or rescheduling), kept with the state
+    /// machine's changes, so a placement pass need not scan every group ever made.
+    pub(crate) pg_waiting: BTreeSet<PlacementGroupId>,
     /// Bundles being given back because no record holds them (HEAD-8).
     pub(crate) returning: HashSet<(PlacementGroupId, NodeId)>,
     /// Task summaries from task events (soft, bounded, lossy).
@@ -207,6 +211,7 @@ impl Head {
                 placing: HashSet::new(),
                 pg_pending: HashMap::new(),
                 pg_placing: HashSet::new(),
+                pg_waiting: BTreeSet::new(),
                 returning: HashSet::new(),
                 tasks: HashMap::new(),
                 task_order: VecDeque::new(),
@@ -346,6 +351,12 @@ impl Head {
                 }
                 Changed::PlacementGroup(id) => {
                     groups_changed = true;
+                    let pg = inner.sm.placement_groups.get(id);
+                    if pg.is_some_and(PlacementGroupRecord::wants_placement) {
+                        inner.pg_waiting.insert(id.clone());
+                    } else {
+                        inner.pg_waiting.remove(id);
+                    }
                     inner
                         .sm
                         .placement_groups
@@ -384,6 +395,12 @@ impl Head {
     pub(crate) fn restore_state(&self, data: &[u8]) -> Result<(), String> {
         let (sm, seq) = StateMachine::restore(data)?;
         let mut inner = self.lock();
+        inner.pg_waiting = sm
+            .placement_groups
+            .values()
+            .filter(|p| p.wants_placement())
+            .map(|p| p.pg_id.clone())
+            .collect();
         inner.sm = sm;
         inner.seq = seq;
         inner.changes.clear();
@@ -539,6 +556,20 @@ impl Head {
         let mut starts = Vec::new();
         {
             let mut inner = self.lock();
+            // Nothing waits: skip building the views (they hold every node's resources,
+            // and a pass runs after every group and bundle change).
+            let groups_wait = inner.pg_waiting.iter().any(|id| !inner.pg_placing.contains(id));
+            let actors_wait = || {
+                inner.sm.actors.values().any(|a| {
+                    matches!(
+                        a.status,
+                        ActorStatus::PendingCreation | ActorStatus::Restarting { .. }
+                    ) && !inner.placing.contains(&a.actor_id)
+                })
+            };
+            if !groups_wait && !actors_wait() {
+                return;
+            }
             let mut views = Self::alive_views(&inner);
             self.place_groups(&mut inner, &mut views);
             let waiting: Vec<ActorRecord> = inner
@@ -1481,8 +1512,11 @@ impl HeadService for HeadSvc {
         &self,
         req: Request<pb::GetPlacementGroupRequest>,
     ) -> Result<Response<pb::GetPlacementGroupReply>, Status> {
-        let info = self.0.get_placement_group(req.into_inner()).await?;
-        Ok(Response::new(pb::GetPlacementGroupReply { placement_group: Some(info) }))
+        let req = req.into_inner();
+        let more_ids = req.more_ids.clone();
+        let info = self.0.get_placement_group(req).await?;
+        let more = self.0.pg_infos_by_id(&more_ids);
+        Ok(Response::new(pb::GetPlacementGroupReply { placement_group: Some(info), more }))
     }
 
     async fn list_placement_groups(

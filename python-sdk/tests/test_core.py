@@ -262,6 +262,68 @@ def test_placement_group_reserves_bundles_and_runs_tasks_inside():
         placement_group([{"CPU": 1}], strategy="NOPE")
 
 
+def test_placement_group_removal_in_the_background_is_seen_by_the_next_call():
+    # PG-2: an unnamed group's removal returns once queued; the next call of this process
+    # waits for it, so what ran inside is stopped and nothing more is placed there.
+    pg = placement_group([{"CPU": 1}])
+    assert pg.wait(30)
+    c = Counter.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote()
+    assert ray.get(c.incr.remote(), timeout=30) == 1
+    remove_placement_group(pg)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(c.incr.remote(), timeout=30)
+    s = PlacementGroupSchedulingStrategy(pg, 0)
+    with pytest.raises(Exception, match="was removed"):
+        ray.get(double.options(scheduling_strategy=s).remote(1), timeout=30)
+    assert placement_group_table(pg)["state"] == "REMOVED"
+    with pytest.raises(ray.exceptions.RaySystemError, match="was removed"):
+        pg.wait(5)
+    remove_placement_group(pg)  # removing twice is harmless
+
+
+def test_removing_a_placement_group_the_head_does_not_know_is_reported():
+    from tpuray.util.placement_group import PlacementGroup
+
+    with pytest.raises(Exception, match="no placement group"):
+        remove_placement_group(PlacementGroup("0" * 32, 1))
+
+
+def test_placement_group_removals_in_the_background_are_sent_before_the_driver_ends(tmp_path):
+    # PG-2: a driver that removes a group and ends at once still sends the removal (its
+    # job's end would remove the group too, but with another reason).
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "remove_and_exit.py"
+    script.write_text(textwrap.dedent("""
+        import tpuray as ray
+        from tpuray.util.placement_group import placement_group, remove_placement_group
+        ray.init()
+        pgs = [placement_group([{"CPU": 0.01}]) for _ in range(20)]
+        assert all(pg.wait(30) for pg in pgs)
+        for pg in pgs:
+            remove_placement_group(pg)
+        print(" ".join(pg.id.hex() for pg in pgs))
+    """))
+    from tpuray._private import worker
+
+    env = dict(worker.state.local_cluster["env"])  # finds the session's cluster
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    ids = r.stdout.split()
+    assert len(ids) == 20
+    r = subprocess.run([sys.executable, "-m", "tpuray", "list", "placement-groups", "--format", "json"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = {g["placement_group_id"]: g for g in json.loads(r.stdout)}
+    for i in ids:
+        assert rows[i]["state"] == "REMOVED", rows[i]
+        assert rows[i]["removal_reason"] == "removed by remove_placement_group()", rows[i]
+
+
 def test_streaming_generators_yield_refs_as_items_are_produced():
     @ray.remote(num_returns="streaming")
     def count(n):

@@ -236,10 +236,11 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
 }
 
 /// Finishes this job (non-detached actors end with it) after sending the
-/// last task events.
+/// last task events and the placement group removals still in the background (PG-2).
 pub fn shutdown() {
     let Some(core) = crate::core::try_core() else { return };
     core.rt.block_on(async {
+        crate::placement_group::flush_removals().await;
         core.flush_events().await;
         if let Ok(mut head) = tpuray_proto::client::head(&core.head_address, core.token.as_deref())
         {

@@ -22,8 +22,32 @@
 //! and actors scheduled into it, and any task or actor submitted meanwhile (its arguments
 //! may carry the id to another process). Named groups (whose name may be taken) and
 //! detached ones (which must outlive this process) are created before the call returns.
+//!
+//! PG-2: removing a group this process created in the background (PG-1) is in the
+//! background too: `remove_placement_group` returns once the removal is queued, and the
+//! `RemovePlacementGroup` goes out on the runtime (so a loop removing groups sends them
+//! together, and the head makes them durable in a few log flushes). Every later use by this
+//! process that could observe the group or what ran inside it first waits until every
+//! removal queued so far is answered: `wait`/`state`/removal, the table,
+//! `get_placement_group`, tasks and actors scheduled into any group, and any task or actor
+//! submitted or actor called meanwhile (the same points PG-1 waits at), and `shutdown`
+//! (Python calls it at exit; a Rust driver that ends without it may leave queued
+//! removals unsent, as it leaves its last task events).
+//! So work inside a removed group is stopped before a later call of this process runs,
+//! as when the removal was synchronous. A removal the head refused (or could not be
+//! sent) is reported by the next `wait`/`state`/removal/table call of this process (and
+//! logged at shutdown). Removing a group this process does not know as its own (made
+//! elsewhere, named, detached, or removed already) is synchronous, so an unknown id is
+//! reported by the call itself; so is every removal in a worker process (the task's
+//! caller may count on the group being gone when the task returns).
+//!
+//! PG-3: `wait` asks the head, in its own `GetPlacementGroup`, for the states of this
+//! process's other background groups not yet seen CREATED or REMOVED (`more_ids`); the
+//! next `wait` of a group seen CREATED that way within a second takes that state instead
+//! of asking again (once). So waiting for a batch of groups is a few calls, not one each;
+//! `state` and the table always ask the head.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{LazyLock, Mutex};
 use std::time::{Duration, Instant};
@@ -45,9 +69,37 @@ type Creation = watch::Receiver<Option<Result<(), String>>>;
 /// Creations not answered yet.
 static CREATING_NOW: AtomicUsize = AtomicUsize::new(0);
 
+/// Groups this process created in the background (PG-1) and has not removed: their
+/// removal can go in the background too (PG-2).
+static MINE: LazyLock<Mutex<HashSet<String>>> = LazyLock::new(|| Mutex::new(HashSet::new()));
+
+/// PG-3: groups this process created in the background and has not seen settled
+/// (CREATED or REMOVED) yet: a `wait` asks the head for their states too, in its call.
+static UNSETTLED: LazyLock<Mutex<HashSet<String>>> = LazyLock::new(|| Mutex::new(HashSet::new()));
+
+/// PG-3: CREATED states learned that way, and when; the next `wait` of such a group within
+/// [`SEEN_FOR`] takes it instead of asking the head (once).
+static SEEN: LazyLock<Mutex<HashMap<String, (PlacementGroupState, Instant)>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// How long a state learned for a later `wait` stands in for asking the head (PG-3);
+/// shorter than the head takes to notice a dead node (HEAD-4).
+const SEEN_FOR: Duration = Duration::from_secs(1);
+
+/// The most other groups one `wait` asks about (PG-3).
+const MORE_IDS: usize = 256;
+
+/// Background removals not answered yet (PG-2).
+static REMOVING: LazyLock<watch::Sender<usize>> = LazyLock::new(|| watch::channel(0).0);
+
+/// Background removals that failed, for the next use to report (PG-2).
+static REMOVE_FAILED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
 /// Waits until the head answered the creation of group `id` if this process created it
-/// in the background (PG-1); the refusal's message when it refused.
+/// in the background (PG-1), and every removal queued so far (PG-2); the refusal's
+/// message when the creation was refused.
 pub(crate) async fn created(id: &str) -> Result<(), String> {
+    all_removed().await;
     let rx = CREATING.lock().unwrap().get(id).cloned();
     let Some(mut rx) = rx else { return Ok(()) };
     match rx.wait_for(Option::is_some).await {
@@ -56,16 +108,42 @@ pub(crate) async fn created(id: &str) -> Result<(), String> {
     }
 }
 
-/// Whether some background creation is not answered yet (PG-1).
+/// Whether some background creation (PG-1) or removal (PG-2) is not answered yet.
 pub(crate) fn creating() -> bool {
-    CREATING_NOW.load(Ordering::SeqCst) > 0
+    CREATING_NOW.load(Ordering::SeqCst) > 0 || *REMOVING.borrow() > 0
 }
 
-/// Waits until the head answered every background creation started so far (PG-1).
+/// Waits until the head answered every background creation (PG-1) and removal (PG-2)
+/// started so far.
 pub(crate) async fn all_created() {
+    all_removed().await;
     let pending: Vec<_> = CREATING.lock().unwrap().values().cloned().collect();
     for mut rx in pending {
         let _ = rx.wait_for(Option::is_some).await;
+    }
+}
+
+/// Waits until every background removal queued so far is answered (PG-2).
+pub(crate) async fn all_removed() {
+    if *REMOVING.borrow() == 0 {
+        return;
+    }
+    let mut rx = REMOVING.subscribe();
+    let _ = rx.wait_for(|n| *n == 0).await;
+}
+
+/// [`all_removed`], then the failures of background removals not reported yet (PG-2).
+async fn removals_settled() -> Result<(), Error> {
+    all_removed().await;
+    let failed = std::mem::take(&mut *REMOVE_FAILED.lock().unwrap());
+    if failed.is_empty() { Ok(()) } else { Err(Error::Cluster(failed.join("; "))) }
+}
+
+/// Waits for the background removals at shutdown (PG-2); logs those that failed.
+pub(crate) async fn flush_removals() {
+    all_removed().await;
+    for e in std::mem::take(&mut *REMOVE_FAILED.lock().unwrap()) {
+        tracing::warn!("{e}");
     }
 }
 
@@ -184,24 +262,59 @@ pub fn state_of_id(id: &str, wait: Duration) -> Result<PlacementGroupState, Erro
     fetch(id, wait)
 }
 
+/// The state of group `id` from the head; a wait (`wait` above zero) first takes a CREATED
+/// state learned in the last [`SEEN_FOR`], and asks about this process's other unsettled
+/// groups in the same call (PG-3).
 fn fetch(id: &str, wait: Duration) -> Result<PlacementGroupState, Error> {
     let core = core()?;
     core.rt.block_on(async {
+        removals_settled().await?;
         created(id).await.map_err(Error::Cluster)?;
+        let mut more_ids = Vec::new();
+        if !wait.is_zero() {
+            let seen = SEEN.lock().unwrap().remove(id);
+            if let Some((st, at)) = seen
+                && at.elapsed() < SEEN_FOR
+            {
+                return Ok(st);
+            }
+            let unsettled = UNSETTLED.lock().unwrap();
+            more_ids.extend(unsettled.iter().filter(|x| *x != id).take(MORE_IDS).cloned());
+        }
         let mut head = core.head_client()?;
-        let info = head
+        let reply = head
             .get_placement_group(pb::GetPlacementGroupRequest {
                 placement_group_id: id.to_string(),
                 wait_ready_ms: wait.as_millis() as u64,
+                more_ids,
                 ..Default::default()
             })
             .await
             .map_err(|s| Error::Cluster(s.message().to_string()))?
-            .into_inner()
-            .placement_group
-            .unwrap_or_default();
-        Ok(state_of(info))
+            .into_inner();
+        let now = Instant::now();
+        let mut unsettled = UNSETTLED.lock().unwrap();
+        let mut seen = SEEN.lock().unwrap();
+        for st in reply.more.into_iter().map(state_of) {
+            if st.state == "CREATED" || st.state == "REMOVED" {
+                unsettled.remove(&st.id);
+            }
+            if st.state == "CREATED" {
+                seen.insert(st.id.clone(), (st, now));
+            }
+        }
+        let st = state_of(reply.placement_group.unwrap_or_default());
+        if st.state == "CREATED" || st.state == "REMOVED" {
+            unsettled.remove(id);
+        }
+        Ok(st)
     })
+}
+
+/// Forgets what PG-3 learned about group `id` (it is being removed).
+fn forget(id: &str) {
+    UNSETTLED.lock().unwrap().remove(id);
+    SEEN.lock().unwrap().remove(id);
 }
 
 fn create(mut req: pb::CreatePlacementGroupRequest) -> Result<PlacementGroup, Error> {
@@ -215,6 +328,8 @@ fn create(mut req: pb::CreatePlacementGroupRequest) -> Result<PlacementGroup, Er
         let bundle_count = req.bundles.len();
         let (tx, rx) = watch::channel(None);
         CREATING.lock().unwrap().insert(id.clone(), rx);
+        MINE.lock().unwrap().insert(id.clone());
+        UNSETTLED.lock().unwrap().insert(id.clone());
         CREATING_NOW.fetch_add(1, Ordering::SeqCst);
         let head = core.head_client();
         let key = id.clone();
@@ -231,6 +346,8 @@ fn create(mut req: pb::CreatePlacementGroupRequest) -> Result<PlacementGroup, Er
             let _ = tx.send(Some(out));
             if ok {
                 CREATING.lock().unwrap().remove(&key);
+            } else {
+                UNSETTLED.lock().unwrap().remove(&key);
             }
             CREATING_NOW.fetch_sub(1, Ordering::SeqCst);
         });
@@ -347,15 +464,48 @@ pub fn remove_placement_group(pg: &PlacementGroup) -> Result<(), Error> {
 /// As [`remove_placement_group`].
 pub fn remove_by_id(id: &str) -> Result<(), Error> {
     let core = core()?;
+    let req = pb::RemovePlacementGroupRequest {
+        request_id: tpuray_proto::new_request_id(),
+        placement_group_id: id.to_string(),
+    };
+    // A worker's removal stays synchronous: its task's caller may rely on it when the
+    // task returns.
+    let mine = MINE.lock().unwrap().remove(id) && !crate::worker::is_worker_process();
+    forget(id);
+    if mine {
+        // PG-2: the creation's answer first (a refusal is reported here, as before).
+        let creating = CREATING.lock().unwrap().get(id).cloned();
+        if let Some(mut rx) = creating
+            && let Ok(v) = core.rt.block_on(rx.wait_for(Option::is_some))
+        {
+            v.clone().unwrap_or(Ok(())).map_err(Error::Cluster)?;
+        }
+        let head = core.head_client();
+        REMOVING.send_modify(|n| *n += 1);
+        core.rt.spawn(async move {
+            let id = req.placement_group_id.clone();
+            let out = match head {
+                Ok(mut h) => h
+                    .remove_placement_group(req)
+                    .await
+                    .map(|_| ())
+                    .map_err(|s| format!("removing placement group {id}: {}", s.message())),
+                Err(e) => Err(format!("removing placement group {id}: {e}")),
+            };
+            if let Err(e) = out {
+                REMOVE_FAILED.lock().unwrap().push(e);
+            }
+            REMOVING.send_modify(|n| *n -= 1);
+        });
+        return Ok(());
+    }
     core.rt.block_on(async {
+        removals_settled().await?;
         created(id).await.map_err(Error::Cluster)?;
         let mut head = core.head_client()?;
-        head.remove_placement_group(pb::RemovePlacementGroupRequest {
-            request_id: tpuray_proto::new_request_id(),
-            placement_group_id: id.to_string(),
-        })
-        .await
-        .map_err(|s| Error::Cluster(s.message().to_string()))?;
+        head.remove_placement_group(req)
+            .await
+            .map_err(|s| Error::Cluster(s.message().to_string()))?;
         Ok(())
     })
 }
@@ -367,6 +517,7 @@ pub fn remove_by_id(id: &str) -> Result<(), Error> {
 pub fn get_placement_group(name: &str, namespace: Option<&str>) -> Result<PlacementGroup, Error> {
     let core = core()?;
     core.rt.block_on(async {
+        removals_settled().await?;
         let mut head = core.head_client()?;
         let info = head
             .get_placement_group(pb::GetPlacementGroupRequest {
@@ -390,6 +541,7 @@ pub fn get_placement_group(name: &str, namespace: Option<&str>) -> Result<Placem
 pub fn placement_group_table() -> Result<Vec<PlacementGroupState>, Error> {
     let core = core()?;
     core.rt.block_on(async {
+        removals_settled().await?;
         all_created().await;
         let mut head = core.head_client()?;
         let groups = head

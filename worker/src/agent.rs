@@ -347,11 +347,31 @@ impl Agent {
     }
 
     /// The node's total and available resources now.
-    fn resources_now(&self) -> pb::NodeResourcesNow {
+    /// The names the bundles `indexes` of `pg` here touch (all of its bundles here when
+    /// `indexes` is empty): their resources and the renamed ones a commit adds.
+    fn bundle_names(&self, pg: &str, indexes: &[u32]) -> std::collections::BTreeSet<String> {
         let st = self.lock();
+        let mut names = std::collections::BTreeSet::new();
+        for ((g, i), b) in &st.bundles {
+            if g == pg && (indexes.is_empty() || indexes.contains(i)) {
+                names.extend(b.demand.iter().map(|(k, _)| k.to_string()));
+                let added = tpuray_scheduler::bundles::bundle_resources(&b.demand, pg, *i);
+                names.extend(added.iter().map(|(k, _)| k.to_string()));
+            }
+        }
+        names
+    }
+
+    /// The amounts of `names` now, for the head's view (`partial`: a bundle change touches
+    /// a few names; the whole sets grow with every group on the node).
+    fn resources_of(&self, names: &std::collections::BTreeSet<String>) -> pb::NodeResourcesNow {
+        let st = self.lock();
+        let amounts =
+            |set: &ResourceSet| names.iter().map(|n| (n.clone(), set.get(n).to_f64())).collect();
         pb::NodeResourcesNow {
-            total: resources_to_proto(&st.total),
-            available: resources_to_proto(&st.available),
+            total: amounts(&st.total),
+            available: amounts(&st.available),
+            partial: true,
         }
     }
 
@@ -1754,7 +1774,13 @@ impl NodeAgentService for AgentSvc {
             })
             .collect::<Result<Vec<_>, _>>()?;
         self.0.prepare_bundles(&req.placement_group_id, &bundles)?;
-        Ok(Response::new(pb::PrepareBundlesReply {}))
+        if !req.commit {
+            return Ok(Response::new(pb::PrepareBundlesReply { resources: None }));
+        }
+        let indexes: Vec<u32> = bundles.iter().map(|b| b.0).collect();
+        self.0.commit_bundles(&req.placement_group_id, &indexes)?;
+        let names = self.0.bundle_names(&req.placement_group_id, &indexes);
+        Ok(Response::new(pb::PrepareBundlesReply { resources: Some(self.0.resources_of(&names)) }))
     }
 
     async fn commit_bundles(
@@ -1763,7 +1789,8 @@ impl NodeAgentService for AgentSvc {
     ) -> Result<Response<pb::CommitBundlesReply>, Status> {
         let req = req.into_inner();
         self.0.commit_bundles(&req.placement_group_id, &req.indexes)?;
-        Ok(Response::new(pb::CommitBundlesReply { resources: Some(self.0.resources_now()) }))
+        let names = self.0.bundle_names(&req.placement_group_id, &req.indexes);
+        Ok(Response::new(pb::CommitBundlesReply { resources: Some(self.0.resources_of(&names)) }))
     }
 
     async fn return_bundles(
@@ -1771,13 +1798,14 @@ impl NodeAgentService for AgentSvc {
         req: Request<pb::ReturnBundlesRequest>,
     ) -> Result<Response<pb::ReturnBundlesReply>, Status> {
         let req = req.into_inner();
+        let names = self.0.bundle_names(&req.placement_group_id, &req.indexes);
         let workers_stopped = self.0.return_bundles(&req.placement_group_id, &req.indexes);
         if workers_stopped > 0 {
             tracing::info!(pg = %req.placement_group_id, workers_stopped, "stopped workers of a returned placement group");
         }
         Ok(Response::new(pb::ReturnBundlesReply {
             workers_stopped,
-            resources: Some(self.0.resources_now()),
+            resources: Some(self.0.resources_of(&names)),
         }))
     }
 
