@@ -529,7 +529,11 @@ mod buffer {
     }
 }
 
-/// Which refs are ready, once `num_returns` are or `timeout` seconds pass.
+/// The positions of the ready refs (ascending), once `num_returns` are ready or `timeout`
+/// seconds pass.
+///
+/// # Errors
+/// `ValueError` when a ref appears twice (Ray's message).
 #[pyfunction]
 #[pyo3(signature = (refs, num_returns, timeout=None))]
 fn wait(
@@ -537,8 +541,14 @@ fn wait(
     refs: Vec<Bound<'_, PyRef>>,
     num_returns: usize,
     timeout: Option<f64>,
-) -> PyResult<Vec<bool>> {
+) -> PyResult<Vec<usize>> {
     let raws: Vec<RawRef> = refs.iter().map(|r| r.get().inner.clone()).collect();
+    let mut ids = std::collections::HashSet::with_capacity(raws.len());
+    if !raws.iter().all(|r| ids.insert(r.id())) {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "Wait requires a list of unique object refs.",
+        ));
+    }
     let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
     let want = num_returns.min(raws.len());
     let mut blocked: Option<raw::Blocked> = None;
@@ -550,7 +560,7 @@ fn wait(
             py.detach(|| raw::wait(&raws, num_returns, Some(slice))).map_err(cluster_err)?;
         if ready.iter().filter(|r| **r).count() >= want || left.is_some_and(|l| l.is_zero()) {
             py.detach(move || drop(blocked));
-            return Ok(ready);
+            return Ok(ready.iter().enumerate().filter(|(_, r)| **r).map(|(i, _)| i).collect());
         }
         py.check_signals()?;
         if blocked.is_none() {

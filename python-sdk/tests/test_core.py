@@ -107,6 +107,20 @@ def test_get_timeout_and_wait():
     ray.cancel(slow, force=True)
 
 
+def test_wait_keeps_the_order_of_both_lists_and_refuses_bad_input():
+    refs = [ray.put(i) for i in range(10)]
+    ready, not_ready = ray.wait(refs, num_returns=3, timeout=10)
+    assert ready == refs[:3] and not_ready == refs[3:]
+    ready, not_ready = ray.wait(refs, num_returns=10, timeout=10)
+    assert ready == refs and not_ready == []
+    with pytest.raises(ValueError, match="unique"):
+        ray.wait([refs[0], refs[1], refs[0]])
+    with pytest.raises(TypeError, match="ObjectRef"):
+        ray.wait([refs[0], 5])
+    with pytest.raises(ValueError, match="num_returns"):
+        ray.wait(refs[:2], num_returns=3)
+
+
 def test_num_returns():
     @ray.remote(num_returns=2)
     def pair():

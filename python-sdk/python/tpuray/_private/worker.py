@@ -378,15 +378,24 @@ def wait(refs, *, num_returns=1, timeout=None, fetch_local=True):
     if isinstance(refs, ObjectRef):
         raise TypeError("wait() expected a list of ObjectRef, got a single ObjectRef")
     refs = list(refs)
-    if len(set(refs)) != len(refs):
-        raise ValueError("Wait requires a list of unique object refs.")
     if num_returns <= 0:
         raise ValueError("Invalid number of objects to return %d." % num_returns)
     if num_returns > len(refs):
         raise ValueError("num_returns cannot be greater than the number of objects provided.")
-    ready_flags = _tpuray.wait([r._core for r in refs], num_returns, timeout)
-    ready = [r for r, f in zip(refs, ready_flags) if f]
-    not_ready = [r for r, f in zip(refs, ready_flags) if not f]
+    try:
+        cores = [r._core for r in refs]
+    except AttributeError:
+        bad = next(r for r in refs if not isinstance(r, ObjectRef))
+        raise TypeError(f"wait() expected a list of ObjectRef, got {type(bad).__name__}") from None
+    # The positions of the ready refs, in order (the core also refuses duplicates).
+    ready_at = _tpuray.wait(cores, num_returns, timeout)
+    ready = [refs[i] for i in ready_at]
+    not_ready = []
+    start = 0
+    for i in ready_at:
+        not_ready += refs[start:i]
+        start = i + 1
+    not_ready += refs[start:]
     return ready, not_ready
 
 
