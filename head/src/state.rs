@@ -20,6 +20,10 @@ pub const DEFAULT_NAMESPACE: &str = "default";
 
 /// How many applied request ids are remembered for deduplication.
 const DEDUP_CAPACITY: usize = 100_000;
+/// Removed placement groups the state keeps (HEAD-9); past this, the oldest removed one is
+/// forgotten (its id then answers "no placement group"). Ray's GCS bounds what it keeps of
+/// destroyed actors the same way (`maximum_gcs_destroyed_actor_cached_count`).
+pub const MAX_REMOVED_PLACEMENT_GROUPS: usize = 1000;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum NodeStatus {
@@ -748,6 +752,23 @@ impl StateMachine {
                 changed,
             );
         }
+        self.forget_old_removed_groups();
+    }
+
+    /// HEAD-9: keeps at most [`MAX_REMOVED_PLACEMENT_GROUPS`] removed groups, forgetting
+    /// the oldest (by creation time, then id: the same choice on every replica). Without
+    /// it the state, and with it every snapshot, grows with each group ever made (a
+    /// create/remove loop slowed down at each snapshot).
+    fn forget_old_removed_groups(&mut self) {
+        let removed = self.placement_groups.values().filter(|p| p.is_removed());
+        if removed.clone().count() <= MAX_REMOVED_PLACEMENT_GROUPS {
+            return;
+        }
+        let oldest =
+            removed.min_by_key(|p| (p.create_time_ms, p.pg_id.clone())).map(|p| p.pg_id.clone());
+        if let Some(id) = oldest {
+            self.placement_groups.remove(&id);
+        }
     }
 
     /// The group with this name in this namespace, unless removed.
@@ -986,6 +1007,37 @@ mod tests {
         assert!(matches!(o, Outcome::Rejected(_)), "{o:?}");
         let (o, _) = sm.apply(cmd(CommandKind::CreatePlacementGroup(group("g", &job, 1))));
         assert!(matches!(o, Outcome::PlacementGroup(_)), "the name is free again: {o:?}");
+    }
+
+    /// HEAD-9: the state keeps the newest removed groups only; live ones always stay.
+    #[test]
+    fn only_the_newest_removed_groups_are_kept_head_9() {
+        let mut sm = StateMachine::new();
+        let job = JobId::random();
+        let live = group("", &job, 1);
+        let live_id = live.pg_id.clone();
+        sm.apply(cmd(CommandKind::CreatePlacementGroup(live)));
+        let mut ids = Vec::new();
+        for i in 0..MAX_REMOVED_PLACEMENT_GROUPS + 5 {
+            let mut g = group("", &job, 1);
+            g.create_time_ms = 1 + i as u64;
+            ids.push(g.pg_id.clone());
+            sm.apply(cmd(CommandKind::CreatePlacementGroup(g)));
+        }
+        for id in &ids {
+            sm.apply(cmd(CommandKind::RemovePlacementGroup {
+                pg_id: id.clone(),
+                reason: "x".into(),
+            }));
+        }
+        let removed = sm.placement_groups.values().filter(|p| p.is_removed()).count();
+        assert_eq!(removed, MAX_REMOVED_PLACEMENT_GROUPS);
+        assert!(
+            ids[..5].iter().all(|id| !sm.placement_groups.contains_key(id)),
+            "oldest forgotten"
+        );
+        assert!(ids[5..].iter().all(|id| sm.placement_groups.contains_key(id)), "newest kept");
+        assert!(sm.placement_groups.contains_key(&live_id), "a live group is never forgotten");
     }
 
     #[test]
