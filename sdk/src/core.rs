@@ -240,6 +240,8 @@ struct Class {
     push_us: AtomicU64,
     /// Until when (`now_ms`) the class pushes one task at a time.
     shallow_until_ms: AtomicU64,
+    /// Leases whose worker handed tasks back and takes no more until it answers.
+    stalled: AtomicUsize,
 }
 
 impl Class {
@@ -1772,6 +1774,7 @@ impl Core {
                     asking: AtomicUsize::new(0),
                     push_us: AtomicU64::new(u64::MAX),
                     shallow_until_ms: AtomicU64::new(0),
+                    stalled: AtomicUsize::new(0),
                 })
             }))
         };
@@ -1814,7 +1817,11 @@ impl Core {
             // lease of its own instead of waiting (as Ray requests one per task).
             let busy = class.in_flight.load(Ordering::SeqCst);
             let per_lease = fixed_pipeline_depth().unwrap_or(1);
-            let want = (queued + busy).div_ceil(per_lease).clamp(1, MAX_LEASES_PER_CLASS);
+            // A lease whose worker handed tasks back (it is blocked or slow) takes no more
+            // until it answers: the tasks need a lease besides it (CORE-9).
+            let stalled = class.stalled.load(Ordering::SeqCst);
+            let want =
+                ((queued + busy).div_ceil(per_lease) + stalled).clamp(1, MAX_LEASES_PER_CLASS);
             if queued == 0 || cur >= want {
                 return;
             }
@@ -2013,8 +2020,9 @@ impl Core {
         // it until what it holds is answered (else the same tasks would bounce back).
         let mut handing_back = false;
         loop {
-            if tasks_in_flight == 0 {
+            if tasks_in_flight == 0 && handing_back {
                 handing_back = false;
+                class.stalled.fetch_sub(1, Ordering::SeqCst);
             }
             let depth = if handing_back { 1 } else { class.depth() };
             while !broken && tasks_in_flight < depth {
@@ -2059,7 +2067,10 @@ impl Core {
             class.in_flight.fetch_sub(1, Ordering::SeqCst);
             match result {
                 Ok(reply) if reply.not_run => {
-                    handing_back = true;
+                    if !handing_back {
+                        handing_back = true;
+                        class.stalled.fetch_add(1, Ordering::SeqCst);
+                    }
                     self.given_back(class, q);
                 }
                 Ok(reply) => {
@@ -2077,6 +2088,9 @@ impl Core {
                     self.worker_died(class, q, &detail);
                 }
             }
+        }
+        if handing_back {
+            class.stalled.fetch_sub(1, Ordering::SeqCst);
         }
         broken
     }

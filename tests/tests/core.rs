@@ -364,8 +364,9 @@ fn a_task_waiting_for_one_queued_behind_it_does_not_deadlock() {
     for depth in [None, Some("8")] {
         let envs: Vec<(&str, &str)> =
             depth.map(|d| vec![("TPURAY_MAX_TASKS_IN_FLIGHT_PER_WORKER", d)]).unwrap_or_default();
-        let out =
-            start_driver_with(&c, &driver_bin(), "pipeline-nested-get", &[], &envs).finish(RUN);
+        let out = start_driver_with(&c, &driver_bin(), "pipeline-nested-get", &[], &envs)
+            // A deadlock never ends; a loaded machine may take a while (~30 s seen).
+            .finish(Duration::from_secs(180));
         out.assert_success();
         assert_eq!(out.line("RESULT "), "RESULT waiter=1007 sum=9900", "depth {depth:?}:\n{out}");
     }
