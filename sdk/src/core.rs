@@ -309,8 +309,12 @@ pub(crate) struct Core {
     /// then `borrow_queues` and a queue's state.
     borrowed: Mutex<HashMap<String, Borrow>>,
     /// Threads of this worker blocked in get/wait (AGENT-11): the agent lends the lease's
-    /// CPUs back while it is above zero.
+    /// CPUs back while it is above zero. Held while the agent is told, so it hears of
+    /// blocks and unblocks in order; runtime threads never take it (they read
+    /// `blocked_threads`), as the telling needs them free.
     blocked_depth: Mutex<usize>,
+    /// The same count, for readers on runtime threads ([`Core::is_blocked`]).
+    blocked_threads: AtomicUsize,
     /// Signalled when a thread of this worker starts waiting in get/wait: the
     /// executor hands back tasks queued behind the running one (CORE-9).
     pub(crate) blocked_now: Notify,
@@ -701,6 +705,7 @@ impl Core {
             clients: Mutex::new(Clients::default()),
             borrowed: Mutex::new(HashMap::new()),
             blocked_depth: Mutex::new(0),
+            blocked_threads: AtomicUsize::new(0),
             blocked_now: Notify::new(),
             pull_permits: tokio::sync::Semaphore::new(MAX_PULLS_PER_PROCESS),
             borrow_queues: Mutex::new(HashMap::new()),
@@ -1012,10 +1017,12 @@ impl Core {
         let mut depth = self.blocked_depth.lock().unwrap();
         let notify = if blocked {
             *depth += 1;
+            self.blocked_threads.store(*depth, Ordering::SeqCst);
             self.blocked_now.notify_waiters();
             *depth == 1
         } else {
             *depth = depth.saturating_sub(1);
+            self.blocked_threads.store(*depth, Ordering::SeqCst);
             *depth == 0
         };
         if notify && let Ok(mut c) = self.agent_client(&self.agent_address) {
@@ -1025,9 +1032,11 @@ impl Core {
         }
     }
 
-    /// Whether a thread of this worker waits in get/wait now (AGENT-11).
+    /// Whether a thread of this worker waits in get/wait now (AGENT-11). Never blocks:
+    /// runtime threads call it while [`Core::set_blocked`] holds its lock and waits for
+    /// the runtime to tell the agent (a deadlock, with the lock taken here).
     pub(crate) fn is_blocked(&self) -> bool {
-        *self.blocked_depth.lock().unwrap() > 0
+        self.blocked_threads.load(Ordering::SeqCst) > 0
     }
 
     /// A new owned object that stays pending until [`Core::fulfil`] settles it: the

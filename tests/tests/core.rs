@@ -358,7 +358,6 @@ fn retry_exceptions_retries_application_errors_only_when_asked() {
 /// is handed back and runs on the CPU the waiter lends), whether the depth is adaptive
 /// or fixed by `TPURAY_MAX_TASKS_IN_FLIGHT_PER_WORKER`.
 #[test]
-#[ignore = "open CORE-9 bug: hangs in about one run of five (the waiter never gets its task); run with --run-ignored"]
 fn a_task_waiting_for_one_queued_behind_it_does_not_deadlock() {
     let mut c = Cluster::new();
     c.start_head(&["--num-cpus", "1"]);

@@ -631,7 +631,9 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             say(&format!("WARM ms={}", t.elapsed().as_millis()));
             let mut refs: Vec<_> =
                 (0..100).map(|i| value_or_posted::remote(i, String::new())).collect();
-            let waiter = value_or_posted::remote(1000, "mailbox".to_string());
+            // Not retried: a second attempt would find the mailbox emptied by the first.
+            let once = TaskOptions { max_retries: 0, ..Default::default() };
+            let waiter = value_or_posted::options(once).remote(1000, "mailbox".to_string());
             let awaited = value_or_posted::remote(7, String::new());
             refs.extend((0..100).map(|i| value_or_posted::remote(i, String::new())));
             tpuray::get(&m.post(vec![awaited.clone()]))?;
