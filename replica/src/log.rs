@@ -27,7 +27,10 @@ const HARD: &[u8] = b"m/hard";
 const CONF: &[u8] = b"m/conf";
 const TRUNC: &[u8] = b"m/trunc";
 const SNAP_META: &[u8] = b"m/snapmeta";
-const SNAP_DATA: &[u8] = b"m/snapdata";
+/// The snapshot's bytes, kept apart from the often-written keys (see [`crate::kv::APART`]).
+const SNAP_DATA: &[u8] = b"~apart/snapdata";
+/// Where stores written before the snapshot moved apart kept it (read, then deleted).
+const OLD_SNAP_DATA: &[u8] = b"m/snapdata";
 
 fn entry_key(index: u64) -> [u8; 9] {
     let mut k = [0u8; 9];
@@ -151,7 +154,10 @@ impl<K: KvStore> LogStore<K> {
         if self.snap_meta.index == 0 {
             return Ok(None);
         }
-        let data = self.kv.get(SNAP_DATA)?.unwrap_or_default();
+        let data = match self.kv.get(SNAP_DATA)? {
+            Some(d) => d,
+            None => self.kv.get(OLD_SNAP_DATA)?.unwrap_or_default(),
+        };
         let mut s = Snapshot::default();
         s.set_metadata(self.snap_meta.clone());
         s.data = data.into();
@@ -212,6 +218,7 @@ impl<K: KvStore> LogStore<K> {
         self.snap_meta = meta.clone();
         batch.put(SNAP_META, encode(meta));
         batch.put(SNAP_DATA, snap.data.to_vec());
+        batch.delete(OLD_SNAP_DATA);
     }
 
     /// Stores a snapshot of the machine taken at applied index `index` and drops the
@@ -223,6 +230,7 @@ impl<K: KvStore> LogStore<K> {
         meta.set_conf_state(self.conf.clone());
         batch.put(SNAP_META, encode(&meta));
         batch.put(SNAP_DATA, data);
+        batch.delete(OLD_SNAP_DATA);
         self.snap_meta = meta;
         let compact_to = compact_to.min(index);
         if compact_to > self.trunc_index {
@@ -348,6 +356,14 @@ impl<K: KvStore> Storage for LogStore<K> {
 mod tests {
     use super::*;
     use crate::kv::{MemKv, SledKv};
+
+    #[test]
+    fn the_snapshot_is_kept_apart_from_the_often_written_keys() {
+        assert!(SNAP_DATA.starts_with(crate::kv::APART));
+        for k in [HARD, CONF, TRUNC, SNAP_META] {
+            assert!(!k.starts_with(crate::kv::APART));
+        }
+    }
 
     fn entry(index: u64, term: u64, data: &[u8]) -> Entry {
         Entry { index, term, data: data.to_vec().into(), ..Default::default() }
