@@ -57,15 +57,22 @@ fn fixed_pipeline_depth() -> Option<usize> {
             .filter(|&d| d >= 1)
     })
 }
-/// CORE-9: tasks pushed to one leased worker at once while the node has no
-/// CPU left for another lease of the class and its tasks are quick.
-const DEEP_PIPELINE: usize = 16;
+/// CORE-9: the most tasks pushed to one leased worker at once while the node has no
+/// CPU left for another lease of the class and its tasks are quick; fewer for slower
+/// ones, so that what waits on a worker takes about [`PIPELINE_BUDGET_US`].
+const DEEP_PIPELINE: usize = 256;
+/// The work a deep pipeline keeps queued on one worker (CORE-9), in microseconds of
+/// the class's average push: 16 tasks of the slowest quick class.
+const PIPELINE_BUDGET_US: u64 = 16 * QUICK_TASK_US;
 /// A class whose pushes (round trip included) take at most this long on
 /// average counts as quick (CORE-9), in microseconds.
 const QUICK_TASK_US: u64 = 2_000;
 /// Tasks sent to one worker in one `PushTasks` call at most (CORE-9): half the deep
 /// pipeline, so the worker runs one batch while the next is on its way.
 const PUSH_BATCH_MAX: usize = DEEP_PIPELINE / 2;
+/// A `PushTasks` call carries tasks up to about this many bytes of specs (their inline
+/// arguments included), at least one, far below the servers' message limit.
+const PUSH_BATCH_BYTES: usize = 4 * 1024 * 1024;
 /// How long a class pushes one task at a time after a task of it came back
 /// unrun (CORE-9).
 const SHALLOW_AFTER_GIVE_BACK: Duration = Duration::from_secs(1);
@@ -259,7 +266,8 @@ impl Class {
         let quick = self.push_us.load(Ordering::Relaxed) <= QUICK_TASK_US;
         let busy_node = self.asking.load(Ordering::Relaxed) > 0;
         if quick && busy_node && now_ms() >= self.shallow_until_ms.load(Ordering::Relaxed) {
-            DEEP_PIPELINE
+            let us = self.push_us.load(Ordering::Relaxed).max(1);
+            (PIPELINE_BUDGET_US / us).clamp(2, DEEP_PIPELINE as u64) as usize
         } else {
             1
         }
@@ -383,12 +391,14 @@ async fn push_batch(
             let mut items = r.into_inner();
             loop {
                 match items.message().await {
-                    Ok(Some(item)) => {
-                        let q = slots.get_mut(item.index as usize).and_then(Option::take);
-                        if let Some(q) = q {
-                            answered += 1;
-                            let reply = item.reply.unwrap_or_default();
-                            let _ = done.send((q, Ok(reply), t.elapsed() / answered));
+                    Ok(Some(ready)) => {
+                        for item in ready.items {
+                            let q = slots.get_mut(item.index as usize).and_then(Option::take);
+                            if let Some(q) = q {
+                                answered += 1;
+                                let reply = item.reply.unwrap_or_default();
+                                let _ = done.send((q, Ok(reply), t.elapsed() / answered));
+                            }
                         }
                     }
                     Ok(None) => {
@@ -2037,7 +2047,17 @@ impl Core {
             while !broken && tasks_in_flight < depth {
                 let batch: Vec<Queued> = {
                     let mut queue = class.queue.lock().unwrap();
-                    let n = (depth - tasks_in_flight).min(PUSH_BATCH_MAX).min(queue.len());
+                    let most = (depth - tasks_in_flight).min(PUSH_BATCH_MAX).min(queue.len());
+                    let mut bytes = 0;
+                    let n = queue
+                        .iter()
+                        .take(most)
+                        .take_while(|q| {
+                            let first = bytes == 0;
+                            bytes += prost::Message::encoded_len(&q.spec);
+                            first || bytes <= PUSH_BATCH_BYTES
+                        })
+                        .count();
                     queue.drain(..n).collect()
                 };
                 if batch.is_empty() {

@@ -99,7 +99,7 @@ impl WorkerService for SvcRef {
     }
 
     type PushTasksStream = std::pin::Pin<
-        Box<dyn tokio_stream::Stream<Item = Result<pb::PushTasksItem, Status>> + Send>,
+        Box<dyn tokio_stream::Stream<Item = Result<pb::PushTasksReplies, Status>> + Send>,
     >;
 
     async fn push_tasks(
@@ -126,11 +126,10 @@ impl WorkerService for SvcRef {
             let tx = tx.clone();
             tokio::spawn(async move {
                 let reply = queued.reply().await;
-                let _ = tx.send(Ok(pb::PushTasksItem { index: i as u32, reply: Some(reply) }));
+                let _ = tx.send(pb::PushTasksItem { index: i as u32, reply: Some(reply) });
             });
         }
-        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
-        Ok(Response::new(Box::pin(stream) as Self::PushTasksStream))
+        Ok(Response::new(Box::pin(ReadyReplies(rx)) as Self::PushTasksStream))
     }
 
     async fn get_object(
@@ -218,4 +217,27 @@ pub(crate) async fn serve(
         .add_service(server)
         .serve_with_incoming_shutdown(tpuray_proto::incoming(listener), shutdown)
         .await
+}
+
+/// The replies of one `PushTasks` call as a stream of messages: each message carries the
+/// first reply that is ready and every other one ready by then, so replies that finish
+/// close together share one HTTP/2 frame and one write.
+struct ReadyReplies(tokio::sync::mpsc::UnboundedReceiver<pb::PushTasksItem>);
+
+impl tokio_stream::Stream for ReadyReplies {
+    type Item = Result<pb::PushTasksReplies, Status>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let first = std::task::ready!(self.0.poll_recv(cx));
+        std::task::Poll::Ready(first.map(|first| {
+            let mut items = vec![first];
+            while let Ok(more) = self.0.try_recv() {
+                items.push(more);
+            }
+            Ok(pb::PushTasksReplies { items })
+        }))
+    }
 }
