@@ -372,6 +372,18 @@ fn a_task_waiting_for_one_queued_behind_it_does_not_deadlock() {
     }
 }
 
+/// CORE-9: a deep pipeline of tasks with large inline arguments splits its pushes below
+/// the worker's message limit, so every task runs.
+#[test]
+fn pipelined_tasks_with_large_inline_arguments_all_run() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "1"]);
+    let envs = [("TPURAY_MAX_TASKS_IN_FLIGHT_PER_WORKER", "128")];
+    let out = start_driver_with(&c, &driver_bin(), "pipeline-big-args", &[], &envs).finish(RUN);
+    out.assert_success();
+    assert_eq!(out.line("RESULT "), format!("RESULT total={}", 300 * 6 * 90 * 1024), "{out}");
+}
+
 /// CORE-9: quick tasks are never held behind a slow task of their class while another
 /// CPU is free: they all finish while it still runs.
 #[test]
