@@ -263,11 +263,11 @@ impl Class {
         if let Some(d) = fixed_pipeline_depth() {
             return d;
         }
-        let quick = self.push_us.load(Ordering::Relaxed) <= QUICK_TASK_US;
+        let push_us = self.push_us.load(Ordering::Relaxed);
+        let quick = push_us <= QUICK_TASK_US;
         let busy_node = self.asking.load(Ordering::Relaxed) > 0;
         if quick && busy_node && now_ms() >= self.shallow_until_ms.load(Ordering::Relaxed) {
-            let us = self.push_us.load(Ordering::Relaxed).max(1);
-            (PIPELINE_BUDGET_US / us).clamp(2, DEEP_PIPELINE as u64) as usize
+            (PIPELINE_BUDGET_US / push_us.max(1)).clamp(2, DEEP_PIPELINE as u64) as usize
         } else {
             1
         }
@@ -317,12 +317,12 @@ pub(crate) struct Core {
     /// then `borrow_queues` and a queue's state.
     borrowed: Mutex<HashMap<String, Borrow>>,
     /// Threads of this worker blocked in get/wait (AGENT-11): the agent lends the lease's
-    /// CPUs back while it is above zero. Held while the agent is told, so it hears of
-    /// blocks and unblocks in order; runtime threads never take it (they read
-    /// `blocked_threads`), as the telling needs them free.
-    blocked_depth: Mutex<usize>,
-    /// The same count, for readers on runtime threads ([`Core::is_blocked`]).
+    /// CPUs back while it is above zero. Changed only under `telling_agent`.
     blocked_threads: AtomicUsize,
+    /// Held while `blocked_threads` changes and the agent is told, so the agent hears of
+    /// blocks and unblocks in order. Runtime threads never take it (the telling needs
+    /// them free): they read `blocked_threads`.
+    telling_agent: Mutex<()>,
     /// Signalled when a thread of this worker starts waiting in get/wait: the
     /// executor hands back tasks queued behind the running one (CORE-9).
     pub(crate) blocked_now: Notify,
@@ -714,8 +714,8 @@ impl Core {
             events: Mutex::new(Vec::new()),
             clients: Mutex::new(Clients::default()),
             borrowed: Mutex::new(HashMap::new()),
-            blocked_depth: Mutex::new(0),
             blocked_threads: AtomicUsize::new(0),
+            telling_agent: Mutex::new(()),
             blocked_now: Notify::new(),
             pull_permits: tokio::sync::Semaphore::new(MAX_PULLS_PER_PROCESS),
             borrow_queues: Mutex::new(HashMap::new()),
@@ -1024,17 +1024,14 @@ impl Core {
         if !crate::worker::is_worker_process() {
             return;
         }
-        let mut depth = self.blocked_depth.lock().unwrap();
-        let notify = if blocked {
-            *depth += 1;
-            self.blocked_threads.store(*depth, Ordering::SeqCst);
+        let _telling = self.telling_agent.lock().unwrap();
+        let depth = self.blocked_threads.load(Ordering::SeqCst);
+        let depth = if blocked { depth + 1 } else { depth.saturating_sub(1) };
+        self.blocked_threads.store(depth, Ordering::SeqCst);
+        if blocked {
             self.blocked_now.notify_waiters();
-            *depth == 1
-        } else {
-            *depth = depth.saturating_sub(1);
-            self.blocked_threads.store(*depth, Ordering::SeqCst);
-            *depth == 0
-        };
+        }
+        let notify = if blocked { depth == 1 } else { depth == 0 };
         if notify && let Ok(mut c) = self.agent_client(&self.agent_address) {
             let req = pb::NotifyWorkerBlockedRequest { worker_id: self.worker_id.clone(), blocked };
             // Under the lock, so the agent sees blocked/unblocked in order.
@@ -1044,7 +1041,7 @@ impl Core {
 
     /// Whether a thread of this worker waits in get/wait now (AGENT-11). Never blocks:
     /// runtime threads call it while [`Core::set_blocked`] holds its lock and waits for
-    /// the runtime to tell the agent (a deadlock, with the lock taken here).
+    /// the runtime to tell the agent (a deadlock, had it taken the lock).
     pub(crate) fn is_blocked(&self) -> bool {
         self.blocked_threads.load(Ordering::SeqCst) > 0
     }
