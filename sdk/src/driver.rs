@@ -142,11 +142,7 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
     let token = tpuray_proto::auth::load_token().map_err(|e| Error::Cluster(e.to_string()))?;
     let fail_on_infeasible =
         matches!(std::env::var("TPURAY_FAIL_ON_INFEASIBLE").as_deref(), Ok("1") | Ok("true"));
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| Error::Cluster(e.to_string()))?;
+    let rt = crate::core::build_runtime().map_err(Error::Cluster)?;
     let (job_id, node, listener) = rt.block_on(async {
         let mut head = tpuray_proto::client::head(&head_address, token.as_deref())
             .map_err(|e| Error::Cluster(e.to_string()))?;

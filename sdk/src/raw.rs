@@ -137,6 +137,10 @@ pub fn call_actor(
 pub fn get(refs: &[RawRef], timeout: Option<Duration>) -> Result<Vec<Result<Data, Error>>, Error> {
     let c = core()?;
     let deadline = timeout.map(|t| Instant::now() + t);
+    if let Some(d) = deadline {
+        // This process's own objects are waited for without a runtime timer.
+        c.settle_owned(refs, d);
+    }
     Ok(c.rt.block_on(async {
         let mut out = Vec::with_capacity(refs.len());
         for r in refs {

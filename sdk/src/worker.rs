@@ -62,11 +62,7 @@ pub fn run_worker() -> Result<(), WorkerError> {
     let token = tpuray_proto::auth::load_token().ok().flatten();
     let auth_required =
         std::env::var(tpuray_proto::auth::AUTH_MODE_ENV).as_deref() != Ok("disabled");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| WorkerError::Serve(e.to_string()))?;
+    let rt = crate::core::build_runtime().map_err(WorkerError::Serve)?;
     let host =
         agent_address.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or("127.0.0.1".into());
     let listener = rt
