@@ -19,7 +19,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use tpuray::error::TaskFailure;
-use tpuray::foreign::{ForeignReturn, ForeignRuntime, ForeignStream, TaskInfo};
+use tpuray::foreign::{AsyncDone, ForeignReturn, ForeignRuntime, ForeignStream, TaskInfo};
 use tpuray::raw::{self, Arg, RawRef};
 use tpuray::{ActorHandle, ActorOptions, Error, Scheduling, TaskOptions};
 
@@ -1081,13 +1081,34 @@ struct AsyncCall {
     function: String,
     num_returns: u32,
     args: Vec<Vec<u8>>,
-    reply: SyncSender<Result<ForeignReturn, TaskFailure>>,
+    reply: AsyncAnswer,
 }
 
-/// The async methods of this worker's actor and the queue of their calls. An executor
-/// thread queues a call and wakes the loop through a pipe (one byte while the loop has not
-/// taken the queue since), then waits for the reply without the GIL; the loop takes every
-/// queued call at once, runs each as a task and sends its reply back from there.
+/// Where an async call's answer goes.
+enum AsyncAnswer {
+    /// To an executor thread waiting for it.
+    Waiting(SyncSender<Result<ForeignReturn, TaskFailure>>),
+    /// To the core's reply, straight from the loop's thread (started without an executor
+    /// thread: [`ForeignRuntime::start_async_method`]).
+    Done(AsyncDone),
+}
+
+impl AsyncAnswer {
+    fn send(self, r: Result<ForeignReturn, TaskFailure>) {
+        match self {
+            AsyncAnswer::Waiting(tx) => {
+                let _ = tx.send(r);
+            }
+            AsyncAnswer::Done(done) => done(r),
+        }
+    }
+}
+
+/// The async methods of this worker's actor and the queue of their calls. A call is queued
+/// (by an executor thread, or by the core's RPC thread for a call that needs none) and
+/// wakes the loop through a pipe (one byte while the loop has not taken the queue since);
+/// the loop takes every queued call at once, runs each as a task and sends its answer from
+/// there.
 struct AsyncCalls {
     methods: HashSet<String>,
     wake: std::fs::File,
@@ -1098,23 +1119,34 @@ struct AsyncCalls {
 static ASYNC_CALLS: OnceLock<AsyncCalls> = OnceLock::new();
 
 impl AsyncCalls {
-    fn call(&self, t: &TaskInfo, args: Vec<Vec<u8>>) -> Result<ForeignReturn, TaskFailure> {
-        let (tx, rx) = sync_channel(1);
+    /// Queues a call for the loop; its answer goes to `reply`.
+    fn queue(&self, t: &TaskInfo, args: Vec<Vec<u8>>, reply: AsyncAnswer) {
         let wake = {
             let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
             q.0.push(AsyncCall {
                 function: t.function.clone(),
                 num_returns: t.num_returns,
                 args,
-                reply: tx,
+                reply,
             });
             !std::mem::replace(&mut q.1, true)
         };
         if wake && let Err(e) = (&self.wake).write_all(&[1]) {
-            return Err(TaskFailure::application(format!(
-                "could not wake the async actor's event loop: {e}"
-            )));
+            // Nothing will take the queue: answer every call in it.
+            let calls =
+                std::mem::take(&mut self.queue.lock().unwrap_or_else(PoisonError::into_inner).0);
+            for c in calls {
+                c.reply.send(Err(TaskFailure::application(format!(
+                    "could not wake the async actor's event loop: {e}"
+                ))));
+            }
         }
+    }
+
+    /// Runs a call on the loop, waiting for its answer on this (executor) thread.
+    fn call(&self, t: &TaskInfo, args: Vec<Vec<u8>>) -> Result<ForeignReturn, TaskFailure> {
+        let (tx, rx) = sync_channel(1);
+        self.queue(t, args, AsyncAnswer::Waiting(tx));
         rx.recv().unwrap_or_else(|_| {
             Err(TaskFailure::application(
                 "tpuray's Python runtime dropped the async actor call".to_string(),
@@ -1124,20 +1156,33 @@ impl AsyncCalls {
 }
 
 /// Where an async method call's result goes: `send(reply)` with the runtime's
-/// `("ok", [bytes...], [RefCore...])` or `("err", message, payload[, no_retry])`.
+/// `("ok", [bytes...], [RefCore...])` or `("err", message, payload[, no_retry])`. One
+/// dropped unsent answers that the runtime dropped the call.
 #[pyclass(module = "tpuray._tpuray", frozen)]
 struct AsyncReply {
-    tx: Mutex<Option<SyncSender<Result<ForeignReturn, TaskFailure>>>>,
+    tx: Mutex<Option<AsyncAnswer>>,
 }
 
 #[pymethods]
 impl AsyncReply {
-    fn send(&self, reply: &Bound<'_, PyAny>) {
+    fn send(&self, py: Python<'_>, reply: &Bound<'_, PyAny>) {
         let r = parse_reply(reply).unwrap_or_else(|e| {
             Err(TaskFailure::application(format!("tpuray's Python runtime failed: {e}")))
         });
-        if let Some(tx) = self.tx.lock().unwrap_or_else(PoisonError::into_inner).take() {
-            let _ = tx.send(r);
+        if let Some(answer) = self.tx.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            // Storing the result and telling owners about refs in it may wait: not with
+            // the GIL.
+            py.detach(|| answer.send(r));
+        }
+    }
+}
+
+impl Drop for AsyncReply {
+    fn drop(&mut self) {
+        if let Some(answer) = self.tx.get_mut().unwrap_or_else(PoisonError::into_inner).take() {
+            answer.send(Err(TaskFailure::application(
+                "tpuray's Python runtime dropped the async actor call".to_string(),
+            )));
         }
     }
 }
@@ -1256,6 +1301,15 @@ impl ForeignRuntime for PyRuntime {
             return a.call(task, args);
         }
         self.call("call_method", task, args)
+    }
+    fn is_async_method(&self, function: &str) -> bool {
+        ASYNC_CALLS.get().is_some_and(|a| a.methods.contains(function))
+    }
+    fn start_async_method(&self, task: &TaskInfo, args: Vec<Vec<u8>>, done: AsyncDone) {
+        match ASYNC_CALLS.get() {
+            Some(a) => a.queue(task, args, AsyncAnswer::Done(done)),
+            None => done(Err(TaskFailure::application("this actor has no async methods"))),
+        }
     }
 }
 

@@ -16,6 +16,7 @@ use tpuray_proto::pb::task_error::Kind;
 use crate::codec::Encoded;
 use crate::core::{Core, INLINE_MAX_BYTES};
 use crate::error::TaskFailure;
+use crate::foreign::ForeignRuntime;
 use crate::object_ref::RawRef;
 use crate::registry::{self, ActorClass};
 
@@ -85,6 +86,13 @@ pub(crate) struct Executor {
     actor: Option<ActorHost>,
     /// Task ids running now, for cancellation.
     running: Mutex<HashMap<String, ()>>,
+    /// The actor's `max_concurrency` (1 for a task worker): how many of its calls run at
+    /// once, on executor threads (at most [`MAX_EXECUTOR_THREADS`]) or on its event loop.
+    max_concurrency: usize,
+    /// Calls running on the foreign runtime's event loop, started without an executor
+    /// thread (see [`Executor::start_on_loop`]), and those waiting for one of the
+    /// `max_concurrency` places.
+    on_loop: Mutex<(usize, std::collections::VecDeque<Job>)>,
 }
 
 fn failure(spec: &pb::TaskSpec, core: &Core, f: TaskFailure) -> pb::PushTaskReply {
@@ -118,9 +126,33 @@ fn stopped() -> pb::PushTaskReply {
     }
 }
 
-fn foreign_of(spec: &pb::TaskSpec) -> Option<&'static dyn crate::foreign::ForeignRuntime> {
+fn foreign_of(spec: &pb::TaskSpec) -> Option<&'static dyn ForeignRuntime> {
     let lang = spec.function.as_ref().map(|f| f.language.as_str()).unwrap_or("rust");
     if lang == "rust" || lang.is_empty() { None } else { crate::foreign::runtime_for(lang) }
+}
+
+/// The foreign runtime that runs `spec` on its own event loop, when it does: a
+/// non-streaming call of an async actor method whose arguments all came inline (one that
+/// must fetch an argument first goes through an executor thread, which may block).
+fn loop_runtime(spec: &pb::TaskSpec) -> Option<&'static dyn ForeignRuntime> {
+    let inline = spec.args.iter().all(|a| matches!(a.kind, Some(pb::task_arg::Kind::Value(_))));
+    if spec.streaming || spec.actor_id.is_empty() || !inline {
+        return None;
+    }
+    let rt = foreign_of(spec)?;
+    let function = spec.function.as_ref().map(|f| f.name.as_str()).unwrap_or_default();
+    rt.is_async_method(function).then_some(rt)
+}
+
+/// Each argument's bytes when every argument came inline; `None` when one is a ref.
+fn inline_args(spec: &pb::TaskSpec) -> Option<Vec<Vec<u8>>> {
+    spec.args
+        .iter()
+        .map(|a| match &a.kind {
+            Some(pb::task_arg::Kind::Value(v)) => Some(v.clone()),
+            _ => None,
+        })
+        .collect()
 }
 
 fn task_info(spec: &pb::TaskSpec) -> crate::foreign::TaskInfo {
@@ -165,6 +197,7 @@ impl Executor {
         creation: Option<pb::TaskSpec>,
     ) -> Result<Arc<Self>, String> {
         let mut threads = 1;
+        let mut max_concurrency = 1;
         let actor = match creation {
             Some(spec) if foreign_of(&spec).is_some() => {
                 let rt = foreign_of(&spec).expect("checked");
@@ -174,6 +207,7 @@ impl Executor {
                     .map_err(|p| format!("{} constructor {}", info.class_name, panic_message(p)))?
                     .map_err(|f| f.message)?;
                 threads = spec.max_concurrency.clamp(1, MAX_EXECUTOR_THREADS) as usize;
+                max_concurrency = spec.max_concurrency.max(1) as usize;
                 Some(ActorHost {
                     class: None,
                     state: Mutex::new(Box::new(())),
@@ -191,6 +225,7 @@ impl Executor {
                     .map_err(|p| format!("{class_name} constructor {}", panic_message(p)))?
                     .map_err(|f| format!("{class_name} constructor failed: {}", f.message))?;
                 threads = spec.max_concurrency.clamp(1, MAX_EXECUTOR_THREADS) as usize;
+                max_concurrency = spec.max_concurrency.max(1) as usize;
                 Some(ActorHost {
                     class: Some(class),
                     state: Mutex::new(state),
@@ -200,7 +235,14 @@ impl Executor {
             None => None,
         };
         let (tx, rx) = std::sync::mpsc::channel::<Job>();
-        let ex = Arc::new(Self { core, tx, actor, running: Mutex::new(HashMap::new()) });
+        let ex = Arc::new(Self {
+            core,
+            tx,
+            actor,
+            running: Mutex::new(HashMap::new()),
+            max_concurrency,
+            on_loop: Mutex::new((0, std::collections::VecDeque::new())),
+        });
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..threads {
             let ex = Arc::clone(&ex);
@@ -229,7 +271,7 @@ impl Executor {
 
     /// Accepts a pushed task; the reply arrives when it has run, or (a task queued behind
     /// another, CORE-9) when it is handed back unrun: `not_run` set.
-    pub(crate) async fn push(&self, spec: pb::TaskSpec) -> pb::PushTaskReply {
+    pub(crate) async fn push(self: &Arc<Self>, spec: pb::TaskSpec) -> pb::PushTaskReply {
         if spec.actor_id.is_empty() {
             return self.enqueue_task(spec).reply().await;
         }
@@ -251,10 +293,52 @@ impl Executor {
             q.waiting.insert(job.spec.sequence_no, job);
             while let Some(j) = q.waiting.remove(&q.next) {
                 q.next += 1;
-                let _ = self.tx.send(j);
+                match loop_runtime(&j.spec) {
+                    Some(rt) => self.start_on_loop(rt, j),
+                    None => {
+                        let _ = self.tx.send(j);
+                    }
+                }
             }
         }
         rx.await.unwrap_or_else(|_| stopped())
+    }
+
+    /// Starts an actor call on its foreign runtime's event loop (an async actor's `async
+    /// def` method): from the RPC's thread straight to the loop, and the result from the
+    /// loop's thread straight to the reply, two thread hand-offs fewer than through an
+    /// executor thread. At most `max_concurrency` run at once (Ray's limit for async
+    /// actors); the rest wait here in order.
+    fn start_on_loop(self: &Arc<Self>, rt: &'static dyn ForeignRuntime, job: Job) {
+        {
+            let mut on_loop = self.on_loop.lock().unwrap();
+            if on_loop.0 >= self.max_concurrency {
+                on_loop.1.push_back(job);
+                return;
+            }
+            on_loop.0 += 1;
+        }
+        let Job { spec, reply, .. } = job;
+        self.running.lock().unwrap().insert(spec.task_id.clone(), ());
+        self.core.event(&spec, "RUNNING", "");
+        let args = inline_args(&spec).unwrap_or_default();
+        let info = task_info(&spec);
+        let ex = Arc::clone(self);
+        rt.start_async_method(
+            &info,
+            args,
+            Box::new(move |result| {
+                let _ = reply.send(ex.finish(&spec, result.map(Encoded::Foreign)));
+                let next = {
+                    let mut on_loop = ex.on_loop.lock().unwrap();
+                    on_loop.0 -= 1;
+                    on_loop.1.pop_front()
+                };
+                if let Some(j) = next {
+                    ex.start_on_loop(rt, j);
+                }
+            }),
+        );
     }
 
     /// Queues a task (not an actor call) behind those queued before it; its reply comes
@@ -279,12 +363,25 @@ impl Executor {
     }
 
     fn run(&self, spec: &pb::TaskSpec) -> pb::PushTaskReply {
-        let core = &self.core;
         // Clients made here (generator reports, nested calls) need the runtime.
-        let _guard = core.rt.enter();
+        let _guard = self.core.rt.enter();
         self.running.lock().unwrap().insert(spec.task_id.clone(), ());
-        core.event(spec, "RUNNING", "");
-        let reply = match self.invoke(spec) {
+        self.core.event(spec, "RUNNING", "");
+        self.finish(spec, self.invoke(spec))
+    }
+
+    /// The reply for a call that ran: its results stored (small ones inline), the refs in
+    /// them handed over to the caller, and the refs it kept registered with their owners.
+    /// Blocks (on owners' answers, and on the store for large results): not for the
+    /// runtime's threads.
+    fn finish(
+        &self,
+        spec: &pb::TaskSpec,
+        result: Result<Encoded, TaskFailure>,
+    ) -> pb::PushTaskReply {
+        let core = &self.core;
+        let _guard = core.rt.enter();
+        let reply = match result {
             Ok(Encoded::Value(bytes)) => {
                 let nested = crate::codec::take_return_nested();
                 match self.store_return(spec, &spec.return_ids[0], bytes) {

@@ -76,7 +76,29 @@ pub trait ForeignRuntime: Send + Sync + 'static {
         task: &TaskInfo,
         args: Vec<Vec<u8>>,
     ) -> Result<ForeignStream, TaskFailure>;
+
+    /// Whether calls of this actor's method `function` run on the runtime's own event loop
+    /// (an async actor's `async def` methods, as Ray runs them), so that
+    /// [`ForeignRuntime::start_async_method`] can take them straight from the RPC that
+    /// brought them, without an executor thread in between. Default: none do.
+    fn is_async_method(&self, function: &str) -> bool {
+        let _ = function;
+        false
+    }
+
+    /// Starts a call [`ForeignRuntime::is_async_method`] said yes to on the runtime's event
+    /// loop and returns at once, without blocking (it is called on the worker's RPC
+    /// thread); `done` gets the call's result, on the loop's thread, when it ends.
+    fn start_async_method(&self, task: &TaskInfo, args: Vec<Vec<u8>>, done: AsyncDone) {
+        let _ = (task, args);
+        done(Err(TaskFailure::application(
+            "this language runtime runs no methods on an event loop",
+        )));
+    }
 }
+
+/// Where the result of a call started by [`ForeignRuntime::start_async_method`] goes.
+pub type AsyncDone = Box<dyn FnOnce(Result<ForeignReturn, TaskFailure>) + Send>;
 
 static RUNTIME: OnceLock<(String, Box<dyn ForeignRuntime>)> = OnceLock::new();
 

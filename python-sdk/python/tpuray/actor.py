@@ -147,7 +147,10 @@ class ActorHandle:
         methods = self.__dict__.get("_methods")
         if methods is not None and name not in methods:
             raise AttributeError(f"'{self._class_name}' object has no attribute '{name}'")
-        return ActorMethod(self, name, self._method_returns.get(name, 1))
+        method = ActorMethod(self, name, self._method_returns.get(name, 1))
+        # Kept: the next ``handle.name`` finds it without coming here.
+        self.__dict__[name] = method
+        return method
 
     def __reduce__(self):
         return (

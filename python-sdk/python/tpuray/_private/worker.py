@@ -659,6 +659,9 @@ class _Forwarder:
     and sends each complete line to the job's driver, prefixed as Ray prefixes it:
     ``(f pid=123)``, or ``(f pid=123, ip=10.0.0.2)`` from another host."""
 
+    #: Set by any write, cleared by :func:`_flush_output` before it flushes.
+    written = False
+
     def __init__(self, inner, driver: str, is_err: bool):
         self._inner = inner
         self._driver = driver
@@ -671,6 +674,7 @@ class _Forwarder:
         self._ip = "" if not agent or agent == host else f", ip={agent}"
 
     def write(self, s: str) -> int:
+        _Forwarder.written = True
         self._inner.write(s)
         with self._lock:
             text = self._partial + s
@@ -702,6 +706,9 @@ class _Forwarder:
 
 
 def _flush_output() -> None:
+    if not _Forwarder.written:
+        return  # nothing written since the last flush (most calls print nothing)
+    _Forwarder.written = False
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, _Forwarder):
             stream.flush()
