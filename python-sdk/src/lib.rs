@@ -998,17 +998,18 @@ struct PyRuntime {
 }
 
 fn info_dict<'py>(py: Python<'py>, t: &TaskInfo) -> PyResult<Bound<'py, PyDict>> {
+    // Interned keys: made once per process, not once per call.
     let d = PyDict::new(py);
-    d.set_item("task_id", &t.task_id)?;
-    d.set_item("job_id", &t.job_id)?;
-    d.set_item("function", &t.function)?;
-    d.set_item("class_name", &t.class_name)?;
-    d.set_item("name", &t.name)?;
-    d.set_item("actor_id", &t.actor_id)?;
-    d.set_item("attempt", t.attempt)?;
-    d.set_item("num_returns", t.num_returns)?;
-    d.set_item("streaming", t.streaming)?;
-    d.set_item("placement_group_id", &t.placement_group_id)?;
+    d.set_item(pyo3::intern!(py, "task_id"), &t.task_id)?;
+    d.set_item(pyo3::intern!(py, "job_id"), &t.job_id)?;
+    d.set_item(pyo3::intern!(py, "function"), &t.function)?;
+    d.set_item(pyo3::intern!(py, "class_name"), &t.class_name)?;
+    d.set_item(pyo3::intern!(py, "name"), &t.name)?;
+    d.set_item(pyo3::intern!(py, "actor_id"), &t.actor_id)?;
+    d.set_item(pyo3::intern!(py, "attempt"), t.attempt)?;
+    d.set_item(pyo3::intern!(py, "num_returns"), t.num_returns)?;
+    d.set_item(pyo3::intern!(py, "streaming"), t.streaming)?;
+    d.set_item(pyo3::intern!(py, "placement_group_id"), &t.placement_group_id)?;
     Ok(d)
 }
 

@@ -104,12 +104,14 @@ pub const RUNTIME_THREADS_ENV: &str = "TPURAY_RUNTIME_THREADS";
 /// The tokio runtime of a driver or worker process: its RPCs, owner bookkeeping and
 /// actor senders. Tasks and actor calls never run on it (executor threads do).
 ///
-/// One thread unless [`RUNTIME_THREADS_ENV`] says otherwise. With two, tokio wakes the
-/// idle thread whenever new work is queued, so a call's wake-ups bounce between them
-/// (5.4 context switches per actor call in a driver, against 2 with one thread). On the
-/// 2-core machine of issue 10 one thread measured: Rust 1:1 actor calls sync +35%, Rust
-/// and Python tasks sync +16-21%, Python tasks async +21%, Python 1:1 actor calls sync
-/// +4-7%; Rust tasks async and multi client tasks async -5% and -13%.
+/// Two threads unless [`RUNTIME_THREADS_ENV`] says otherwise. With two, tokio wakes the
+/// idle thread whenever new work is queued, so a sync call's wake-ups bounce between
+/// them (5.4 context switches per actor call in a driver, against 2 with one thread). On
+/// the 2-core machine of issue 10 one thread measured Rust 1:1 actor calls sync +35%,
+/// tasks sync +16-21%, Python tasks async +21%, but Rust tasks async fell from ~23k to
+/// 17.6k per second, and under one thread the Rust n:n actor case lost connections: the
+/// actor's HTTP/2 server answered GOAWAY `ENHANCE_YOUR_CALM` (h2's small-DATA-frame
+/// budget) while its one thread lagged behind a burst of calls. Hence two by default.
 ///
 /// # Errors
 /// The variable is not a whole number from 1 to 256, or the runtime cannot start.
@@ -125,7 +127,7 @@ pub(crate) fn build_runtime() -> Result<tokio::runtime::Runtime, String> {
 /// The runtime's thread count for [`RUNTIME_THREADS_ENV`]'s value (`None`: unset).
 fn runtime_threads(value: Option<&str>) -> Result<usize, String> {
     match value.map(|v| (v, v.trim().parse::<usize>())) {
-        None => Ok(1),
+        None => Ok(2),
         Some((_, Ok(n @ 1..=256))) => Ok(n),
         Some((v, _)) => Err(format!(
             "{RUNTIME_THREADS_ENV}={v:?}: expected a whole number of threads from 1 to 256"
@@ -2874,9 +2876,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn runtime_threads_default_to_one_and_reject_what_is_not_a_count() {
-        assert_eq!(runtime_threads(None), Ok(1));
-        assert_eq!(runtime_threads(Some("2")), Ok(2));
+    fn runtime_threads_default_to_two_and_reject_what_is_not_a_count() {
+        assert_eq!(runtime_threads(None), Ok(2));
+        assert_eq!(runtime_threads(Some("1")), Ok(1));
         assert_eq!(runtime_threads(Some(" 4 ")), Ok(4));
         for bad in ["0", "-1", "two", "", "257"] {
             let e = runtime_threads(Some(bad)).unwrap_err();
