@@ -109,6 +109,23 @@ impl Service<http::Request<Body>> for AuthChannel {
     }
 }
 
+/// A status's message followed by the errors under it, as in "transport error: stream
+/// closed because of a broken pipe" or "tcp connect error: Connection refused (os error
+/// 111)" (tonic's message alone says only "transport error").
+pub fn status_chain(s: &tonic::Status) -> String {
+    let mut out = s.message().to_string();
+    let mut cur: Option<&dyn std::error::Error> = std::error::Error::source(s);
+    while let Some(e) = cur {
+        let m = e.to_string();
+        if !out.contains(&m) {
+            out.push_str(": ");
+            out.push_str(&m);
+        }
+        cur = e.source();
+    }
+    out
+}
+
 /// Errors building a client.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -407,6 +424,26 @@ pub fn objects(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn status_chain_names_each_cause_once() {
+        #[derive(Debug)]
+        struct Conn(std::io::Error);
+        impl std::fmt::Display for Conn {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "connection error")
+            }
+        }
+        impl std::error::Error for Conn {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let pipe = std::io::Error::new(std::io::ErrorKind::BrokenPipe, "stream closed");
+        let s = tonic::Status::from_error(Box::new(Conn(pipe)));
+        assert_eq!(status_chain(&s), "connection error: stream closed");
+        assert_eq!(status_chain(&tonic::Status::internal("plain")), "plain");
+    }
 
     #[test]
     fn grpc_timeouts_parse_in_every_unit() {

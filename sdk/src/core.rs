@@ -2712,7 +2712,7 @@ impl Core {
                             Kind::ActorDied,
                             format!(
                                 "the actor died while running the call ({})",
-                                status_detail(&status)
+                                tpuray_proto::client::status_chain(&status)
                             ),
                             &spec.name,
                         );
@@ -2793,22 +2793,6 @@ enum PullError {
 }
 
 /// True when a call failed before reaching the server (nothing ran).
-/// A status's message and the chain of errors under it, as in "transport error: stream
-/// closed because of a broken pipe" (tonic's message alone says only "transport error").
-fn status_detail(s: &tonic::Status) -> String {
-    let mut out = s.message().to_string();
-    let mut source = std::error::Error::source(s);
-    while let Some(e) = source {
-        let text = e.to_string();
-        if !out.ends_with(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = e.source();
-    }
-    out
-}
-
 fn is_connect_error(s: &tonic::Status) -> bool {
     let m = s.message();
     s.code() == tonic::Code::Unavailable

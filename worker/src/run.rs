@@ -224,7 +224,7 @@ async fn join_head(
                     return Err(StartError::HeadUnreachable {
                         address,
                         waited: Duration::from_secs(started.elapsed().as_secs()),
-                        detail: error_chain(&s),
+                        detail: tpuray_proto::client::status_chain(&s),
                     });
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
@@ -442,22 +442,6 @@ fn tokio_stream_listener(
     listener: tokio::net::TcpListener,
 ) -> tonic::transport::server::TcpIncoming {
     tpuray_proto::incoming(listener)
-}
-
-/// A status's message followed by its underlying causes ("tcp connect
-/// error: Connection refused (os error 111)").
-fn error_chain(s: &tonic::Status) -> String {
-    let mut out = s.message().to_string();
-    let mut cur: Option<&dyn std::error::Error> = std::error::Error::source(s);
-    while let Some(e) = cur {
-        let m = e.to_string();
-        if !out.contains(&m) {
-            out.push_str(": ");
-            out.push_str(&m);
-        }
-        cur = e.source();
-    }
-    out
 }
 
 /// A duration from an environment variable in milliseconds, or a default.
