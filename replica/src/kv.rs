@@ -203,11 +203,25 @@ impl SledKv {
     /// [`StoreError::Io`] naming the folder when sled cannot open it (in use by another
     /// process, unreadable, not a sled database).
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
-        let db = sled::Config::new()
-            .path(dir)
-            .mode(sled::Mode::HighThroughput)
-            .open()
-            .map_err(|e| StoreError::Io(format!("cannot open {}: {e}", dir.display())))?;
+        // sled lets go of its file lock when the last handle to a dropped database goes,
+        // its flusher thread's included, a moment after the drop: a reopen in the same
+        // process (a restarted replica in tests) waits for that, up to about 2 s.
+        let mut tries = 0;
+        let db = loop {
+            match sled::Config::new().path(dir).mode(sled::Mode::HighThroughput).open() {
+                Err(sled::Error::Io(e))
+                    if e.kind() == std::io::ErrorKind::WouldBlock && tries < 200 =>
+                {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                r => {
+                    break r.map_err(|e| {
+                        StoreError::Io(format!("cannot open {}: {e}", dir.display()))
+                    })?;
+                }
+            }
+        };
         let apart = db
             .open_tree(APART)
             .map_err(|e| StoreError::Io(format!("cannot open {}: {e}", dir.display())))?;
