@@ -1296,12 +1296,10 @@ impl ForeignRuntime for PyRuntime {
         task: &TaskInfo,
         args: Vec<Vec<u8>>,
     ) -> Result<ForeignReturn, TaskFailure> {
-        if let Some(a) = ASYNC_CALLS.get()
-            && a.methods.contains(&task.function)
-        {
-            return a.call(task, args);
+        match ASYNC_CALLS.get() {
+            Some(a) if a.methods.contains(&task.function) => a.call(task, args),
+            _ => self.call("call_method", task, args),
         }
-        self.call("call_method", task, args)
     }
     fn is_async_method(&self, function: &str) -> bool {
         ASYNC_CALLS.get().is_some_and(|a| a.methods.contains(function))

@@ -144,11 +144,11 @@ fn loop_runtime(spec: &pb::TaskSpec) -> Option<&'static dyn ForeignRuntime> {
     rt.is_async_method(function).then_some(rt)
 }
 
-/// Each argument's bytes when every argument came inline; `None` when one is a ref.
-fn inline_args(spec: &pb::TaskSpec) -> Option<Vec<Vec<u8>>> {
+/// Each inline argument's bytes (all of them, for a call [`loop_runtime`] takes).
+fn inline_args(spec: &pb::TaskSpec) -> Vec<Vec<u8>> {
     spec.args
         .iter()
-        .map(|a| match &a.kind {
+        .filter_map(|a| match &a.kind {
             Some(pb::task_arg::Kind::Value(v)) => Some(v.clone()),
             _ => None,
         })
@@ -321,7 +321,7 @@ impl Executor {
         let Job { spec, reply, .. } = job;
         self.running.lock().unwrap().insert(spec.task_id.clone(), ());
         self.core.event(&spec, "RUNNING", "");
-        let args = inline_args(&spec).unwrap_or_default();
+        let args = inline_args(&spec);
         let info = task_info(&spec);
         let ex = Arc::clone(self);
         rt.start_async_method(
