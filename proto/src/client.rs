@@ -31,6 +31,7 @@ use tonic::codegen::http;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::MAX_MESSAGE_BYTES;
+use crate::h2chan::H2Channel;
 use crate::pb::head_service_client::HeadServiceClient;
 use crate::pb::node_agent_service_client::NodeAgentServiceClient;
 use crate::pb::object_transfer_service_client::ObjectTransferServiceClient;
@@ -63,14 +64,22 @@ pub struct AuthChannel(Route);
 
 #[derive(Clone)]
 enum Route {
-    Direct { ch: Channel, auth: Option<http::HeaderValue> },
+    Direct {
+        ch: Channel,
+        auth: Option<http::HeaderValue>,
+    },
+    /// Workers: h2 directly (see [`crate::h2chan`]).
+    H2 {
+        ch: H2Channel,
+        auth: Option<http::HeaderValue>,
+    },
     Heads(Arc<HeadGroup>),
 }
 
 /// What an [`AuthChannel`] call returns.
 pub enum AuthFuture {
     Direct(tonic::transport::channel::ResponseFuture),
-    Heads(BoxFuture),
+    Boxed(BoxFuture),
 }
 
 impl Future for AuthFuture {
@@ -79,7 +88,7 @@ impl Future for AuthFuture {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.get_mut() {
             AuthFuture::Direct(f) => Pin::new(f).poll(cx).map_err(Into::into),
-            AuthFuture::Heads(f) => f.as_mut().poll(cx),
+            AuthFuture::Boxed(f) => f.as_mut().poll(cx),
         }
     }
 }
@@ -92,7 +101,7 @@ impl Service<http::Request<Body>> for AuthChannel {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         match &mut self.0 {
             Route::Direct { ch, .. } => ch.poll_ready(cx).map_err(Into::into),
-            Route::Heads(_) => Poll::Ready(Ok(())),
+            Route::H2 { .. } | Route::Heads(_) => Poll::Ready(Ok(())),
         }
     }
 
@@ -104,7 +113,13 @@ impl Service<http::Request<Body>> for AuthChannel {
                 }
                 AuthFuture::Direct(ch.call(req))
             }
-            Route::Heads(g) => AuthFuture::Heads(Box::pin(Arc::clone(g).call(req))),
+            Route::H2 { ch, auth } => {
+                if let Some(h) = auth {
+                    req.headers_mut().insert(http::header::AUTHORIZATION, h.clone());
+                }
+                AuthFuture::Boxed(Box::pin(ch.clone().call(req)))
+            }
+            Route::Heads(g) => AuthFuture::Boxed(Box::pin(Arc::clone(g).call(req))),
         }
     }
 }
@@ -195,7 +210,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Parses a `grpc-timeout` header value (`<digits><unit>`).
-fn parse_grpc_timeout(v: &str) -> Option<Duration> {
+pub(crate) fn parse_grpc_timeout(v: &str) -> Option<Duration> {
     let (n, unit) = v.split_at(v.len().checked_sub(1)?);
     let n: u64 = n.parse().ok()?;
     Some(match unit {
@@ -406,7 +421,10 @@ pub fn worker(
     addr: &str,
     token: Option<&str>,
 ) -> Result<WorkerServiceClient<AuthChannel>, ClientError> {
-    Ok(WorkerServiceClient::new(authed(addr, token)?)
+    check_address(addr)?;
+    let ch = H2Channel::new(addr)
+        .map_err(|e| ClientError::BadAddress { addr: addr.to_string(), detail: e.to_string() })?;
+    Ok(WorkerServiceClient::new(AuthChannel(Route::H2 { ch, auth: auth_header(token) }))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(usize::MAX))
 }

@@ -7,6 +7,7 @@
 pub mod auth;
 pub mod client;
 pub mod convert;
+mod h2chan;
 pub mod ids;
 
 /// Generated messages and services of package `tpuray.v1`.

@@ -1,0 +1,556 @@
+//! A gRPC channel on the `h2` crate directly, for calls to workers: every task push and
+//! actor call goes through one, so it is the hot path of the whole system.
+//!
+//! tonic's `Channel` sends a unary request through a tower `Buffer` task, hyper's
+//! dispatcher and a per-request body pipe task, and puts it on the wire as three frames in
+//! three writes: HEADERS, DATA, and an empty DATA that ends the stream. Here the caller's
+//! task hands h2 the HEADERS and one DATA frame that ends the stream, and the connection
+//! task writes both at once. The request body is the encoded message tonic's codec made;
+//! the response body is h2's stream, read frame by frame (server streaming works too).
+//!
+//! What it keeps from tonic's channel:
+//! - connecting lazily, and again on the next call after the connection is lost (the
+//!   call that finds it lost fails);
+//! - a 5 s connect timeout and `TCP_NODELAY`;
+//! - HTTP/2 keepalive: a PING every 10 s; a peer silent for 20 s more is given up and its
+//!   calls fail;
+//! - the `grpc-timeout` header as a client-side deadline on the response headers;
+//! - errors as `tonic::Status`: a call that never left (connect failed) is `UNAVAILABLE`
+//!   with "tcp connect error" or "connect error" in its message; a connection lost under a
+//!   call is `UNKNOWN` "transport error" with the cause as its source (as through hyper);
+//!   a stream reset is coded after its reason as tonic codes h2 errors (gRPC's
+//!   PROTOCOL-HTTP2.md, "Errors").
+//!
+//! Sending the body as one DATA frame that ends the stream also keeps clear of h2's
+//! budget for small DATA frames that do not end their stream (h2 ≥ 0.4.16 closes a
+//! connection with `ENHANCE_YOUR_CALM` when a lagging server exceeds it).
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http_body_util::BodyExt;
+use tonic::body::Body;
+use tonic::codegen::http;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How long a TCP connect may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time between keepalive PINGs.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// How long a PING may go unanswered before the connection is given up.
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Receive windows (hyper's client defaults): per stream, and for the connection.
+const STREAM_WINDOW: u32 = 2 * 1024 * 1024;
+const CONNECTION_WINDOW: u32 = 5 * 1024 * 1024;
+
+/// A lazily connecting HTTP/2 channel to one server, shared by its clones.
+#[derive(Clone)]
+pub(crate) struct H2Channel(Arc<Shared>);
+
+struct Shared {
+    addr: String,
+    authority: http::uri::Authority,
+    /// The current connection attempt: every call waits for the same one; a failed or
+    /// lost one is replaced by the next call.
+    attempt: Mutex<Arc<tokio::sync::OnceCell<Result<Conn, tonic::Status>>>>,
+}
+
+#[derive(Clone)]
+struct Conn {
+    send: h2::client::SendRequest<Bytes>,
+    /// False once the connection task has ended (closed, failed or dropped).
+    alive: Arc<AtomicBool>,
+}
+
+/// Sets `alive` to false when the connection task ends or is dropped with its runtime.
+struct AliveGuard(Arc<AtomicBool>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+impl H2Channel {
+    /// A channel to `addr` (`HOST:PORT`, already checked); connects at the first call.
+    pub(crate) fn new(addr: &str) -> Result<Self, http::uri::InvalidUri> {
+        let authority = addr.parse()?;
+        Ok(H2Channel(Arc::new(Shared {
+            addr: addr.to_string(),
+            authority,
+            attempt: Mutex::new(Arc::new(tokio::sync::OnceCell::new())),
+        })))
+    }
+
+    /// Sends one gRPC call and returns its response, whose body streams the reply frames
+    /// and the trailers.
+    pub(crate) async fn call(
+        self,
+        req: http::Request<Body>,
+    ) -> Result<http::Response<Body>, BoxError> {
+        let deadline = req
+            .headers()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(crate::client::parse_grpc_timeout);
+        let sent = self.send(req);
+        let r = match deadline {
+            Some(d) => tokio::time::timeout(d, sent).await.unwrap_or_else(|_| {
+                Err(tonic::Status::deadline_exceeded(format!(
+                    "no answer from {} within the call's {d:?} deadline",
+                    self.0.addr
+                )))
+            }),
+            None => sent.await,
+        };
+        r.map_err(|s| -> BoxError { Box::new(s) })
+    }
+
+    async fn send(&self, req: http::Request<Body>) -> Result<http::Response<Body>, tonic::Status> {
+        let (mut parts, body) = req.into_parts();
+        let data = collect(body).await?;
+        let conn = self.conn().await?;
+        let mut send = conn.send;
+        if let Err(e) = std::future::poll_fn(|cx| send.poll_ready(cx)).await {
+            self.forget(&conn.alive);
+            return Err(transport_status(e));
+        }
+        let path = parts.uri.path_and_query().cloned();
+        let mut uri = http::uri::Parts::default();
+        uri.scheme = Some(http::uri::Scheme::HTTP);
+        uri.authority = Some(self.0.authority.clone());
+        uri.path_and_query = path;
+        parts.uri = http::Uri::from_parts(uri)
+            .map_err(|e| tonic::Status::internal(format!("request URI: {e}")))?;
+        parts.version = http::Version::HTTP_2;
+        let (response, mut stream) = send
+            .send_request(http::Request::from_parts(parts, ()), data.is_empty())
+            .map_err(|e| {
+                self.forget(&conn.alive);
+                transport_status(e)
+            })?;
+        if !data.is_empty() {
+            stream.send_data(data, true).map_err(transport_status)?;
+        }
+        let (parts, recv) = response.await.map_err(transport_status)?.into_parts();
+        Ok(http::Response::from_parts(parts, Body::new(RecvBody { recv, data_done: false })))
+    }
+
+    /// The live connection, connecting when there is none.
+    async fn conn(&self) -> Result<Conn, tonic::Status> {
+        let cell = {
+            let mut attempt = self.0.attempt.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(Ok(c)) = attempt.get()
+                && !c.alive.load(Ordering::Acquire)
+            {
+                *attempt = Arc::new(tokio::sync::OnceCell::new());
+            }
+            Arc::clone(&attempt)
+        };
+        let r = cell.get_or_init(|| connect(self.0.addr.clone())).await.clone();
+        if r.is_err() {
+            // The next call tries again.
+            let mut attempt = self.0.attempt.lock().unwrap_or_else(|p| p.into_inner());
+            if Arc::ptr_eq(&attempt, &cell) {
+                *attempt = Arc::new(tokio::sync::OnceCell::new());
+            }
+        }
+        r
+    }
+
+    /// Drops the connection behind `alive` from use: the next call connects again.
+    fn forget(&self, alive: &Arc<AtomicBool>) {
+        let mut attempt = self.0.attempt.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(Ok(c)) = attempt.get()
+            && Arc::ptr_eq(&c.alive, alive)
+        {
+            *attempt = Arc::new(tokio::sync::OnceCell::new());
+        }
+    }
+}
+
+/// The request body as one buffer (tonic encodes a unary request as one frame).
+async fn collect(mut body: Body) -> Result<Bytes, tonic::Status> {
+    let mut first: Option<Bytes> = None;
+    let mut more: Option<BytesMut> = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame?;
+        let Ok(data) = frame.into_data() else { continue };
+        match (&first, &mut more) {
+            (None, _) => first = Some(data),
+            (Some(f), None) => {
+                let mut m = BytesMut::from(&f[..]);
+                m.extend_from_slice(&data);
+                more = Some(m);
+            }
+            (Some(_), Some(m)) => m.extend_from_slice(&data),
+        }
+    }
+    Ok(match more {
+        Some(m) => m.freeze(),
+        None => first.unwrap_or_default(),
+    })
+}
+
+async fn connect(addr: String) -> Result<Conn, tonic::Status> {
+    let tcp = match tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(&addr))
+        .await
+    {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return Err(tonic::Status::unavailable(format!("tcp connect error: {e}"))),
+        Err(_) => {
+            return Err(tonic::Status::unavailable(format!(
+                "tcp connect error: {addr} did not answer within {CONNECT_TIMEOUT:?}"
+            )));
+        }
+    };
+    let _ = tcp.set_nodelay(true);
+    let (send, mut conn) = h2::client::Builder::new()
+        .initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .handshake::<_, Bytes>(tcp)
+        .await
+        .map_err(|e| tonic::Status::unavailable(format!("connect error: HTTP/2 handshake: {e}")))?;
+    let alive = Arc::new(AtomicBool::new(true));
+    let pings = conn.ping_pong();
+    let guard = AliveGuard(Arc::clone(&alive));
+    let task = tokio::spawn(async move {
+        let _guard = guard;
+        let _ = conn.await;
+    });
+    if let Some(pings) = pings {
+        tokio::spawn(keepalive(pings, Arc::clone(&alive), task.abort_handle()));
+    }
+    Ok(Conn { send, alive })
+}
+
+/// Pings the peer every [`KEEPALIVE_INTERVAL`] while the connection lives, and ends the
+/// connection (failing its calls) when a ping goes unanswered for [`KEEPALIVE_TIMEOUT`].
+async fn keepalive(
+    mut pings: h2::PingPong,
+    alive: Arc<AtomicBool>,
+    connection: tokio::task::AbortHandle,
+) {
+    loop {
+        tokio::time::sleep(KEEPALIVE_INTERVAL).await;
+        if !alive.load(Ordering::Acquire) {
+            return;
+        }
+        match tokio::time::timeout(KEEPALIVE_TIMEOUT, pings.ping(h2::Ping::opaque())).await {
+            Ok(Ok(_)) => {}
+            _ => {
+                alive.store(false, Ordering::Release);
+                connection.abort();
+                return;
+            }
+        }
+    }
+}
+
+/// The status of a call that failed in h2 (after it left, or with the connection gone).
+fn transport_status(e: h2::Error) -> tonic::Status {
+    let code = match e.reason() {
+        _ if e.is_io() => tonic::Code::Unknown,
+        Some(h2::Reason::REFUSED_STREAM) => tonic::Code::Unavailable,
+        Some(h2::Reason::CANCEL) => tonic::Code::Cancelled,
+        Some(h2::Reason::ENHANCE_YOUR_CALM) => tonic::Code::ResourceExhausted,
+        Some(h2::Reason::INADEQUATE_SECURITY) => tonic::Code::PermissionDenied,
+        Some(_) => tonic::Code::Internal,
+        None => tonic::Code::Unknown,
+    };
+    let mut s = tonic::Status::new(code, "transport error");
+    s.set_source(Arc::new(e));
+    s
+}
+
+/// A response body read from h2: the DATA frames (each released back to the flow-control
+/// window as it is handed on), then the trailers.
+struct RecvBody {
+    recv: h2::RecvStream,
+    data_done: bool,
+}
+
+impl http_body::Body for RecvBody {
+    type Data = Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, tonic::Status>>> {
+        let me = &mut *self;
+        if !me.data_done {
+            match ready!(me.recv.poll_data(cx)) {
+                Some(Ok(d)) => {
+                    let _ = me.recv.flow_control().release_capacity(d.len());
+                    return Poll::Ready(Some(Ok(http_body::Frame::data(d))));
+                }
+                Some(Err(e)) => return Poll::Ready(Some(Err(transport_status(e)))),
+                None => me.data_done = true,
+            }
+        }
+        match ready!(me.recv.poll_trailers(cx)) {
+            Ok(Some(t)) => Poll::Ready(Some(Ok(http_body::Frame::trailers(t)))),
+            Ok(None) => Poll::Ready(None),
+            Err(e) => Poll::Ready(Some(Err(transport_status(e)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.recv.is_end_stream()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use tonic::codegen::tokio_stream::{self, Stream};
+    use tonic::{Request, Response, Status};
+
+    use crate::pb;
+    use crate::pb::worker_service_server::{WorkerService, WorkerServiceServer};
+
+    /// A worker server whose calls answer what the tests below need.
+    struct Fake;
+
+    type Replies =
+        std::pin::Pin<Box<dyn Stream<Item = Result<pb::PushTasksReplies, Status>> + Send>>;
+
+    #[tonic::async_trait]
+    impl WorkerService for Fake {
+        type PushTasksStream = Replies;
+
+        async fn get_worker_info(
+            &self,
+            _: Request<pb::GetWorkerInfoRequest>,
+        ) -> Result<Response<pb::GetWorkerInfoReply>, Status> {
+            Ok(Response::new(pb::GetWorkerInfoReply { pid: 7, ..Default::default() }))
+        }
+        async fn exit(
+            &self,
+            _: Request<pb::ExitRequest>,
+        ) -> Result<Response<pb::ExitReply>, Status> {
+            Err(Status::unimplemented("exit"))
+        }
+        /// Echoes the task's name and its first argument's length; "hang" never answers.
+        async fn push_task(
+            &self,
+            r: Request<pb::PushTaskRequest>,
+        ) -> Result<Response<pb::PushTaskReply>, Status> {
+            let spec = r.into_inner().spec.unwrap_or_default();
+            if spec.name == "hang" {
+                std::future::pending::<()>().await;
+            }
+            if spec.name == "refuse" {
+                return Err(Status::failed_precondition("refused by the fake"));
+            }
+            let len = match spec.args.first().and_then(|a| a.kind.as_ref()) {
+                Some(pb::task_arg::Kind::Value(v)) => v.len(),
+                _ => 0,
+            };
+            Ok(Response::new(pb::PushTaskReply {
+                worker_id: format!("{}:{len}", spec.name),
+                ..Default::default()
+            }))
+        }
+        /// One reply message per task, each carrying 100 KiB.
+        async fn push_tasks(
+            &self,
+            r: Request<pb::PushTasksRequest>,
+        ) -> Result<Response<Replies>, Status> {
+            let n = r.into_inner().specs.len() as u32;
+            let items = (0..n).map(|index| {
+                Ok(pb::PushTasksReplies {
+                    items: vec![pb::PushTasksItem {
+                        index,
+                        reply: Some(pb::PushTaskReply {
+                            worker_id: "x".repeat(100 * 1024),
+                            ..Default::default()
+                        }),
+                    }],
+                })
+            });
+            Ok(Response::new(Box::pin(tokio_stream::iter(items.collect::<Vec<_>>()))))
+        }
+        async fn get_object(
+            &self,
+            _: Request<pb::GetObjectRequest>,
+        ) -> Result<Response<pb::GetObjectReply>, Status> {
+            Err(Status::unimplemented("get_object"))
+        }
+        async fn report_generator_item(
+            &self,
+            _: Request<pb::ReportGeneratorItemRequest>,
+        ) -> Result<Response<pb::ReportGeneratorItemReply>, Status> {
+            Err(Status::unimplemented("report_generator_item"))
+        }
+        async fn cancel_task(
+            &self,
+            _: Request<pb::CancelTaskRequest>,
+        ) -> Result<Response<pb::CancelTaskReply>, Status> {
+            Err(Status::unimplemented("cancel_task"))
+        }
+        async fn update_borrower(
+            &self,
+            _: Request<pb::UpdateBorrowerRequest>,
+        ) -> Result<Response<pb::UpdateBorrowerReply>, Status> {
+            Err(Status::unimplemented("update_borrower"))
+        }
+        async fn update_borrowers(
+            &self,
+            _: Request<pb::UpdateBorrowersRequest>,
+        ) -> Result<Response<pb::UpdateBorrowersReply>, Status> {
+            Err(Status::unimplemented("update_borrowers"))
+        }
+        async fn report_object_copy(
+            &self,
+            _: Request<pb::ReportObjectCopyRequest>,
+        ) -> Result<Response<pb::ReportObjectCopyReply>, Status> {
+            Err(Status::unimplemented("report_object_copy"))
+        }
+        async fn report_logs(
+            &self,
+            _: Request<pb::ReportLogsRequest>,
+        ) -> Result<Response<pb::ReportLogsReply>, Status> {
+            Err(Status::unimplemented("report_logs"))
+        }
+    }
+
+    /// Serves [`Fake`] on `listener` until the returned sender is dropped or fired.
+    fn serve(listener: tokio::net::TcpListener) -> tokio::sync::oneshot::Sender<()> {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(WorkerServiceServer::new(Fake))
+                .serve_with_incoming_shutdown(crate::incoming(listener), async {
+                    let _ = stopped.await;
+                }),
+        );
+        stop
+    }
+
+    fn task(name: &str, arg_bytes: usize) -> pb::PushTaskRequest {
+        pb::PushTaskRequest {
+            spec: Some(pb::TaskSpec {
+                name: name.to_string(),
+                args: vec![pb::TaskArg {
+                    kind: Some(pb::task_arg::Kind::Value(vec![7; arg_bytes])),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_go_through_h2_unary_streaming_large_and_failed() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let _stop = serve(listener);
+        let mut c = crate::client::worker(&addr, None).unwrap();
+
+        let info = c.get_worker_info(pb::GetWorkerInfoRequest {}).await.unwrap().into_inner();
+        assert_eq!(info.pid, 7);
+        // Larger than the server's stream and connection windows: sent as the window opens.
+        let r = c.push_task(task("big", 3 << 20)).await.unwrap().into_inner();
+        assert_eq!(r.worker_id, format!("big:{}", 3 << 20));
+        // Many calls at once on the one connection.
+        let calls = (0..64).map(|i| {
+            let mut c = c.clone();
+            async move { c.push_task(task(&format!("t{i}"), i)).await.unwrap().into_inner() }
+        });
+        let replies = futures_join_all(calls).await;
+        for (i, r) in replies.iter().enumerate() {
+            assert_eq!(r.worker_id, format!("t{i}:{i}"));
+        }
+        // A server stream of 6 MiB, more than this side's 5 MiB connection window: read
+        // only because each frame's capacity goes back to the window.
+        let mut s = c
+            .push_tasks(pb::PushTasksRequest { specs: vec![pb::TaskSpec::default(); 60] })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut n = 0;
+        while let Some(m) = s.message().await.unwrap() {
+            assert_eq!(m.items[0].index, n);
+            assert_eq!(m.items[0].reply.as_ref().unwrap().worker_id.len(), 100 * 1024);
+            n += 1;
+        }
+        assert_eq!(n, 60);
+        // A status from the server arrives as it was sent.
+        let e = c.push_task(task("refuse", 1)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        assert_eq!(e.message(), "refused by the fake");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_deadline_ends_a_call_the_server_does_not_answer() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let _stop = serve(listener);
+        let mut c = crate::client::worker(&addr, None).unwrap();
+        let mut req = Request::new(task("hang", 1));
+        req.set_timeout(std::time::Duration::from_millis(200));
+        let started = Instant::now();
+        let e = c.push_task(req).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+        // The connection still serves other calls.
+        assert_eq!(
+            c.get_worker_info(pb::GetWorkerInfoRequest {}).await.unwrap().into_inner().pid,
+            7
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn refused_calls_say_connect_and_a_restarted_server_is_reached_again() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let mut c = crate::client::worker(&addr.to_string(), None).unwrap();
+        let e = c.get_worker_info(pb::GetWorkerInfoRequest {}).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+        assert!(e.message().starts_with("tcp connect error"), "{e:?}");
+
+        // A server that takes the connection and drops it: the call fails as a transport
+        // error, not a connect error (it may have been delivered).
+        let raw = tokio::net::TcpListener::bind(addr).await.unwrap();
+        let dropper = tokio::spawn(async move {
+            let (mut s, _) = raw.accept().await.unwrap();
+            let mut buf = [0u8; 64];
+            let _ = tokio::io::AsyncReadExt::read(&mut s, &mut buf).await;
+        });
+        let e = c.push_task(task("lost", 1)).await.unwrap_err();
+        assert!(!e.message().contains("connect"), "{e:?}");
+        assert!(crate::client::status_chain(&e).starts_with("transport error: "), "{e:?}");
+        dropper.await.unwrap();
+
+        // A real server at the same address: the next call connects again.
+        let _stop = serve(tokio::net::TcpListener::bind(addr).await.unwrap());
+        assert_eq!(
+            c.get_worker_info(pb::GetWorkerInfoRequest {}).await.unwrap().into_inner().pid,
+            7
+        );
+    }
+
+    /// Runs the futures concurrently and returns their outputs in order.
+    async fn futures_join_all<F: std::future::Future + Send + 'static>(
+        fs: impl Iterator<Item = F>,
+    ) -> Vec<F::Output>
+    where
+        F::Output: Send + 'static,
+    {
+        let handles: Vec<_> = fs.map(tokio::spawn).collect();
+        let mut out = Vec::with_capacity(handles.len());
+        for h in handles {
+            out.push(h.await.unwrap());
+        }
+        out
+    }
+}
