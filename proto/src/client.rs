@@ -31,7 +31,7 @@ use tonic::codegen::http;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::MAX_MESSAGE_BYTES;
-use crate::h2chan::H2Channel;
+use crate::h2grpc::H2Channel;
 use crate::pb::head_service_client::HeadServiceClient;
 use crate::pb::node_agent_service_client::NodeAgentServiceClient;
 use crate::pb::object_transfer_service_client::ObjectTransferServiceClient;
@@ -68,7 +68,7 @@ enum Route {
         ch: Channel,
         auth: Option<http::HeaderValue>,
     },
-    /// Workers: h2 directly (see [`crate::h2chan`]).
+    /// Workers: h2 directly (see [`crate::h2grpc`]).
     H2 {
         ch: H2Channel,
         auth: Option<http::HeaderValue>,

@@ -7,7 +7,7 @@
 pub mod auth;
 pub mod client;
 pub mod convert;
-mod h2chan;
+pub mod h2grpc;
 pub mod ids;
 
 /// Generated messages and services of package `tpuray.v1`.
@@ -33,8 +33,8 @@ pub const MAX_PEER_MESSAGE_BYTES: usize = 1024 * 1024 * 1024;
 /// The connections `listener` accepts, with `TCP_NODELAY` set on each (NET-1). tonic's
 /// `Server::tcp_nodelay` is ignored for a listener handed to `serve_with_incoming*`, and
 /// with Nagle's algorithm on, a reply written in two pieces waits for the peer's delayed
-/// ACK (about 40 ms on Linux) before its second piece goes out. Every tpuray server
-/// serves through this. Needs a runtime.
+/// ACK (about 40 ms on Linux) before its second piece goes out. Every tonic server of
+/// tpuray serves through this ([`h2grpc::serve`] sets it itself). Needs a runtime.
 pub fn incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }

@@ -106,12 +106,12 @@ pub const RUNTIME_THREADS_ENV: &str = "TPURAY_RUNTIME_THREADS";
 ///
 /// Two threads unless [`RUNTIME_THREADS_ENV`] says otherwise. With two, tokio wakes the
 /// idle thread whenever new work is queued, so a sync call's wake-ups bounce between
-/// them (5.4 context switches per actor call in a driver, against 2 with one thread). On
-/// the 2-core machine of issue 10 one thread measured Rust 1:1 actor calls sync +35%,
-/// tasks sync +16-21%, Python tasks async +21%, but Rust tasks async fell from ~23k to
-/// 17.6k per second, and under one thread the Rust n:n actor case lost connections: the
-/// actor's HTTP/2 server answered GOAWAY `ENHANCE_YOUR_CALM` (h2's small-DATA-frame
-/// budget) while its one thread lagged behind a burst of calls. Hence two by default.
+/// them: 3.5 context switches per actor call in a driver's runtime, against 2 with one
+/// thread (over `tpuray_proto::h2grpc`; 5.4 before it). On the 2-core machine of issue
+/// 10, one thread was within run-to-run noise (about 6%) of two for Python sync actor
+/// calls, and slower for throughput (Python 1:1 actor calls async 13.2k against 11.1k
+/// per second; before h2grpc, Rust tasks async 17.6k against ~23k). Hence two by
+/// default.
 ///
 /// # Errors
 /// The variable is not a whole number from 1 to 256, or the runtime cannot start.

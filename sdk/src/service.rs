@@ -203,7 +203,7 @@ pub(crate) async fn serve(
     token: Option<String>,
     auth_required: bool,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<(), tonic::transport::Error> {
+) -> std::io::Result<()> {
     let server = pb::worker_service_server::WorkerServiceServer::new(SvcRef(svc))
         .max_decoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES);
@@ -212,11 +212,7 @@ pub(crate) async fn serve(
         auth_required && token.is_some(),
     );
     let server = tonic::service::interceptor::InterceptedService::new(server, auth);
-    tonic::transport::Server::builder()
-        .tcp_nodelay(true)
-        .add_service(server)
-        .serve_with_incoming_shutdown(tpuray_proto::incoming(listener), shutdown)
-        .await
+    tpuray_proto::h2grpc::serve(listener, server, shutdown).await
 }
 
 /// The replies of one `PushTasks` call as a stream of messages: each message carries the
