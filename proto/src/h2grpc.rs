@@ -56,8 +56,12 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 /// Receive windows (hyper's client defaults): per stream, and for the connection.
 const STREAM_WINDOW: u32 = 2 * 1024 * 1024;
 const CONNECTION_WINDOW: u32 = 5 * 1024 * 1024;
+/// How long a server waits for a new connection's HTTP/2 preface.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The server's receive windows (hyper's server defaults, which tonic's server keeps).
 const SERVER_WINDOW: u32 = 1024 * 1024;
+/// The largest request header block the server takes, in bytes (hyper's server default).
+const SERVER_MAX_HEADER_LIST: u32 = 16 * 1024;
 
 /// A lazily connecting HTTP/2 channel to one server, shared by its clones.
 #[derive(Clone)]
@@ -323,9 +327,11 @@ impl http_body::Body for RecvBody {
 ///
 /// As hyper does for tonic's server, each request runs in a task of its own, and a
 /// request the client resets (it gave up, or its deadline passed) has its handler
-/// dropped. Settings are those tonic's server gets from hyper: 1 MiB stream and connection
-/// windows, no limit on concurrent streams. A reply is queued whole (HEADERS, DATA,
-/// trailers) before the connection task writes, so a unary reply is one write.
+/// dropped. Settings are those tonic's server gets from hyper: 1 MiB stream and
+/// connection windows, 16 KiB of request headers, no limit on concurrent streams. A
+/// reply is queued whole (HEADERS, DATA, trailers) before the connection task writes,
+/// so a unary reply is one write. A connection that sends no HTTP/2 preface within
+/// 10 s is dropped.
 ///
 /// # Errors
 /// None today: a failed accept (out of file descriptors) waits 50 ms and goes on, as
@@ -384,8 +390,14 @@ async fn serve_connection<S, RB>(
     let handshake = h2::server::Builder::new()
         .initial_window_size(SERVER_WINDOW)
         .initial_connection_window_size(SERVER_WINDOW)
+        .max_header_list_size(SERVER_MAX_HEADER_LIST)
         .handshake::<_, Bytes>(tcp);
-    let Ok(mut conn) = handshake.await else { return };
+    // A peer that never sends the HTTP/2 preface is dropped, and does not hold up a stop.
+    let conn = tokio::select! {
+        c = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake) => c,
+        _ = stop.wait_for(|s| *s) => return,
+    };
+    let Ok(Ok(mut conn)) = conn else { return };
     let mut stopping = *stop.borrow();
     if stopping {
         conn.graceful_shutdown();
@@ -694,6 +706,8 @@ mod tests {
         let addr = listener.local_addr().unwrap().to_string();
         let (stop, served) = serve(listener, true);
         let mut c = crate::client::worker(&addr, None).unwrap();
+        // A connection that never speaks HTTP/2 does not hold up the stop.
+        let _silent = tokio::net::TcpStream::connect(&addr).await.unwrap();
         let mut slow = c.clone();
         let call = tokio::spawn(async move { slow.push_task(task("slow", 1)).await });
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -702,7 +716,7 @@ mod tests {
         assert!(!served.is_finished(), "a call is still in flight");
         let r = call.await.unwrap().unwrap().into_inner();
         assert_eq!(r.worker_id, "slow:1");
-        tokio::time::timeout(Duration::from_secs(10), served).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), served).await.unwrap().unwrap();
         // Nothing listens any more (a call may first find the old connection closed).
         let mut refused = false;
         for _ in 0..3 {
@@ -804,12 +818,18 @@ mod tests {
         assert!(crate::client::status_chain(&e).starts_with("transport error: "), "{e:?}");
         dropper.await.unwrap();
 
-        // A real server at the same address: the next call connects again.
+        // A real server at the same address: a later call connects again (one made before
+        // the connection task has seen the old connection close still fails on it).
         let _stop = serve(tokio::net::TcpListener::bind(addr).await.unwrap(), true);
-        assert_eq!(
-            c.get_worker_info(pb::GetWorkerInfoRequest {}).await.unwrap().into_inner().pid,
-            7
-        );
+        let mut reached = None;
+        for _ in 0..50 {
+            if let Ok(r) = c.get_worker_info(pb::GetWorkerInfoRequest {}).await {
+                reached = Some(r.into_inner().pid);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(reached, Some(7));
     }
 
     /// Runs the futures concurrently and returns their outputs in order.
