@@ -108,15 +108,11 @@ impl Service<http::Request<Body>> for AuthChannel {
     fn call(&mut self, mut req: http::Request<Body>) -> Self::Future {
         match &mut self.0 {
             Route::Direct { ch, auth } => {
-                if let Some(h) = auth {
-                    req.headers_mut().insert(http::header::AUTHORIZATION, h.clone());
-                }
+                add_auth(&mut req, auth);
                 AuthFuture::Direct(ch.call(req))
             }
             Route::H2 { ch, auth } => {
-                if let Some(h) = auth {
-                    req.headers_mut().insert(http::header::AUTHORIZATION, h.clone());
-                }
+                add_auth(&mut req, auth);
                 AuthFuture::Boxed(Box::pin(ch.clone().call(req)))
             }
             Route::Heads(g) => AuthFuture::Boxed(Box::pin(Arc::clone(g).call(req))),
@@ -179,6 +175,13 @@ pub fn check_address(addr: &str) -> Result<(), ClientError> {
     }
     port.parse::<u16>().map_err(|e| bad(format!("port {port:?}: {e}")))?;
     Ok(())
+}
+
+/// Sets the request's `authorization` header to `auth`, when there is one.
+fn add_auth<B>(req: &mut http::Request<B>, auth: &Option<http::HeaderValue>) {
+    if let Some(h) = auth {
+        req.headers_mut().insert(http::header::AUTHORIZATION, h.clone());
+    }
 }
 
 fn auth_header(token: Option<&str>) -> Option<http::HeaderValue> {
@@ -271,9 +274,7 @@ impl HeadGroup {
         if let Ok(v) = format!("{ms}m").parse() {
             req.headers_mut().insert("grpc-timeout", v);
         }
-        if let Some(h) = auth {
-            req.headers_mut().insert(http::header::AUTHORIZATION, h.clone());
-        }
+        add_auth(&mut req, auth);
         req
     }
 

@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http_body_util::BodyExt;
 use tonic::body::Body;
 use tonic::codegen::http;
@@ -128,7 +128,8 @@ impl H2Channel {
 
     async fn send(&self, req: http::Request<Body>) -> Result<http::Response<Body>, tonic::Status> {
         let (mut parts, body) = req.into_parts();
-        let data = collect(body).await?;
+        // tonic encodes a unary request as one frame, handed on without a copy.
+        let data = body.collect().await?.to_bytes();
         let conn = self.conn().await?;
         let mut send = conn.send;
         if let Err(e) = std::future::poll_fn(|cx| send.poll_ready(cx)).await {
@@ -187,29 +188,6 @@ impl H2Channel {
             *attempt = Arc::new(tokio::sync::OnceCell::new());
         }
     }
-}
-
-/// The request body as one buffer (tonic encodes a unary request as one frame).
-async fn collect(mut body: Body) -> Result<Bytes, tonic::Status> {
-    let mut first: Option<Bytes> = None;
-    let mut more: Option<BytesMut> = None;
-    while let Some(frame) = body.frame().await {
-        let frame = frame?;
-        let Ok(data) = frame.into_data() else { continue };
-        match (&first, &mut more) {
-            (None, _) => first = Some(data),
-            (Some(f), None) => {
-                let mut m = BytesMut::from(&f[..]);
-                m.extend_from_slice(&data);
-                more = Some(m);
-            }
-            (Some(_), Some(m)) => m.extend_from_slice(&data),
-        }
-    }
-    Ok(match more {
-        Some(m) => m.freeze(),
-        None => first.unwrap_or_default(),
-    })
 }
 
 async fn connect(addr: String) -> Result<Conn, tonic::Status> {
@@ -323,7 +301,8 @@ impl http_body::Body for RecvBody {
 
 /// Serves gRPC service `svc` over h2 on `listener` (every connection with
 /// `TCP_NODELAY`) until `shutdown` resolves; then each connection is sent GOAWAY, and
-/// this returns once their calls in flight have been answered.
+/// this returns once their calls in flight have been answered. A failed accept (out of
+/// file descriptors) waits 50 ms and goes on, as tonic's server does.
 ///
 /// As hyper does for tonic's server, each request runs in a task of its own, and a
 /// request the client resets (it gave up, or its deadline passed) has its handler
@@ -332,16 +311,11 @@ impl http_body::Body for RecvBody {
 /// reply is queued whole (HEADERS, DATA, trailers) before the connection task writes,
 /// so a unary reply is one write. A connection that sends no HTTP/2 preface within
 /// 10 s is dropped.
-///
-/// # Errors
-/// None today: a failed accept (out of file descriptors) waits 50 ms and goes on, as
-/// tonic's server does.
 pub async fn serve<S, RB>(
     listener: tokio::net::TcpListener,
     svc: S,
     shutdown: impl Future<Output = ()>,
-) -> std::io::Result<()>
-where
+) where
     S: tower_service::Service<http::Request<Body>, Response = http::Response<RB>>
         + Clone
         + Send
@@ -370,7 +344,6 @@ where
     drop(listener);
     let _ = stop_tx.send(true);
     while connections.join_next().await.is_some() {}
-    Ok(())
 }
 
 async fn serve_connection<S, RB>(
@@ -643,7 +616,7 @@ mod tests {
         };
         let task = if ours {
             tokio::spawn(async move {
-                super::serve(listener, WorkerServiceServer::new(Fake), stopped).await.unwrap();
+                super::serve(listener, WorkerServiceServer::new(Fake), stopped).await;
             })
         } else {
             tokio::spawn(async move {

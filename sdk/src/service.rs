@@ -203,7 +203,7 @@ pub(crate) async fn serve(
     token: Option<String>,
     auth_required: bool,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
+) {
     let server = pb::worker_service_server::WorkerServiceServer::new(SvcRef(svc))
         .max_decoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES);

@@ -152,11 +152,7 @@ pub fn run_worker() -> Result<(), WorkerError> {
     });
     let result = core.rt.block_on(server);
     core.rt.block_on(core.flush_events());
-    match result {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(WorkerError::Serve(e.to_string())),
-        Err(e) => Err(WorkerError::Serve(e.to_string())),
-    }
+    result.map_err(|e| WorkerError::Serve(e.to_string()))
 }
 
 /// CORE-1: a thread of its own exits the process as soon as the node agent
