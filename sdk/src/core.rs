@@ -325,6 +325,15 @@ struct ActorConn {
     tx: tokio::sync::mpsc::UnboundedSender<(pb::TaskSpec, ResolvedArgs, i32)>,
 }
 
+/// A submitted task, as its caller needs it.
+pub(crate) struct Submitted {
+    pub task_id: String,
+    /// Its display name.
+    pub name: String,
+    /// The ids of its returns (none for a streaming task).
+    pub return_ids: Vec<String>,
+}
+
 /// Where a running task is, for cancellation.
 struct Running {
     worker_address: String,
@@ -346,6 +355,8 @@ pub(crate) struct Core {
     objects: Mutex<HashMap<String, Owned>>,
     objects_changed: Notify,
     classes: Mutex<HashMap<String, Arc<Class>>>,
+    /// The options of the last task submitted, and their class ([`Core::class_for`]).
+    last_class: Mutex<Option<(TaskOptions, Arc<Class>)>>,
     generators: Mutex<HashMap<String, GenState>>,
     actors: Mutex<HashMap<String, Arc<ActorConn>>>,
     running: Mutex<HashMap<String, Running>>,
@@ -746,6 +757,7 @@ impl Core {
             objects: Mutex::new(HashMap::new()),
             objects_changed: Notify::new(),
             classes: Mutex::new(HashMap::new()),
+            last_class: Mutex::new(None),
             generators: Mutex::new(HashMap::new()),
             actors: Mutex::new(HashMap::new()),
             running: Mutex::new(HashMap::new()),
@@ -1771,14 +1783,18 @@ impl Core {
         }
     }
 
-    /// Submits a task (CORE-3); returns the refs of its returns.
-    pub(crate) fn submit(
-        self: &Arc<Self>,
-        function: &str,
-        args: Vec<Arg>,
-        opts: &TaskOptions,
-        streaming: bool,
-    ) -> Result<pb::TaskSpec, Error> {
+    /// The scheduling class of tasks submitted with `opts`: the queue and leases they
+    /// share. The last options and their class are kept, so a caller submitting in a
+    /// loop skips checking the options and building the class key.
+    ///
+    /// # Errors
+    /// Bad options (resources, label selector, bundle index), naming the problem.
+    fn class_for(&self, opts: &TaskOptions) -> Result<Arc<Class>, Error> {
+        if let Some((last, class)) = &*self.last_class.lock().unwrap() {
+            if last == opts {
+                return Ok(Arc::clone(class));
+            }
+        }
         let mut resources: HashMap<String, f64> =
             opts.resources.iter().map(|(k, v)| (k.clone(), *v)).collect();
         if opts.num_cpus > 0.0 {
@@ -1813,22 +1829,6 @@ impl Core {
         };
         let labels = tpuray_scheduler::parse_label_selector(&opts.label_selector)
             .map_err(|e| Error::Cluster(format!("label_selector: {e}")))?;
-        let mut spec = self.base_spec(
-            function,
-            opts.name.as_deref(),
-            if streaming { 0 } else { opts.num_returns },
-            streaming,
-        );
-        spec.resources = resources.clone();
-        for id in &spec.return_ids {
-            self.register_owned(id, ObjState::Pending, Some(spec.task_id.clone()));
-        }
-        if streaming {
-            self.generators.lock().unwrap().insert(
-                spec.task_id.clone(),
-                GenState { items: vec![], finished: false, error: None },
-            );
-        }
         // Agents see work in a group as ordinary work needing the bundle's resources.
         let strategy = match &pg {
             Some(_) => Scheduling::Default.to_proto(),
@@ -1860,11 +1860,47 @@ impl Core {
                 })
             }))
         };
+        *self.last_class.lock().unwrap() = Some((opts.clone(), Arc::clone(&class)));
+        Ok(class)
+    }
+
+    /// Submits a task (CORE-3); returns its id, name and return ids.
+    ///
+    /// # Errors
+    /// Bad options (resources, label selector, bundle index), naming the problem.
+    pub(crate) fn submit(
+        self: &Arc<Self>,
+        function: &str,
+        args: Vec<Arg>,
+        opts: &TaskOptions,
+        streaming: bool,
+    ) -> Result<Submitted, Error> {
+        let class = self.class_for(opts)?;
+        let mut spec = self.base_spec(
+            function,
+            opts.name.as_deref(),
+            if streaming { 0 } else { opts.num_returns },
+            streaming,
+        );
+        spec.resources = class.resources.clone();
+        for id in &spec.return_ids {
+            self.register_owned(id, ObjState::Pending, Some(spec.task_id.clone()));
+        }
+        if streaming {
+            self.generators.lock().unwrap().insert(
+                spec.task_id.clone(),
+                GenState { items: vec![], finished: false, error: None },
+            );
+        }
         self.event(&spec, "SUBMITTED", "");
         let core = Arc::clone(self);
         let retries = opts.max_retries;
         let retry_exceptions = opts.retry_exceptions;
-        let out = spec.clone();
+        let out = Submitted {
+            task_id: spec.task_id.clone(),
+            name: spec.name.clone(),
+            return_ids: spec.return_ids.clone(),
+        };
         let enqueue = move |core: &Arc<Core>, mut spec: pb::TaskSpec, args, pins| {
             spec.args = args;
             class.queue.lock().unwrap().push_back(Queued {
@@ -2107,7 +2143,10 @@ impl Core {
                 class.stalled.fetch_sub(1, Ordering::SeqCst);
             }
             let depth = if handing_back { 1 } else { class.depth() };
-            while !broken && tasks_in_flight < depth {
+            // A deep pipeline is topped up once a quarter of it is free, so answers that
+            // come one by one still go out as batches, not a push per answer.
+            let top_up = if tasks_in_flight == 0 { 1 } else { (depth / 4).max(1) };
+            while !broken && tasks_in_flight + top_up <= depth {
                 let batch: Vec<Queued> = {
                     let mut queue = class.queue.lock().unwrap();
                     let most = (depth - tasks_in_flight).min(PUSH_BATCH_MAX).min(queue.len());
@@ -2154,30 +2193,35 @@ impl Core {
                 }
                 continue;
             }
-            let Some((q, result, took)) = done_rx.recv().await else { break };
-            tasks_in_flight -= 1;
-            class.in_flight.fetch_sub(1, Ordering::SeqCst);
-            match result {
-                Ok(reply) if reply.not_run => {
-                    if !handing_back {
-                        handing_back = true;
-                        class.stalled.fetch_add(1, Ordering::SeqCst);
+            let Some(first) = done_rx.recv().await else { break };
+            // Every answer already here is handled before the next push.
+            let mut next = Some(first);
+            while let Some((q, result, took)) = next.take() {
+                next = done_rx.try_recv().ok();
+                tasks_in_flight -= 1;
+                class.in_flight.fetch_sub(1, Ordering::SeqCst);
+                match result {
+                    Ok(reply) if reply.not_run => {
+                        if !handing_back {
+                            handing_back = true;
+                            class.stalled.fetch_add(1, Ordering::SeqCst);
+                        }
+                        self.given_back(class, q);
                     }
-                    self.given_back(class, q);
-                }
-                Ok(reply) => {
-                    class.note_push(took);
-                    self.complete(class, q, reply);
-                }
-                Err(status) => {
-                    broken = true;
-                    let detail = format!(
-                        "worker {} at {}: {}",
-                        g.worker_id,
-                        g.worker_address,
-                        status.message()
-                    );
-                    self.worker_died(class, q, &detail);
+                    Ok(reply) => {
+                        class.note_push(took);
+                        self.complete(class, q, reply);
+                    }
+                    Err(status) => {
+                        broken = true;
+                        let detail = format!(
+                            "worker {} at {}: {}",
+                            g.worker_id,
+                            g.worker_address,
+                            status.message()
+                        );
+                        self.worker_died(class, q, &detail);
+                    }
                 }
             }
         }
@@ -2251,17 +2295,18 @@ impl Core {
             .returns
             .iter()
             .any(|r| matches!(r.data, Some(pb::return_object::Data::Location(_))));
-        let spec = q.spec.clone();
-        let lineage = (stored && !q.spec.streaming && q.retries_left != 0).then(|| {
-            Arc::new(Lineage {
+        if stored && !q.spec.streaming && q.retries_left != 0 {
+            let lineage = Arc::new(Lineage {
                 spec: q.spec,
                 class: Arc::clone(class),
                 retries_left: q.retries_left,
                 retry_exceptions: q.retry_exceptions,
                 pins: q.pins,
-            })
-        });
-        self.finish_ok_with(&spec, reply, lineage);
+            });
+            self.finish_ok_with(&lineage.spec, reply, Some(Arc::clone(&lineage)));
+        } else {
+            self.finish_ok_with(&q.spec, reply, None);
+        }
     }
 
     fn finish_ok(&self, spec: &pb::TaskSpec, reply: pb::PushTaskReply) {

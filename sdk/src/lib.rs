@@ -214,8 +214,8 @@ pub fn get_actor(name: &str, namespace: Option<&str>) -> Result<ActorHandle, Err
 pub fn submit_task<T>(function: &str, args: Vec<codec::Arg>, opts: &TaskOptions) -> ObjectRef<T> {
     let core = core::core().expect("tpuray::init must run before submitting tasks");
     match core.submit(function, args, opts, false) {
-        Ok(spec) => {
-            ObjectRef::from_raw(RawRef::adopt(spec.return_ids[0].clone(), core.address.clone()))
+        Ok(mut task) => {
+            ObjectRef::from_raw(RawRef::adopt(task.return_ids.swap_remove(0), core.address.clone()))
         }
         Err(e) => failed_ref(core, function, e),
     }
