@@ -1790,10 +1790,10 @@ impl Core {
     /// # Errors
     /// Bad options (resources, label selector, bundle index), naming the problem.
     fn class_for(&self, opts: &TaskOptions) -> Result<Arc<Class>, Error> {
-        if let Some((last, class)) = &*self.last_class.lock().unwrap() {
-            if last == opts {
-                return Ok(Arc::clone(class));
-            }
+        if let Some((last, class)) = &*self.last_class.lock().unwrap()
+            && last == opts
+        {
+            return Ok(Arc::clone(class));
         }
         let mut resources: HashMap<String, f64> =
             opts.resources.iter().map(|(k, v)| (k.clone(), *v)).collect();
