@@ -23,6 +23,13 @@ use tpuray::foreign::{AsyncDone, ForeignReturn, ForeignRuntime, ForeignStream, T
 use tpuray::raw::{self, Arg, RawRef};
 use tpuray::{ActorHandle, ActorOptions, Error, Scheduling, TaskOptions};
 
+/// mimalloc for the extension's own allocations (Python objects keep Python's allocator):
+/// the core worker, and the head and node agents that `tpuray start` runs in this
+/// process, allocate and free many small strings per task across threads, where glibc's
+/// malloc cost a fifth of a driver's CPU (as for the `tpuray` binary, `cli/src/main.rs`).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Runs the tpuray CLI with `argv` (program name first) and returns its exit
 /// code. The GIL is released while it runs: `start --block`, `_head`,
 /// `_agent` and `_worker` run for as long as the process lives.
