@@ -318,6 +318,14 @@ impl Executor {
             }
             on_loop.0 += 1;
         }
+        self.launch_on_loop(rt, job);
+    }
+
+    /// Hands a call holding one of the `max_concurrency` places to the loop. When it
+    /// ends, its place passes straight to the first call waiting, if any: were the place
+    /// given back first, a call arriving in between could take it and start ahead of
+    /// the calls waiting before it (CORE-4 order).
+    fn launch_on_loop(self: &Arc<Self>, rt: &'static dyn ForeignRuntime, job: Job) {
         let Job { spec, reply, .. } = job;
         self.running.lock().unwrap().insert(spec.task_id.clone(), ());
         self.core.event(&spec, "RUNNING", "");
@@ -331,11 +339,14 @@ impl Executor {
                 let _ = reply.send(ex.finish(&spec, result.map(Encoded::Foreign)));
                 let next = {
                     let mut on_loop = ex.on_loop.lock().unwrap();
-                    on_loop.0 -= 1;
-                    on_loop.1.pop_front()
+                    let next = on_loop.1.pop_front();
+                    if next.is_none() {
+                        on_loop.0 -= 1;
+                    }
+                    next
                 };
                 if let Some(j) = next {
-                    ex.start_on_loop(rt, j);
+                    ex.launch_on_loop(rt, j);
                 }
             }),
         );
