@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,16 +27,13 @@ from tpuray.serve.exceptions import RayServeException, ReplicaDiedError
 NO_CPU = {"num_cpus": 0}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def serve_instance(cluster):
-    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
-    yield serve.status().http["port"]
+    """Yields a function giving the HTTP proxy's port, once an application with a route
+    runs. Port 0: the proxy binds a free port itself (a port picked here and bound
+    later could be taken in between, by an outgoing connection's ephemeral port)."""
+    serve.start(http_options={"host": "127.0.0.1", "port": 0})
+    yield lambda: _wait_for(lambda: serve.status().http["port"], 60, "the HTTP proxy's port")
     serve.shutdown()
 
 
@@ -158,8 +154,8 @@ class Front:
 
 
 def test_composition_handles_streaming_and_http(serve_instance, cluster):
-    port = serve_instance
     h = serve.run(Front.bind(Doubler.bind(), offset=1), name="comp", route_prefix="/comp")
+    port = serve_instance()
     assert h.remote(5).result(timeout_s=60)["y"] == 11
     assert h.chain.remote(3).result(timeout_s=60) == 12
     assert h.stream_from_downstream.remote(4).result(timeout_s=60) == [0, 1, 2, 3]
@@ -270,8 +266,8 @@ class Configured:
 
 
 def test_user_config_reaches_reconfigure_and_text_and_bytes_go_back_as_they_are(serve_instance):
-    port = serve_instance
     serve.run(Configured.bind(), name="conf", route_prefix="/conf")
+    port = serve_instance()
     st, ctype, body = _http(port, "/conf?name=ann")
     assert (st, ctype, body) == (200, "text/plain; charset=utf-8", b"hi ann")
     st, ctype, body = _http(port, "/conf/bytes")
@@ -521,8 +517,8 @@ class Adoptee:
 
 
 def test_a_killed_controller_restarts_and_adopts_the_running_replicas(serve_instance):
-    port = serve_instance
     h = serve.run(Adoptee.bind(), name="adopt", route_prefix="/adopt")
+    port = serve_instance()
     before = sorted(r["replica_id"] for r in _replicas("adopt", "Adoptee"))
     old_pid = serve.status().to_dict()["controller"]["pid"]
     os.kill(old_pid, signal.SIGKILL)
