@@ -41,17 +41,36 @@ pub struct Timing {
 }
 
 impl Timing {
-    pub fn from_args(a: &MicrobenchmarkArgs) -> Self {
+    /// The timing the arguments ask for.
+    ///
+    /// # Errors
+    /// `--trials 0`, a `--trial-seconds` that is not a positive number of seconds, or a
+    /// `--warmup-sleep` that is negative or not finite, each named with what is expected.
+    pub fn from_args(a: &MicrobenchmarkArgs) -> Result<Self> {
         let (pause, trials, trial) = if a.quick { (0.0, 1, 0.5) } else { (10.0, 4, 2.0) };
-        Timing {
-            pause: Duration::from_secs_f64(a.warmup_sleep.unwrap_or(pause)),
-            trials: a.trials.unwrap_or(trials).max(1),
-            trial: Duration::from_secs_f64(a.trial_seconds.unwrap_or(trial)),
+        let (pause, trials, trial) = (
+            a.warmup_sleep.unwrap_or(pause),
+            a.trials.unwrap_or(trials),
+            a.trial_seconds.unwrap_or(trial),
+        );
+        if trials == 0 {
+            bail!("--trials 0: expected at least 1 timed trial per case");
+        }
+        if !(trial.is_finite() && trial > 0.0) {
+            bail!("--trial-seconds {trial}: expected a positive number of seconds");
+        }
+        if !(pause.is_finite() && pause >= 0.0) {
+            bail!("--warmup-sleep {pause}: expected 0 or more seconds");
+        }
+        Ok(Timing {
+            pause: Duration::from_secs_f64(pause),
+            trials,
+            trial: Duration::from_secs_f64(trial),
             json: a.json,
             filter: a.filter.clone().or_else(|| std::env::var("TESTS_TO_RUN").ok()),
             skip: a.skip.clone().or_else(|| std::env::var("TESTS_TO_SKIP").ok()),
         }
-        .non_empty()
+        .non_empty())
     }
 
     fn non_empty(mut self) -> Self {
@@ -157,7 +176,7 @@ pub fn mean_sd(xs: &[f64]) -> (f64, f64) {
 /// # Errors
 /// No Python with tpuray installed, a cluster that does not start, or a failed case.
 pub fn run(a: MicrobenchmarkArgs) -> Result<i32> {
-    let timing = Timing::from_args(&a);
+    let timing = Timing::from_args(&a)?;
     if !a.no_floor {
         let floor_timing =
             Timing { pause: Duration::ZERO, filter: None, skip: None, ..timing.clone() };
@@ -219,6 +238,27 @@ fn run_python(a: &MicrobenchmarkArgs, t: &Timing) -> Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bad_trial_counts_and_durations_are_refused_with_what_was_expected() {
+        let err = |a: MicrobenchmarkArgs| Timing::from_args(&a).unwrap_err().to_string();
+        let e = err(MicrobenchmarkArgs { trials: Some(0), ..Default::default() });
+        assert!(e.contains("--trials 0") && e.contains("at least 1"), "{e}");
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let e = err(MicrobenchmarkArgs { trial_seconds: Some(bad), ..Default::default() });
+            assert!(e.contains("--trial-seconds") && e.contains("positive"), "{e}");
+        }
+        let e = err(MicrobenchmarkArgs { warmup_sleep: Some(-0.5), ..Default::default() });
+        assert!(e.contains("--warmup-sleep -0.5") && e.contains("0 or more"), "{e}");
+        let t = Timing::from_args(&MicrobenchmarkArgs {
+            trials: Some(2),
+            trial_seconds: Some(0.25),
+            warmup_sleep: Some(0.0),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!((t.trials, t.trial, t.pause), (2, Duration::from_millis(250), Duration::ZERO));
+    }
 
     fn timing(filter: Option<&str>, skip: Option<&str>) -> Timing {
         Timing {
