@@ -1864,6 +1864,21 @@ impl Core {
         Ok(class)
     }
 
+    /// Registers a task or actor call being submitted: its returns as owned and pending,
+    /// a streaming task's generator state, and its SUBMITTED event.
+    fn register_submitted(&self, spec: &pb::TaskSpec) {
+        for id in &spec.return_ids {
+            self.register_owned(id, ObjState::Pending, Some(spec.task_id.clone()));
+        }
+        if spec.streaming {
+            self.generators.lock().unwrap().insert(
+                spec.task_id.clone(),
+                GenState { items: vec![], finished: false, error: None },
+            );
+        }
+        self.event(spec, "SUBMITTED", "");
+    }
+
     /// Submits a task (CORE-3); returns its id, name and return ids.
     ///
     /// # Errors
@@ -1883,16 +1898,7 @@ impl Core {
             streaming,
         );
         spec.resources = class.resources.clone();
-        for id in &spec.return_ids {
-            self.register_owned(id, ObjState::Pending, Some(spec.task_id.clone()));
-        }
-        if streaming {
-            self.generators.lock().unwrap().insert(
-                spec.task_id.clone(),
-                GenState { items: vec![], finished: false, error: None },
-            );
-        }
-        self.event(&spec, "SUBMITTED", "");
+        self.register_submitted(&spec);
         let core = Arc::clone(self);
         let retries = opts.max_retries;
         let retry_exceptions = opts.retry_exceptions;
@@ -2576,16 +2582,7 @@ impl Core {
             name: method.into(),
             class_name: handle.class.clone(),
         });
-        for id in &spec.return_ids {
-            self.register_owned(id, ObjState::Pending, Some(spec.task_id.clone()));
-        }
-        if streaming {
-            self.generators.lock().unwrap().insert(
-                spec.task_id.clone(),
-                GenState { items: vec![], finished: false, error: None },
-            );
-        }
-        self.event(&spec, "SUBMITTED", "");
+        self.register_submitted(&spec);
         // Resolve arguments at once, in parallel with earlier calls; the
         // sender awaits them in submission order.
         let (tx, rx) = tokio::sync::oneshot::channel();
