@@ -343,6 +343,7 @@ pub fn stop(force: bool) -> Result<i32> {
     if live.is_empty() {
         registry::clear_current_cluster();
         println!("no tpuray processes are running on this machine");
+        sweep_stores();
         return Ok(0);
     }
     let rank = |k: &str| match k {
@@ -374,10 +375,28 @@ pub fn stop(force: bool) -> Result<i32> {
     }
     registry::clear_current_cluster();
     if !left.is_empty() {
+        sweep_stores();
         bail!("these tpuray processes did not exit: {left:?}");
     }
     println!("stopped {} tpuray process(es)", live.len());
+    sweep_stores();
     Ok(0)
+}
+
+/// Removes the object store folders that agents of this machine left under
+/// `/dev/shm` when they died (killed by `stop --force`, or earlier), with
+/// their spill folders (OBJ-13), and says how many when there were any. A
+/// live agent's store is never touched.
+fn sweep_stores() {
+    let root = Path::new(tpuray_objectstore::STORE_ROOT);
+    let removed = tpuray_objectstore::sweep_stale_stores(root);
+    let stores = removed.iter().filter(|p| p.parent() == Some(root)).count();
+    if stores > 0 {
+        println!(
+            "removed {stores} object store folder(s) of stopped node agents from {}",
+            root.display()
+        );
+    }
 }
 
 fn wait_gone(group: &[&ProcEntry], within: Duration) {

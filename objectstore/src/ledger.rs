@@ -93,6 +93,16 @@ impl Ledger {
     }
 }
 
+/// The settings in the header of the ledger at `path`, read without taking
+/// its lock (for [`crate::sweep_stale_stores`], on a store nobody runs);
+/// `None` when the file is absent, unreadable or holds no valid header.
+pub(crate) fn read_settings(path: &Path) -> Option<Settings> {
+    use std::io::Read;
+    let mut buf = Vec::with_capacity(FIXED + MAX_PATH);
+    File::open(path).ok()?.take((FIXED + MAX_PATH) as u64).read_to_end(&mut buf).ok()?;
+    parse(&buf).map(|(settings, _)| settings)
+}
+
 fn parse(b: &[u8]) -> Option<(Settings, u64)> {
     if b.len() < FIXED || &b[..8] != MAGIC {
         return None;

@@ -28,8 +28,10 @@
 //! object being written, `flock`ed exclusively by its writer, its length the
 //! bytes reserved), `.m.<id>` (a sidecar with the copy kind and the owner,
 //! only when not primary or an owner is set), `.lock` (the ledger, see
-//! `ledger.rs`), `.pool/<size>.<pid>.<n>` (recycled files, `pool.rs`). In
-//! the spill folder: `<id>` and `.w.*` temporaries.
+//! `ledger.rs`), `.pool/<size>.<pid>.<n>` (recycled files, `pool.rs`),
+//! `.agent` (the creator's pid, `flock`ed shared by every live
+//! [`LocalStore::open_with`] of the folder, `sweep.rs`). In the spill
+//! folder: `<id>` and `.w.*` temporaries.
 //!
 //! # Invariants
 //!
@@ -62,6 +64,13 @@
 //! - OBJ-9 to OBJ-11: freed objects' files are recycled for later writes,
 //!   with their pages, and a process keeps its mappings of a few of them
 //!   (the arena of DESIGN.md §11; see `pool.rs`).
+//! - OBJ-13: a store folder outlives its agent only until the next
+//!   [`sweep_stale_stores`] (an agent starting, `tpuray stop`): a store made
+//!   by [`LocalStore::open_with`] holds a shared `flock` on `.agent` while it
+//!   lives, and a sweep removes the folder and its recorded spill folder
+//!   only while it holds the exclusive one, so a live agent's store is never
+//!   removed. Folders without `.agent` (older versions) are removed only
+//!   when unchanged for [`LEGACY_MIN_AGE`] and open in no process.
 //!
 //! All functions block on the filesystem; none needs a runtime. Locks are
 //! held only for bookkeeping and for copying an object being spilled or
@@ -70,6 +79,7 @@
 mod ledger;
 mod pool;
 mod pressure;
+mod sweep;
 mod writer;
 
 use std::fs::File;
@@ -81,6 +91,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 
 use ledger::{Guard, LEDGER, Ledger, Settings};
+pub use sweep::{LEGACY_MIN_AGE, STORE_PREFIX, STORE_ROOT, sweep_stale_stores};
 pub use writer::Writer;
 
 /// Ray's default object store size: 30% of the memory available when the
@@ -227,6 +238,9 @@ struct Inner {
     ledger: Ledger,
     /// This process's mappings of files it wrote (pool.rs, OBJ-11).
     maps: std::sync::Mutex<Vec<pool::CachedMap>>,
+    /// For a store opened with [`LocalStore::open_with`]: `.agent`, with
+    /// the creator's shared `flock` held while the store lives (OBJ-13).
+    _creator: Option<File>,
 }
 
 /// A sealed object mapped read-only: derefs to its bytes without copying.
@@ -305,7 +319,7 @@ impl LocalStore {
     /// # Errors
     /// [`StoreError::Io`] when the folder or its ledger cannot be created.
     pub fn open(dir: impl Into<PathBuf>) -> Result<Self> {
-        let store = Self::attach(dir.into())?;
+        let store = Self::attach(dir.into(), None)?;
         let mut g = store.lock()?;
         if g.fresh {
             g.write_settings(Settings::default()).map_err(|e| store.io(e))?;
@@ -322,10 +336,17 @@ impl LocalStore {
     /// when the folder already holds more than the new capacity; later writes
     /// make room.
     ///
+    /// The returned store (and its clones) marks the folder as in use by a
+    /// live creator until the last of them is dropped or the process ends,
+    /// so [`sweep_stale_stores`] leaves it alone (OBJ-13).
+    ///
     /// # Errors
-    /// [`StoreError::Io`] when a folder or the ledger cannot be created.
+    /// [`StoreError::Io`] when a folder, the ledger or `.agent` cannot be
+    /// created.
     pub fn open_with(config: StoreConfig) -> Result<Self> {
-        let store = Self::attach(config.dir)?;
+        let creator = sweep::hold_creator(&config.dir)
+            .map_err(|e| StoreError::Io { dir: config.dir.clone(), source: e })?;
+        let store = Self::attach(config.dir, Some(creator))?;
         let spill = config.spill_dir.map(|s| {
             let name = store.dir().file_name().unwrap_or(std::ffi::OsStr::new("objects"));
             s.join(name)
@@ -341,19 +362,25 @@ impl LocalStore {
         Ok(store)
     }
 
-    fn attach(dir: PathBuf) -> Result<Self> {
+    fn attach(dir: PathBuf, creator: Option<File>) -> Result<Self> {
         std::fs::create_dir_all(&dir)
             .map_err(|e| StoreError::Io { dir: dir.clone(), source: e })?;
         let ledger = Ledger::open(&dir.join(LEDGER))
             .map_err(|e| StoreError::Io { dir: dir.clone(), source: e })?;
-        Ok(Self { inner: Arc::new(Inner { dir, ledger, maps: Default::default() }) })
+        let inner = Inner { dir, ledger, maps: Default::default(), _creator: creator };
+        Ok(Self { inner: Arc::new(inner) })
     }
 
     /// The default folder for a node: `/dev/shm/tpuray-<node>` when
-    /// `/dev/shm` exists, else `<fallback>/objects`.
+    /// `/dev/shm` exists ([`STORE_ROOT`], [`STORE_PREFIX`]), else
+    /// `<fallback>/objects`.
     pub fn default_dir(node_id: &str, fallback: &Path) -> PathBuf {
-        let shm = Path::new("/dev/shm");
-        if shm.is_dir() { shm.join(format!("tpuray-{node_id}")) } else { fallback.join("objects") }
+        let shm = Path::new(STORE_ROOT);
+        if shm.is_dir() {
+            shm.join(format!("{STORE_PREFIX}{node_id}"))
+        } else {
+            fallback.join("objects")
+        }
     }
 
     pub fn dir(&self) -> &Path {
@@ -720,7 +747,7 @@ mod tests {
         let mut v: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .filter(|n| n != LEDGER)
+            .filter(|n| n != LEDGER && n != sweep::CREATOR)
             .collect();
         v.sort();
         v

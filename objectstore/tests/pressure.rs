@@ -63,7 +63,7 @@ fn visible(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)
         .map(|rd| rd.map(|e| e.unwrap().file_name().into_string().unwrap()).collect())
         .unwrap_or_default();
-    v.retain(|n| n != ".lock");
+    v.retain(|n| n != ".lock" && n != ".agent");
     v.sort();
     v
 }
