@@ -168,7 +168,7 @@ def main() -> None:
                        timeout=120)
 
     try:
-        start(["--head", "--port", str(port), "--num-cpus", "2", "--object-store-memory", store,
+        start(["--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2", "--object-store-memory", store,
                "--temp-dir", os.path.join(tmp, "head")])
         start(["--address", addr, "--num-cpus", "1", "--resources", '{"other": 1}',
                "--object-store-memory", store, "--temp-dir", os.path.join(tmp, "other")])

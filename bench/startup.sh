@@ -21,7 +21,7 @@ median() { sort -n | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a
 
 heads=(); joins=()
 for i in $(seq "$ROUNDS"); do
-    t0=$(date +%s%N); "$T" start --head --port "$PORT" --num-cpus 1 --temp-dir "$TMP/h$i" >/dev/null; h=$(ms "$t0")
+    t0=$(date +%s%N); "$T" start --head --node-ip-address 127.0.0.1 --port "$PORT" --num-cpus 1 --temp-dir "$TMP/h$i" >/dev/null; h=$(ms "$t0")
     t0=$(date +%s%N); "$T" start --address "127.0.0.1:$PORT" --num-cpus 1 --temp-dir "$TMP/n$i" >/dev/null; j=$(ms "$t0")
     "$T" stop >/dev/null
     echo "tpuray round $i: start --head ${h} ms, node join ${j} ms"

@@ -50,7 +50,7 @@ cleanup() {
 trap cleanup EXIT
 
 echo "== tpuray start --head"
-tpuray start --head --port "$PORT" --num-cpus 1 --temp-dir "$TMP/head"
+tpuray start --head --node-ip-address 127.0.0.1 --port "$PORT" --num-cpus 1 --temp-dir "$TMP/head"
 echo "== tpuray start --address (two worker nodes)"
 tpuray start --address "127.0.0.1:$PORT" --num-cpus 2 --temp-dir "$TMP/n1"
 tpuray start --address "127.0.0.1:$PORT" --num-cpus 2 --resources '{"special": 1}' --labels zone=b --temp-dir "$TMP/n2"

@@ -121,9 +121,13 @@ pub struct StartArgs {
     /// this head's own entry, which others may reach through a proxy).
     #[arg(long)]
     pub port: Option<u16>,
-    /// This node's address as others reach it; servers listen on it.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub node_ip_address: String,
+    /// This node's IPv4 address as other hosts reach it (default: for a head, the
+    /// address of the interface holding the default route; for a node joining a
+    /// cluster, the address of the interface that routes to its head; 127.0.0.1 when
+    /// there is no such route). Servers advertising a loopback address listen on it
+    /// alone, any other on every address of the host (NET-3).
+    #[arg(long, env = "TPURAY_NODE_IP_ADDRESS")]
+    pub node_ip_address: Option<String>,
     /// The node agent's port (default: any free port).
     #[arg(long, default_value_t = 0)]
     pub node_manager_port: u16,

@@ -148,11 +148,35 @@ fn tail(path: &Path, max: usize) -> String {
     s[start..].to_string()
 }
 
+/// `--node-ip-address` checked, or the address a head advertises by default (NET-3).
+fn node_ip(a: &StartArgs) -> Result<String> {
+    match &a.node_ip_address {
+        Some(ip) => {
+            ip.parse::<std::net::IpAddr>().map_err(|_| {
+                anyhow!(
+                    "--node-ip-address {ip:?}: expected a numeric IP address such as 198.18.0.2"
+                )
+            })?;
+            Ok(ip.clone())
+        }
+        None => Ok(tpuray_proto::net::head_advertise_address().to_string()),
+    }
+}
+
+/// The address a node agent advertises: `--node-ip-address`, the head's own when this
+/// is the head node, else the one that routes to the head (NET-3).
+fn agent_ip(a: &StartArgs, head_address: &str) -> Result<String> {
+    if a.node_ip_address.is_some() || a.head {
+        return node_ip(a);
+    }
+    Ok(tpuray_proto::net::advertise_address_toward(head_address).to_string())
+}
+
 /// A head's listen address, its peer list (empty for a lone head) and replica id. With
 /// `--head-peers`, the head listens on the port of its own entry.
 fn head_listen(a: &StartArgs) -> Result<(String, String, u64)> {
     let Some(peers) = &a.head_peers else {
-        return Ok((format!("{}:{}", a.node_ip_address, a.port.unwrap_or(6379)), String::new(), 1));
+        return Ok((format!("{}:{}", node_ip(a)?, a.port.unwrap_or(6379)), String::new(), 1));
     };
     let list: Vec<&str> = peers.split(',').map(str::trim).filter(|p| !p.is_empty()).collect();
     for p in &list {
@@ -169,11 +193,17 @@ fn head_listen(a: &StartArgs) -> Result<(String, String, u64)> {
                 list.len()
             )
         })?;
+    let (own_host, own_port) = own.rsplit_once(':').unwrap_or((own, ""));
     let port = match a.port {
         Some(p) => p.to_string(),
-        None => own.rsplit_once(':').map(|(_, p)| p).unwrap_or_default().to_string(),
+        None => own_port.to_string(),
     };
-    Ok((format!("{}:{port}", a.node_ip_address), list.join(","), id))
+    // Without --node-ip-address, a replica is at the host of its own entry.
+    let ip = match (&a.node_ip_address, own_host.parse::<std::net::IpAddr>()) {
+        (None, Ok(ip)) => ip.to_string(),
+        _ => node_ip(a)?,
+    };
+    Ok((format!("{ip}:{port}"), list.join(","), id))
 }
 
 pub fn start(a: StartArgs) -> Result<i32> {
@@ -243,7 +273,7 @@ pub fn start(a: StartArgs) -> Result<i32> {
         "--address".into(),
         head_address.clone(),
         "--listen".into(),
-        format!("{}:{}", a.node_ip_address, a.node_manager_port),
+        format!("{}:{}", agent_ip(&a, &head_address)?, a.node_manager_port),
         "--session-dir".into(),
         session.display().to_string(),
     ];
@@ -460,7 +490,7 @@ pub fn run_head(a: HeadArgs) -> Result<i32> {
         token,
         auth_required: a.auth_mode == AuthMode::Token,
         heartbeat_interval: env_ms("TPURAY_HEARTBEAT_INTERVAL_MS", 1000),
-        node_death_timeout: env_ms("TPURAY_NODE_DEATH_TIMEOUT_MS", 10_000),
+        node_death_timeout: env_ms("TPURAY_NODE_DEATH_TIMEOUT_MS", 5_000),
         replica_id: a.head_id,
         peers,
         data_dir: Some(a.data_dir.clone()),

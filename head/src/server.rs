@@ -1891,8 +1891,9 @@ fn start_replica<K: tpuray_replica::KvStore>(
     Ok(replica)
 }
 
-/// Serves the head on `config.listen` until `shutdown` resolves. `ready` is
-/// called with the bound address once the server accepts connections (before a
+/// Serves the head on `config.listen` (NET-3: on every address when that is not a
+/// loopback address) until `shutdown` resolves. `ready` is called with the advertised
+/// address and the bound port once the server accepts connections (before a
 /// leader is elected: calls until then are answered `UNAVAILABLE`, and clients retry).
 ///
 /// # Errors
@@ -1904,11 +1905,13 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     check_replicas(&config)?;
-    let listener = tokio::net::TcpListener::bind(config.listen)
+    // NET-3: a head advertising a non-loopback address serves on every address.
+    let listener = tokio::net::TcpListener::bind(tpuray_proto::net::bind_address(config.listen))
         .await
         .map_err(|e| ServeError::Listen { addr: config.listen, detail: e.to_string() })?;
     let addr = listener
         .local_addr()
+        .map(|bound| SocketAddr::new(config.listen.ip(), bound.port()))
         .map_err(|e| ServeError::Listen { addr: config.listen, detail: e.to_string() })?;
     let auth = ServerAuth::new(config.token.as_deref().unwrap_or(""), config.auth_required);
     let head = Head::new(config.clone());

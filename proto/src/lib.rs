@@ -9,6 +9,8 @@ pub mod client;
 pub mod convert;
 pub mod h2grpc;
 pub mod ids;
+pub mod net;
+pub mod registry;
 
 /// Generated messages and services of package `tpuray.v1`.
 #[allow(clippy::all, missing_docs)]

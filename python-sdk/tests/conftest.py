@@ -65,7 +65,7 @@ class CliCluster:
         assert r.returncode == 0, r.stderr
 
     def head(self, num_cpus: int = 1) -> "CliCluster":
-        self._start(["--head", "--port", str(self.port), "--num-cpus", str(num_cpus),
+        self._start(["--head", "--node-ip-address", "127.0.0.1", "--port", str(self.port), "--num-cpus", str(num_cpus),
                      "--temp-dir", str(self.tmp / "head")])
         return self
 

@@ -149,6 +149,8 @@ def test_start_status_list_stop(cluster_env):
         [
             "start",
             "--head",
+            "--node-ip-address",
+            "127.0.0.1",
             "--port",
             str(port),
             "--num-cpus",

@@ -77,7 +77,7 @@ def two_nodes(tmp_path_factory):
         assert r.returncode == 0, r.stderr
 
     try:
-        start(["--head", "--port", str(port), "--num-cpus", "2", "--temp-dir", str(tmp / "head")])
+        start(["--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2", "--temp-dir", str(tmp / "head")])
         start(["--address", addr, "--num-cpus", "1", "--resources", '{"other": 1}',
                "--temp-dir", str(tmp / "other")])
         yield addr, env, tmp

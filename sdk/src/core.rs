@@ -379,6 +379,10 @@ pub(crate) struct Core {
     pull_permits: tokio::sync::Semaphore,
     /// Borrower changes on their way to each owner (by owner address).
     borrow_queues: Mutex<HashMap<String, Arc<BorrowQueue>>>,
+    /// Nodes the head declared dead (CORE-10), fed by [`Core::watch_nodes`].
+    pub(crate) deaths: crate::node_watch::NodeDeaths,
+    /// Whether [`Core::watch_nodes`] runs.
+    watching_nodes: AtomicBool,
 }
 
 type AuthChannel = tpuray_proto::client::AuthChannel;
@@ -421,13 +425,16 @@ type Pushed = (Queued, Result<pb::PushTaskReply, tonic::Status>, Duration);
 /// each task's answer to `done` as it comes (CORE-9); tasks a broken stream left
 /// unanswered get the failure.
 async fn push_batch(
+    core: Arc<Core>,
+    node_id: String,
     mut c: pb::worker_service_client::WorkerServiceClient<tpuray_proto::client::AuthChannel>,
     batch: Vec<Queued>,
     done: tokio::sync::mpsc::UnboundedSender<Pushed>,
 ) {
     let t = Instant::now();
     if let [q] = batch.as_slice() {
-        let r = c.push_task(pb::PushTaskRequest { spec: Some(q.spec.clone()) }).await;
+        let push = c.push_task(pb::PushTaskRequest { spec: Some(q.spec.clone()) });
+        let r = core.unless_node_dies(&node_id, push).await;
         let q = batch.into_iter().next().expect("one task");
         let _ = done.send((q, r.map(tonic::Response::into_inner), t.elapsed()));
         return;
@@ -435,11 +442,12 @@ async fn push_batch(
     let specs = batch.iter().map(|q| q.spec.clone()).collect();
     let mut slots: Vec<Option<Queued>> = batch.into_iter().map(Some).collect();
     let mut answered = 0u32;
-    let failure = match c.push_tasks(pb::PushTasksRequest { specs }).await {
+    let pushed = core.unless_node_dies(&node_id, c.push_tasks(pb::PushTasksRequest { specs }));
+    let failure = match pushed.await {
         Ok(r) => {
             let mut items = r.into_inner();
             loop {
-                match items.message().await {
+                match core.unless_node_dies(&node_id, items.message()).await {
                     Ok(Some(ready)) => {
                         for item in ready.items {
                             let q = slots.get_mut(item.index as usize).and_then(Option::take);
@@ -464,6 +472,11 @@ async fn push_batch(
     for q in slots.into_iter().flatten() {
         let _ = done.send((q, Err(failure.clone()), t.elapsed()));
     }
+}
+
+/// The error of a call to a node the head declared dead (CORE-10).
+fn node_died(node_id: &str) -> tonic::Status {
+    tonic::Status::unavailable(format!("node {node_id} died (the head declared it dead)"))
 }
 
 /// A by-value task argument and the refs nested inside it.
@@ -769,6 +782,75 @@ impl Core {
             blocked_now: Notify::new(),
             pull_permits: tokio::sync::Semaphore::new(MAX_PULLS_PER_PROCESS),
             borrow_queues: Mutex::new(HashMap::new()),
+            deaths: crate::node_watch::NodeDeaths::default(),
+            watching_nodes: AtomicBool::new(false),
+        }
+    }
+
+    /// CORE-10: follows the head's state changes (once per process, from the first
+    /// call on) and acts on every node death at once: pushes to the node's workers and
+    /// pulls from its store end with an error (a running task is retried, an actor
+    /// call resent or failed as on a lost connection), and owned objects whose only
+    /// copies were there are made again from lineage. Resumes after the last change
+    /// seen when the stream breaks (a head failover).
+    pub(crate) fn watch_nodes(self: &Arc<Self>) {
+        if self.watching_nodes.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let core = Arc::clone(self);
+        self.rt.spawn(async move {
+            let mut after_seq = 0u64;
+            loop {
+                if let Ok(mut head) = core.head_client()
+                    && let Ok(r) = head.subscribe(pb::SubscribeRequest { after_seq }).await
+                {
+                    let mut changes = r.into_inner();
+                    while let Ok(Some(c)) = changes.message().await {
+                        after_seq = after_seq.max(c.seq);
+                        if let Some(pb::state_change::Change::Node(n)) = c.change
+                            && n.state == pb::NodeState::Dead as i32
+                            && core.deaths.mark_dead(&n.node_id)
+                        {
+                            core.on_node_death(&n.node_id);
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+    }
+
+    /// What an owner does when a node dies (CORE-10); waits on the node end by
+    /// themselves through [`crate::node_watch::NodeDeaths::died`].
+    fn on_node_death(self: &Arc<Self>, node_id: &str) {
+        let lost: Vec<String> = {
+            let objs = self.objects.lock().unwrap();
+            objs.iter()
+                .filter(|(_, o)| match &o.state {
+                    ObjState::Stored { locations, .. } => {
+                        locations.iter().any(|l| l.node_id == node_id)
+                    }
+                    _ => false,
+                })
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        let dead = [node_id.to_string()];
+        for id in lost {
+            self.object_lost(&id, &dead);
+        }
+    }
+
+    /// `fut`, or an `UNAVAILABLE` error naming the node once the head declares
+    /// `node_id` dead (CORE-10).
+    async fn unless_node_dies<T>(
+        &self,
+        node_id: &str,
+        fut: impl std::future::Future<Output = Result<T, tonic::Status>>,
+    ) -> Result<T, tonic::Status> {
+        tokio::select! {
+            r = fut => r,
+            _ = self.deaths.died(node_id) => Err(node_died(node_id)),
         }
     }
 
@@ -1299,8 +1381,10 @@ impl Core {
                     {
                         o.pulls.remove(i);
                     }
+                    // CORE-10: a node the head declared dead holds no copy any more.
                     if let (Some(c), ObjState::Stored { locations, .. }) = (copy, &mut o.state)
                         && !locations.iter().any(|l| l.node_id == c.node_id)
+                        && !self.deaths.is_dead(&c.node_id)
                     {
                         locations.push(c);
                     }
@@ -1408,6 +1492,7 @@ impl Core {
     ) -> Result<Ready, Error> {
         let mut client =
             self.worker_client(r.owner()).map_err(|e| Error::Cluster(e.to_string()))?;
+        let mut asked_again = false;
         loop {
             let wait = match deadline {
                 Some(d) => d.saturating_duration_since(Instant::now()).min(Duration::from_secs(10)),
@@ -1420,7 +1505,17 @@ impl Core {
                 puller_node_id: self.node_id.clone(),
             });
             req.set_timeout(wait + Duration::from_secs(10));
-            let reply = client.get_object(req).await.map_err(|s| Error::ObjectLost {
+            let reply = client.get_object(req).await;
+            // A connection lost under the call (the owner may have died just then) is
+            // asked once more: a dead owner then refuses the connection.
+            if let Err(s) = &reply
+                && s.code() == tonic::Code::Unknown
+                && !asked_again
+            {
+                asked_again = true;
+                continue;
+            }
+            let reply = reply.map_err(|s| Error::ObjectLost {
                 id: r.id().to_string(),
                 message: if s.code() == tonic::Code::Unavailable {
                     format!(
@@ -1490,7 +1585,7 @@ impl Core {
         }
         let mut last = String::from("no copy is known");
         for loc in locations.iter().filter(|l| l.store_dir != local_dir) {
-            let pulled = self.pull(id, owner, &loc.agent_address).await;
+            let pulled = self.pull(id, owner, loc).await;
             // The owner frees the source it assigned; a lost source is
             // reported with the next request instead (CORE-6).
             match &pulled {
@@ -1530,23 +1625,34 @@ impl Core {
             .map_err(|e| e.to_string())?
     }
 
-    /// Pulls `id` from the agent at `agent` into this node's store as a
-    /// secondary copy. Store calls (reserving room may spill or evict) run
+    /// Pulls `id` from the agent of `loc` into this node's store as a
+    /// secondary copy; ends with a source error once the head declares that node
+    /// dead (CORE-10). Store calls (reserving room may spill or evict) run
     /// off the runtime threads, one chunk at a time.
-    async fn pull(&self, id: &str, owner: &str, agent: &str) -> Result<(), PullError> {
+    async fn pull(&self, id: &str, owner: &str, loc: &pb::ObjectLocation) -> Result<(), PullError> {
+        let agent = &loc.agent_address;
         let source = |m: String| PullError::Source(format!("{agent}: {m}"));
+        if self.deaths.is_dead(&loc.node_id) {
+            return Err(source(node_died(&loc.node_id).message().to_string()));
+        }
+        if let Some(core) = try_core() {
+            core.watch_nodes();
+        }
         let _permit =
             self.pull_permits.acquire().await.map_err(|e| PullError::Local(e.to_string()))?;
         let mut c = self.objects_client(agent).map_err(|e| source(e.to_string()))?;
-        let mut stream = c
-            .pull(pb::PullRequest { object_id: id.to_string(), chunk_size: 0 })
+        let request = c.pull(pb::PullRequest { object_id: id.to_string(), chunk_size: 0 });
+        let mut stream = self
+            .unless_node_dies(&loc.node_id, request)
             .await
             .map_err(|s| source(s.message().to_string()))?
             .into_inner();
         let mut w: Option<Writer> = None;
         let mut total = None;
-        while let Some(chunk) =
-            stream.message().await.map_err(|s| source(s.message().to_string()))?
+        while let Some(chunk) = self
+            .unless_node_dies(&loc.node_id, stream.message())
+            .await
+            .map_err(|s| source(s.message().to_string()))?
         {
             total = Some(chunk.total_size);
             let writer = w.take();
@@ -1934,6 +2040,7 @@ impl Core {
     }
 
     fn ensure_leases(self: &Arc<Self>, class: &Arc<Class>) {
+        self.watch_nodes();
         let queued = class.queue.lock().unwrap().len();
         loop {
             let cur = class.leases.load(Ordering::SeqCst);
@@ -2028,14 +2135,16 @@ impl Core {
                     failures = 0;
                     infeasible = 0;
                     let broken = self.run_on_worker(class, &g).await;
-                    if let Ok(mut c) = self.agent_client(&target) {
-                        let _ = c
-                            .return_worker_lease(pb::ReturnWorkerLeaseRequest {
-                                request_id: tpuray_proto::new_request_id(),
-                                lease_id: g.lease_id,
-                                disconnect_worker: broken,
-                            })
-                            .await;
+                    // A dead node's agent is not asked (it may be silent, CORE-10).
+                    if !self.deaths.is_dead(&g.node_id)
+                        && let Ok(mut c) = self.agent_client(&target)
+                    {
+                        let returned = c.return_worker_lease(pb::ReturnWorkerLeaseRequest {
+                            request_id: tpuray_proto::new_request_id(),
+                            lease_id: g.lease_id,
+                            disconnect_worker: broken,
+                        });
+                        let _ = self.unless_node_dies(&g.node_id, returned).await;
                     }
                 }
                 Ok(Some(Outcome::Infeasible(_))) if infeasible == 0 => {
@@ -2182,7 +2291,13 @@ impl Core {
                 }
                 tasks_in_flight += batch.len();
                 class.in_flight.fetch_add(batch.len(), Ordering::SeqCst);
-                self.rt.spawn(push_batch(client.clone(), batch, done_tx.clone()));
+                self.rt.spawn(push_batch(
+                    Arc::clone(self),
+                    g.node_id.clone(),
+                    client.clone(),
+                    batch,
+                    done_tx.clone(),
+                ));
             }
             if tasks_in_flight == 0 {
                 if broken {
@@ -2616,8 +2731,9 @@ impl Core {
         conn
     }
 
-    /// Waits until the actor is ALIVE: (worker address, incarnation).
-    async fn wait_actor_alive(&self, actor_id: &str) -> Result<(String, u32), String> {
+    /// Waits until the actor is ALIVE on a node not known dead (CORE-10): (worker
+    /// address, incarnation, node id).
+    async fn wait_actor_alive(&self, actor_id: &str) -> Result<(String, u32, String), String> {
         let mut head = self.head_client().map_err(|e| e.to_string())?;
         let mut warned = false;
         let started = Instant::now();
@@ -2637,7 +2753,12 @@ impl Core {
                 }
             };
             if a.state == pb::ActorState::Alive as i32 {
-                return Ok((a.worker_address, a.num_restarts));
+                if self.deaths.is_dead(&a.node_id) {
+                    // The head's record is about to move it (its node died).
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+                return Ok((a.worker_address, a.num_restarts, a.node_id));
             }
             if a.state == pb::ActorState::Dead as i32 {
                 return Err(a.death_cause);
@@ -2658,7 +2779,8 @@ impl Core {
         actor_id: String,
         mut rx: tokio::sync::mpsc::UnboundedReceiver<(pb::TaskSpec, ResolvedArgs, i32)>,
     ) {
-        let current: Arc<Mutex<Option<(String, u32)>>> = Arc::new(Mutex::new(None));
+        self.watch_nodes();
+        let current: Arc<Mutex<Option<(String, u32, String)>>> = Arc::new(Mutex::new(None));
         // Calls that never reached the actor (connection refused: it died or
         // moved) come back here and go out again, before newer calls.
         // (call, pinned args, delivery attempts, retries left after the actor dies mid-call)
@@ -2689,7 +2811,7 @@ impl Core {
                 tokio::time::sleep(Duration::from_millis(100 * u64::from(attempts.min(5)))).await;
             }
             let known = current.lock().unwrap().clone();
-            let (address, inc) = match known {
+            let (address, inc, node_id) = match known {
                 Some(a) => a,
                 None => match self.wait_actor_alive(&actor_id).await {
                     Ok(a) => {
@@ -2719,8 +2841,14 @@ impl Core {
             );
             self.rt.spawn(async move {
                 let result = match core.worker_client(&address) {
+                    // CORE-10: never sent to a dead node: resent to the restart.
+                    Ok(_) if core.deaths.is_dead(&node_id) => Err(tonic::Status::unavailable(
+                        format!("not sent: {}; tcp connect error", node_died(&node_id).message()),
+                    )),
                     Ok(mut c) => {
-                        c.push_task(pb::PushTaskRequest { spec: Some(spec.clone()) }).await
+                        let push = c.push_task(pb::PushTaskRequest { spec: Some(spec.clone()) });
+                        // Lost with its node mid-call: as a lost connection.
+                        core.unless_node_dies(&node_id, push).await
                     }
                     Err(e) => Err(tonic::Status::internal(e.to_string())),
                 };

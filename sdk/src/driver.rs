@@ -40,12 +40,25 @@ pub struct NodeSummary {
 }
 
 fn current_cluster_address() -> Option<String> {
-    let dir = std::env::var_os("TPURAY_REGISTRY_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::PathBuf::from("/tmp/tpuray/registry"));
-    let b = std::fs::read(dir.join("current_cluster.json")).ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&b).ok()?;
-    v.get("address")?.as_str().map(str::to_string)
+    tpuray_proto::registry::current_cluster().map(|c| c.address)
+}
+
+/// The addresses of the node agents running on this host, from its process
+/// registry (`tpuray start` records every agent it starts, REG-1).
+fn local_agent_addresses() -> Vec<String> {
+    tpuray_proto::registry::list()
+        .into_iter()
+        .filter(|e| e.kind == "agent" && e.is_alive())
+        .map(|e| e.address)
+        .collect()
+}
+
+/// The node this driver attaches to (NET-3): one whose agent runs on this host
+/// (this host's process registry), the head node's first when several do.
+fn local_node<'a>(alive: &[&'a pb::NodeInfo]) -> Option<&'a pb::NodeInfo> {
+    let local = local_agent_addresses();
+    let here = |n: &&&pb::NodeInfo| local.contains(&n.address);
+    alive.iter().filter(here).find(|n| n.is_head_node).or_else(|| alive.iter().find(here)).copied()
 }
 
 fn cluster_err(what: &str, s: tonic::Status) -> Error {
@@ -151,31 +164,35 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
             .await
             .map_err(|s| cluster_err(&format!("the head at {head_address}"), s))?
             .into_inner();
-        // Attach to this machine's node agent; with several (a simulated
-        // cluster), to the head node's (DESIGN.md §4).
+        // Attach to this machine's node agent, found through its process registry
+        // (NET-3); with several (a simulated cluster), to the head node's (DESIGN.md §4).
         let alive: Vec<&pb::NodeInfo> =
             status.nodes.iter().filter(|n| n.state == pb::NodeState::Alive as i32).collect();
-        let local_host = head_address.rsplit_once(':').map(|(h, _)| h).unwrap_or("127.0.0.1");
-        let node = alive
-            .iter()
-            .find(|n| n.is_head_node && n.address.starts_with(&format!("{local_host}:")))
-            .or_else(|| alive.iter().find(|n| n.address.starts_with(&format!("{local_host}:"))))
-            .or_else(|| alive.first())
-            .map(|n| (*n).clone())
-            .ok_or_else(|| {
-                Error::Cluster(format!("the cluster at {head_address} has no live node"))
-            })?;
+        let node = local_node(&alive).cloned().ok_or_else(|| {
+            let live: Vec<&str> = alive.iter().map(|n| n.address.as_str()).collect();
+            let local = local_agent_addresses();
+            Error::Cluster(format!(
+                "no node of the cluster at {head_address} runs on this host (its live nodes: [{}]; \
+                 node agents registered on this host: [{}]): start one here with \
+                 `tpuray start --address {head_address}`",
+                live.join(", "),
+                local.join(", ")
+            ))
+        })?;
         let exe = std::env::current_exe()
             .map_err(|e| Error::Cluster(format!("cannot find this program's binary: {e}")))?;
         let hash =
             if opts.upload_binary { upload_binary(&mut head, &exe).await? } else { String::new() };
         // Listen first: the job record carries the driver's address (workers send
-        // their output there).
+        // their output there). The node's address is one of this host's.
         let host =
             node.address.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or("127.0.0.1".into());
-        let listener = tokio::net::TcpListener::bind((host.as_str(), 0))
-            .await
-            .map_err(|e| Error::Cluster(format!("cannot listen on {host}: {e}")))?;
+        let listener = tokio::net::TcpListener::bind((host.as_str(), 0)).await.map_err(|e| {
+            Error::Cluster(format!(
+                "cannot listen on {host} (the address of this host's node {}): {e}",
+                node.node_id
+            ))
+        })?;
         let driver_address =
             listener.local_addr().map_err(|e| Error::Cluster(e.to_string()))?.to_string();
         let mut req = Request::new(pb::RegisterJobRequest {
@@ -213,6 +230,8 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
         fail_on_infeasible,
     );
     let core = crate::core::install(Arc::new(core))?;
+    // CORE-10: a driver acts on node deaths from the start.
+    core.watch_nodes();
     let (exit_tx, _exit_rx) = tokio::sync::mpsc::channel(1);
     let svc = Arc::new(Svc {
         core: Arc::clone(core),

@@ -3,14 +3,15 @@
 //! processes, grants worker leases with spillback, starts actor workers for
 //! the head, and heartbeats to the head from a thread of its own.
 //!
-//! See `agent.rs` for the invariants (AGENT-1..4) and `registry.rs` for the
+//! See `agent.rs` for the invariants (AGENT-1..4) and `tpuray_proto::registry` for the
 //! machine-wide process registry (REG-1).
 
 pub mod agent;
 pub mod binaries;
 pub mod detect;
 pub mod objects;
-pub mod registry;
+/// The machine-wide process registry, shared with drivers (`tpuray_proto::registry`).
+pub use tpuray_proto::registry;
 pub mod run;
 
 pub use agent::{Agent, AgentConfig};

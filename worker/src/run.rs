@@ -326,7 +326,9 @@ pub async fn serve_agent(
     ready: impl FnOnce(SocketAddr, &NodeId),
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
-    let listener = tokio::net::TcpListener::bind(listen)
+    // NET-3: an agent advertising a non-loopback address serves on every address, so
+    // drivers and workers of its host reach it through 127.0.0.1 too.
+    let listener = tokio::net::TcpListener::bind(tpuray_proto::net::bind_address(listen))
         .await
         .map_err(|e| StartError::Listen { addr: listen.to_string(), detail: e.to_string() })?;
     let bound = listener
@@ -342,6 +344,15 @@ pub async fn serve_agent(
         spill_dir: Some(store.spill_dir),
     })
     .map_err(|e| StartError::BadFlag(format!("object store: {e}")))?;
+    // OBJ-13: stores left by this machine's agents that died go now (never a live one's).
+    let swept = tokio::task::spawn_blocking(|| {
+        tpuray_objectstore::sweep_stale_stores(std::path::Path::new(tpuray_objectstore::STORE_ROOT))
+    })
+    .await
+    .unwrap_or_default();
+    if !swept.is_empty() {
+        tracing::info!(removed = ?swept, "removed object store folders of node agents that died");
+    }
     let config = AgentConfig {
         node_id: node_id.clone(),
         head_address: head_address.to_string(),
@@ -416,7 +427,7 @@ pub async fn serve_agent(
         }
     });
     tracing::info!(%node_id, address = %agent.config.advertise_address, "node agent joined the cluster");
-    ready(bound, &node_id);
+    ready(SocketAddr::new(listen.ip(), bound.port()), &node_id);
 
     shutdown.await;
     tracing::info!("node agent stopping");

@@ -133,7 +133,15 @@ impl LocalCluster {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let head_dir = dir.join("head");
         let out = cli_command(&registry)?
-            .args(["start", "--head", "--port", &port.to_string(), "--resources", resources])
+            .args([
+                "start",
+                "--head",
+                "--node-ip-address",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+            ])
+            .args(["--resources", resources])
             .arg("--temp-dir")
             .arg(&head_dir)
             .stdout(Stdio::null())

@@ -76,7 +76,8 @@ def _start_local_cluster(num_cpus, num_gpus, resources) -> str:
     env["TPURAY_REGISTRY_DIR"] = os.path.join(tmp, "registry")
     env.pop("TPURAY_ADDRESS", None)
     port = _free_port()
-    args = ["start", "--head", "--port", str(port), "--temp-dir", os.path.join(tmp, "head")]
+    args = ["start", "--head", "--port", str(port), "--node-ip-address", "127.0.0.1",
+            "--temp-dir", os.path.join(tmp, "head")]
     if num_cpus is not None:
         args += ["--num-cpus", str(num_cpus)]
     if num_gpus is not None:
