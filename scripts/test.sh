@@ -6,6 +6,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The multi-host tests (tests/tests/hosts.rs) need ip, nsenter and nft.
+if ! command -v ip >/dev/null || ! command -v nsenter >/dev/null || ! command -v nft >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq iproute2 util-linux nftables
+    else
+        echo "test.sh: the multi-host tests need root and ip, nsenter, nft (apt-get install iproute2 util-linux nftables)" >&2
+    fi
+fi
+
 cargo fmt --all -- --check
 # The Python extension is a workspace of its own (python-sdk/Cargo.toml).
 (cd python-sdk && cargo fmt -- --check)

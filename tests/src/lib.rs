@@ -7,6 +7,8 @@
 //! stops and, if need be, SIGKILLs what it started when dropped, and prints
 //! the tail of every process log when the test is failing.
 
+pub mod hosts;
+
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
