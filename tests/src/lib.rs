@@ -298,6 +298,8 @@ impl Cluster {
         let port = self.port.to_string();
         let temp_s = temp.display().to_string();
         let mut args = vec!["start", "--head", "--port", &port, "--temp-dir", &temp_s];
+        // Tests stay on loopback (NET-3's default would advertise this machine's address).
+        args.extend(["--node-ip-address", "127.0.0.1"]);
         args.extend_from_slice(extra);
         let out = self.cli_ok(&args);
         let node_id = parse_after(&out, "(node ", ')')
