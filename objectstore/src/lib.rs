@@ -80,6 +80,7 @@ mod ledger;
 mod pool;
 mod pressure;
 mod sweep;
+pub mod transfer;
 mod writer;
 
 use std::fs::File;

@@ -348,6 +348,10 @@ pub(crate) struct Core {
     /// This process's WorkerService address (the owner address of its objects).
     pub address: String,
     pub agent_address: String,
+    /// Where other nodes pull this process's stored objects: its node agent's
+    /// address, or for a driver on a host without a node the object server of its
+    /// private store (NET-3).
+    pub store_address: String,
     pub head_address: String,
     pub token: Option<String>,
     pub store: LocalStore,
@@ -762,6 +766,7 @@ impl Core {
             worker_id,
             node_id,
             address,
+            store_address: agent_address.clone(),
             agent_address,
             head_address,
             token,
@@ -970,7 +975,7 @@ impl Core {
     fn location(&self) -> pb::ObjectLocation {
         pb::ObjectLocation {
             node_id: self.node_id.clone(),
-            agent_address: self.agent_address.clone(),
+            agent_address: self.store_address.clone(),
             store_dir: self.store.dir().display().to_string(),
         }
     }
@@ -1111,7 +1116,7 @@ impl Core {
         // and the next put (`ray.put` in a loop) then reuses its pages (OBJ-9) instead
         // of racing a background free. Other nodes' copies go through their agents.
         let before = locations.len();
-        locations.retain(|loc| loc.agent_address != self.agent_address);
+        locations.retain(|loc| loc.agent_address != self.store_address);
         if locations.len() < before {
             self.store.delete(&id);
         }

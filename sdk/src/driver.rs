@@ -156,7 +156,7 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
     let fail_on_infeasible =
         matches!(std::env::var("TPURAY_FAIL_ON_INFEASIBLE").as_deref(), Ok("1") | Ok("true"));
     let rt = crate::core::build_runtime().map_err(Error::Cluster)?;
-    let (job_id, node, listener) = rt.block_on(async {
+    let (job_id, node, listener, remote) = rt.block_on(async {
         let mut head = tpuray_proto::client::head(&head_address, token.as_deref())
             .map_err(|e| Error::Cluster(e.to_string()))?;
         let status = head
@@ -168,29 +168,37 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
         // (NET-3); with several (a simulated cluster), to the head node's (DESIGN.md §4).
         let alive: Vec<&pb::NodeInfo> =
             status.nodes.iter().filter(|n| n.state == pb::NodeState::Alive as i32).collect();
-        let node = local_node(&alive).cloned().ok_or_else(|| {
-            let live: Vec<&str> = alive.iter().map(|n| n.address.as_str()).collect();
-            let local = local_agent_addresses();
-            Error::Cluster(format!(
-                "no node of the cluster at {head_address} runs on this host (its live nodes: [{}]; \
-                 node agents registered on this host: [{}]): start one here with \
-                 `tpuray start --address {head_address}`",
-                live.join(", "),
-                local.join(", ")
-            ))
-        })?;
+        // A host without a node: leases from the head node's agent, objects in a
+        // private store served from here (NET-3).
+        let (node, remote) = match local_node(&alive) {
+            Some(n) => ((*n).clone(), false),
+            None => {
+                let n = alive
+                    .iter()
+                    .find(|n| n.is_head_node)
+                    .or_else(|| alive.first())
+                    .map(|n| (*n).clone())
+                    .ok_or_else(|| {
+                        Error::Cluster(format!("the cluster at {head_address} has no live node"))
+                    })?;
+                (n, true)
+            }
+        };
         let exe = std::env::current_exe()
             .map_err(|e| Error::Cluster(format!("cannot find this program's binary: {e}")))?;
         let hash =
             if opts.upload_binary { upload_binary(&mut head, &exe).await? } else { String::new() };
         // Listen first: the job record carries the driver's address (workers send
-        // their output there). The node's address is one of this host's.
-        let host =
-            node.address.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or("127.0.0.1".into());
+        // their output there): the local node's address, one of this host's, or
+        // without one the address that routes to the head.
+        let host = if remote {
+            tpuray_proto::net::advertise_address_toward(&head_address).to_string()
+        } else {
+            node.address.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or("127.0.0.1".into())
+        };
         let listener = tokio::net::TcpListener::bind((host.as_str(), 0)).await.map_err(|e| {
             Error::Cluster(format!(
-                "cannot listen on {host} (the address of this host's node {}): {e}",
-                node.node_id
+                "cannot listen on {host} (this host's address for the cluster): {e}"
             ))
         })?;
         let driver_address =
@@ -212,16 +220,23 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
             .into_inner()
             .job
             .unwrap_or_default();
-        Ok::<_, Error>((job.job_id, node, listener))
+        Ok::<_, Error>((job.job_id, node, listener, remote))
     })?;
     let own = listener.local_addr().map_err(|e| Error::Cluster(e.to_string()))?.to_string();
-    let store =
-        LocalStore::open(&node.object_store_dir).map_err(|e| Error::Cluster(e.to_string()))?;
-    let core = Core::new(
+    let worker_id = tpuray_proto::ids::WorkerId::random().to_string();
+    let (store, node_id, store_address) = if remote {
+        let (store, served) = rt.block_on(serve_private_store(&worker_id, &own, token.clone()))?;
+        (store, format!("driver-{worker_id}"), served)
+    } else {
+        let store =
+            LocalStore::open(&node.object_store_dir).map_err(|e| Error::Cluster(e.to_string()))?;
+        (store, node.node_id.clone(), node.address.clone())
+    };
+    let mut core = Core::new(
         rt,
         job_id,
-        tpuray_proto::ids::WorkerId::random().to_string(),
-        node.node_id.clone(),
+        worker_id,
+        node_id,
         own,
         node.address.clone(),
         head_address,
@@ -229,6 +244,7 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
         store,
         fail_on_infeasible,
     );
+    core.store_address = store_address;
     let core = crate::core::install(Arc::new(core))?;
     // CORE-10: a driver acts on node deaths from the start.
     core.watch_nodes();
@@ -250,6 +266,66 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
     Ok(())
 }
 
+/// Bytes of a private store (a driver on a host without a node): a quarter of the
+/// host's available memory, at least 64 MiB.
+fn private_store_bytes() -> u64 {
+    let avail_kib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
+        })
+        .unwrap_or(1 << 20);
+    (avail_kib * 1024 / 4).max(64 << 20)
+}
+
+/// NET-3: a driver on a host without a node keeps its objects in a store of its own
+/// (`/dev/shm/tpuray-driver-<worker id>`, removed at [`shutdown`], or swept once its
+/// process is gone) and serves it to other nodes with the node agents'
+/// `ObjectTransferService`, on this host's address. Returns the store and the
+/// server's address.
+async fn serve_private_store(
+    worker_id: &str,
+    own_address: &str,
+    token: Option<String>,
+) -> Result<(LocalStore, String), Error> {
+    let root = std::path::Path::new(tpuray_objectstore::STORE_ROOT);
+    let _ = tokio::task::spawn_blocking(move || tpuray_objectstore::sweep_stale_stores(root)).await;
+    let dir = root.join(format!("{}driver-{worker_id}", tpuray_objectstore::STORE_PREFIX));
+    let store = LocalStore::open_with(tpuray_objectstore::StoreConfig {
+        dir: dir.clone(),
+        capacity_bytes: Some(private_store_bytes()),
+        spill_dir: None,
+    })
+    .map_err(|e| Error::Cluster(format!("the driver's object store at {}: {e}", dir.display())))?;
+    let host = own_address.rsplit_once(':').map(|(h, _)| h).unwrap_or("127.0.0.1");
+    let listener = tokio::net::TcpListener::bind((host, 0))
+        .await
+        .map_err(|e| Error::Cluster(format!("cannot listen on {host} for object pulls: {e}")))?;
+    let served = listener.local_addr().map_err(|e| Error::Cluster(e.to_string()))?.to_string();
+    let auth = tpuray_proto::auth::ServerAuth::new(token.as_deref().unwrap_or(""), token.is_some());
+    let svc = tonic::service::interceptor::InterceptedService::new(
+        pb::object_transfer_service_server::ObjectTransferServiceServer::new(
+            tpuray_objectstore::transfer::ObjectsSvc { store: store.clone() },
+        )
+        .max_decoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES),
+        auth,
+    );
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(svc)
+            .serve_with_incoming(tpuray_proto::incoming(listener)),
+    );
+    PRIVATE_STORE.set(dir).ok();
+    Ok((store, served))
+}
+
+/// The private store's folder of a driver without a node, removed at [`shutdown`].
+static PRIVATE_STORE: OnceLock<std::path::PathBuf> = OnceLock::new();
+
 /// Finishes this job (non-detached actors end with it) after sending the
 /// last task events and the placement group removals still in the background (PG-2).
 pub fn shutdown() {
@@ -267,6 +343,9 @@ pub fn shutdown() {
             let _ = head.finish_job(req).await;
         }
     });
+    if let Some(dir) = PRIVATE_STORE.get() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 fn status() -> Result<pb::GetClusterStatusReply, Error> {

@@ -9,7 +9,6 @@
 pub mod agent;
 pub mod binaries;
 pub mod detect;
-pub mod objects;
 /// The machine-wide process registry, shared with drivers (`tpuray_proto::registry`).
 pub use tpuray_proto::registry;
 pub mod run;

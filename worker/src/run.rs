@@ -377,7 +377,7 @@ pub async fn serve_agent(
     let svc = InterceptedService::new(svc, auth.clone());
     let objects = tonic::service::interceptor::InterceptedService::new(
         tpuray_proto::pb::object_transfer_service_server::ObjectTransferServiceServer::new(
-            crate::objects::ObjectsSvc { store: store.clone() },
+            tpuray_objectstore::transfer::ObjectsSvc { store: store.clone() },
         )
         .max_decoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES),

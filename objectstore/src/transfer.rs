@@ -1,5 +1,7 @@
-//! `ObjectTransferService` on the node agent: other nodes pull this node's
-//! object copies in chunks; owners free them; the CLI reads the store's usage.
+//! `ObjectTransferService` over a [`LocalStore`]: other nodes pull its object
+//! copies in chunks; owners free them; the CLI reads the store's usage. A node
+//! agent serves its node's store with it, and a driver on a host without a node
+//! serves its private store (NET-3).
 //!
 //! Store calls block on the filesystem (a `get` may restore a spilled object,
 //! megabytes of copying; `usage` scans both folders), so every one runs under
@@ -8,19 +10,20 @@
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::{CopyKind, LocalStore, Location, StoreUsage};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
-use tpuray_objectstore::{CopyKind, LocalStore, Location, StoreUsage};
 use tpuray_proto::pb;
 use tpuray_proto::pb::object_transfer_service_server::ObjectTransferService;
 
 /// Chunk size of a pull when the puller names none (4 MiB).
 const DEFAULT_CHUNK: usize = 4 * 1024 * 1024;
 
-/// Object bytes this agent sent to pullers (one agent per process), in
+/// Object bytes this process sent to pullers (one served store per process), in
 /// `GetStoreUsage` as `bytes_served`.
 static BYTES_SERVED: AtomicU64 = AtomicU64::new(0);
 
+/// The service over one store.
 #[derive(Clone)]
 pub struct ObjectsSvc {
     pub store: LocalStore,
@@ -122,7 +125,7 @@ impl ObjectTransferService for ObjectsSvc {
         let (usage, spill) = blocking(move || {
             let usage = store.usage_top(limit)?;
             let spill = store.spill_dir()?;
-            Ok::<_, tpuray_objectstore::StoreError>((usage, spill))
+            Ok::<_, crate::StoreError>((usage, spill))
         })
         .await?
         .map_err(|e| Status::internal(e.to_string()))?;
