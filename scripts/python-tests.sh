@@ -17,6 +17,7 @@ fi
 # maturin's build hook runs `maturin` from PATH.
 export PATH="$PWD/$venv/bin:$PATH"
 "$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow
+"$venv/bin/python" -c "import torch" 2>/dev/null || "$venv/bin/python" -m pip install -q torch
 # No build isolation: use the maturin installed above rather than fetching a
 # fresh one into a throw-away environment on every run.
 MATURIN_PEP517_ARGS="${MATURIN_PEP517_ARGS---profile dev}" \
