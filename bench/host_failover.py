@@ -130,12 +130,19 @@ os._exit(0)
 """
 
 
+def run(host, args: list[str], timeout: float = 180) -> None:
+    """Runs `args` in `host`; raises with its output when it fails."""
+    r = host.run(args, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{host.name}: {' '.join(args)} failed ({r.returncode}):\n"
+                           f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+
+
 def start_cluster(system: str, py: str, hs: Hosts) -> None:
     head = hs.hosts[0]
     if system == "tpuray":
         cli = [py, "-m", "tpuray", "start"]
-        head.run(cli + ["--head", "--port", str(PORT), "--num-cpus", "2"], check=True,
-                 capture_output=True, timeout=120)
+        run(head, cli + ["--head", "--port", str(PORT), "--num-cpus", "2"])
         token = head.home / ".tpuray" / "auth_token"
         for h in hs.hosts[1:]:
             # The cluster token goes to the other hosts by file copy (0600), as a user would.
@@ -143,16 +150,13 @@ def start_cluster(system: str, py: str, hs: Hosts) -> None:
             dst = h.home / ".tpuray" / "auth_token"
             dst.write_bytes(token.read_bytes())
             dst.chmod(0o600)
-            h.run(cli + ["--address", f"{head.address}:{PORT}", "--num-cpus", "2"], check=True,
-                  capture_output=True, timeout=120)
+            run(h, cli + ["--address", f"{head.address}:{PORT}", "--num-cpus", "2"])
     else:
-        ray = [py, "-m", "ray.scripts.scripts", "start", "--disable-usage-stats",
-               "--include-dashboard=false", "--num-cpus", "2"]
-        head.run(ray + ["--head", "--port", str(PORT), "--node-ip-address", head.address],
-                 check=True, capture_output=True, timeout=180)
+        ray = [py, "-m", "ray.scripts.scripts", "start", "--disable-usage-stats", "--num-cpus", "2"]
+        run(head, ray + ["--head", "--include-dashboard=false", "--port", str(PORT),
+                         "--node-ip-address", head.address])
         for h in hs.hosts[1:]:
-            h.run(ray + ["--address", f"{head.address}:{PORT}", "--node-ip-address", h.address],
-                  check=True, capture_output=True, timeout=180)
+            run(h, ray + ["--address", f"{head.address}:{PORT}", "--node-ip-address", h.address])
 
 
 def one_round(system: str, py: str, limit: float) -> dict:

@@ -215,3 +215,36 @@ def test_gpu_tasks_see_only_their_gpus(tmp_path, env):
     assert "none []" in out, r.stdout
     frac = [l for l in out if l.startswith("fractional")]
     assert frac and "whole number" in frac[0], r.stdout
+
+
+def test_soft_node_affinity_to_a_node_that_just_joined_runs_there(tmp_path, env):
+    """AGENT-12: the head node's agent has not yet seen a node that joined after its last
+    heartbeat's view (heartbeats every 30 s here); a task with soft affinity to that node
+    still runs there instead of falling back to the head node, and hard affinity is not
+    refused."""
+    from conftest import CliCluster
+
+    env = dict(env, TPURAY_HEARTBEAT_INTERVAL_MS="30000", TPURAY_NODE_DEATH_TIMEOUT_MS="600000")
+    c = CliCluster(tmp_path, env)
+    try:
+        c.head().node("--num-cpus", "1")
+        r = run_script(tmp_path, env, f"""
+            import tpuray as ray
+            from tpuray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
+
+            ray.init({c.address!r})
+            me = ray.get_runtime_context().get_node_id()
+            other = [n["NodeID"] for n in ray.nodes() if n["NodeID"] != me][0]
+
+            @ray.remote
+            def where():
+                return ray.get_runtime_context().get_node_id()
+
+            print("soft", ray.get(where.options(scheduling_strategy=On(other, soft=True)).remote(), timeout=60) == other)
+            print("hard", ray.get(where.options(scheduling_strategy=On(other, soft=False)).remote(), timeout=60) == other)
+            ray.shutdown()
+        """)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines() == ["soft True", "hard True"], r.stdout
+    finally:
+        c.stop()

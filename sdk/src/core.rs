@@ -2087,12 +2087,15 @@ impl Core {
         let mut infeasible = 0u32;
         while !class.queue.lock().unwrap().is_empty() {
             let mut target = self.agent_address.clone();
+            // The node of `target`, when known ("" never counts as dead, CORE-10).
+            let mut target_node = self.node_id.clone();
             let mut grant_or_reject = false;
             if let Some((pg, index)) = &class.pg {
                 // Ask the node that holds the bundle (an indexed bundle: only there).
                 match self.bundle_agent(pg, *index).await {
                     Ok(Some(address)) => {
                         target = address;
+                        target_node = String::new();
                         grant_or_reject = *index >= 0;
                     }
                     Ok(None) => continue, // not created yet: asked again after a wait
@@ -2123,13 +2126,17 @@ impl Core {
                 };
                 class.asking.fetch_add(1, Ordering::SeqCst);
                 let reply = match self.agent_client(&target) {
-                    Ok(mut c) => c.request_worker_lease(req).await.map(|r| r.into_inner().outcome),
+                    Ok(mut c) => self
+                        .unless_node_dies(&target_node, c.request_worker_lease(req))
+                        .await
+                        .map(|r| r.into_inner().outcome),
                     Err(e) => Err(tonic::Status::internal(e.to_string())),
                 };
                 class.asking.fetch_sub(1, Ordering::SeqCst);
                 match reply {
                     Ok(Some(Outcome::Spillback(s))) if !grant_or_reject => {
                         target = s.address;
+                        target_node = s.node_id;
                         grant_or_reject = true;
                     }
                     other => break other,

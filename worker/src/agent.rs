@@ -282,6 +282,27 @@ impl Agent {
         self.lock().cluster = views;
     }
 
+    /// Reads the live nodes from the head now, instead of waiting for the next
+    /// heartbeat's view (a node that joined a moment ago, named by node affinity).
+    async fn refresh_cluster_view(&self) {
+        let Ok(mut head) =
+            tpuray_proto::client::head(&self.head_leader(), self.config.token.as_deref())
+        else {
+            return;
+        };
+        let mut req = Request::new(pb::GetClusterStatusRequest {});
+        req.set_timeout(Duration::from_secs(2));
+        if let Ok(r) = head.get_cluster_status(req).await {
+            let alive = r
+                .into_inner()
+                .nodes
+                .into_iter()
+                .filter(|n| n.state == pb::NodeState::Alive as i32)
+                .collect();
+            self.set_cluster_view(alive);
+        }
+    }
+
     fn local_view(&self, st: &AgentState) -> NodeView<String> {
         NodeView {
             id: self.config.node_id.to_string(),
@@ -1504,6 +1525,16 @@ impl NodeAgentService for AgentSvc {
         let deadline = (req.queue_timeout_ms > 0)
             .then(|| Instant::now() + Duration::from_millis(req.queue_timeout_ms));
         let local_id = agent.config.node_id.to_string();
+        // AGENT-12: node affinity to a node this agent's view lacks (it joined after the
+        // last heartbeat's view) asks the head first, so a soft affinity does not fall
+        // back and a hard one is not refused for a node that is there.
+        if let tpuray_scheduler::Strategy::NodeAffinity { node, .. } = &request.strategy
+            && *node != local_id
+            && !req.grant_or_reject
+            && !agent.lock().cluster.iter().any(|(v, _)| v.id == *node)
+        {
+            agent.refresh_cluster_view().await;
+        }
         // Counts this request as pending demand while it waits; if the
         // request is dropped mid-wait (the client hung up), the guard takes
         // it off the books (AGENT-4).

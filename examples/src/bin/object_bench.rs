@@ -193,7 +193,18 @@ impl Cluster {
         let port = port.to_string();
         let store = &["--object-store-memory", &store];
         run(&[
-            &["start", "--head", "--node-ip-address", "127.0.0.1", "--port", &port, "--num-cpus", "8", "--temp-dir", &head],
+            &[
+                "start",
+                "--head",
+                "--node-ip-address",
+                "127.0.0.1",
+                "--port",
+                &port,
+                "--num-cpus",
+                "8",
+                "--temp-dir",
+                &head,
+            ],
             &store[..],
         ]
         .concat())?;
