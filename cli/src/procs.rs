@@ -152,11 +152,17 @@ fn tail(path: &Path, max: usize) -> String {
 fn node_ip(a: &StartArgs) -> Result<String> {
     match &a.node_ip_address {
         Some(ip) => {
-            ip.parse::<std::net::IpAddr>().map_err(|_| {
+            let parsed = ip.parse::<std::net::IpAddr>().map_err(|_| {
                 anyhow!(
                     "--node-ip-address {ip:?}: expected a numeric IP address such as 198.18.0.2"
                 )
             })?;
+            if !tpuray_proto::net::is_local_address(parsed) {
+                bail!(
+                    "--node-ip-address {ip}: not an address of this host (expected the address \
+                     of one of its interfaces, as other hosts reach it)"
+                );
+            }
             Ok(ip.clone())
         }
         None => Ok(tpuray_proto::net::head_advertise_address().to_string()),
@@ -212,6 +218,14 @@ pub fn start(a: StartArgs) -> Result<i32> {
     if let Some(addr) = &a.address {
         for part in addr.split(',') {
             tpuray_proto::client::check_address(part).map_err(|e| anyhow!("--address: {e}"))?;
+        }
+    }
+    // The address is checked before anything is made (no empty session folder).
+    if a.head {
+        head_listen(&a)?;
+    } else {
+        if a.node_ip_address.is_some() {
+            node_ip(&a)?;
         }
     }
     let session = new_session_dir(&a.temp_dir)?;
@@ -298,6 +312,7 @@ pub fn start(a: StartArgs) -> Result<i32> {
         }
     };
     let node_id = agent.ready["node_id"].as_str().unwrap_or_default().to_string();
+    let node_address = agent.ready["address"].as_str().unwrap_or_default().to_string();
     spawned.push(agent);
     if a.head {
         registry::set_current_cluster(&CurrentCluster {
@@ -310,7 +325,16 @@ pub fn start(a: StartArgs) -> Result<i32> {
         println!("  cluster status: tpuray status");
         println!("  stop:           tpuray stop");
     } else {
+        // `tpuray status`, `list` and `init()` on this machine find the cluster too, as
+        // on the head's (Ray writes its current cluster on every node).
+        if registry::current_cluster().is_none() {
+            registry::set_current_cluster(&CurrentCluster {
+                address: head_address.clone(),
+                session_dir: session.display().to_string(),
+            })?;
+        }
         println!("tpuray node {node_id} joined the cluster at {head_address}");
+        println!("  node address:   {node_address}");
         println!("  session folder: {}", session.display());
     }
     if a.block {

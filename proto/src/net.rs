@@ -20,12 +20,16 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 pub const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
 /// The local address the kernel would use as the source of packets to `target`
-/// (`host:port` or an IP), or `None` when `target` is not a numeric address or
-/// there is no route to it. Sends nothing.
+/// (`host:port` or a bare IP; a host name is resolved, e.g. through `/etc/hosts`),
+/// or `None` when it does not resolve or there is no route to it. Sends nothing.
 pub fn source_address_toward(target: &str) -> Option<IpAddr> {
+    use std::net::ToSocketAddrs;
     let ip: IpAddr = match target.parse::<SocketAddr>() {
         Ok(sa) => sa.ip(),
-        Err(_) => target.parse().ok()?,
+        Err(_) => match target.parse() {
+            Ok(ip) => ip,
+            Err(_) => target.to_socket_addrs().ok()?.find(|a| a.is_ipv4())?.ip(),
+        },
     };
     let bind = if ip.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
     let sock = UdpSocket::bind(bind).ok()?;
@@ -115,6 +119,11 @@ pub fn advertise_address_toward(heads: &str) -> IpAddr {
         .unwrap_or(LOOPBACK)
 }
 
+/// Whether `ip` is an address of this host (it can be bound).
+pub fn is_local_address(ip: IpAddr) -> bool {
+    UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
+}
+
 /// The socket address a server advertising `advertised` binds (NET-3): the
 /// address itself when it is a loopback address, every address of the host
 /// otherwise.
@@ -160,7 +169,15 @@ mod tests {
     #[test]
     fn loopback_heads_are_reached_from_loopback() {
         assert_eq!(advertise_address_toward("127.0.0.1:6379"), LOOPBACK);
-        assert_eq!(source_address_toward("not-an-address"), None);
+        assert_eq!(advertise_address_toward("localhost:6379"), LOOPBACK);
+        assert_eq!(source_address_toward("no-such-host.invalid:1"), None);
+    }
+
+    #[test]
+    fn only_addresses_of_this_host_are_local() {
+        assert!(is_local_address(LOOPBACK));
+        // TEST-NET-3 (RFC 5737) is on no host.
+        assert!(!is_local_address("203.0.113.7".parse().unwrap()));
     }
 
     #[test]

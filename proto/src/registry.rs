@@ -93,7 +93,12 @@ pub fn remove(pid: u32) {
 
 /// Every recorded process, live or not.
 pub fn list() -> Vec<ProcEntry> {
-    let Ok(rd) = std::fs::read_dir(registry_dir()) else {
+    list_in(&registry_dir())
+}
+
+/// Every process recorded in the registry folder `dir` (a private cluster's).
+pub fn list_in(dir: &std::path::Path) -> Vec<ProcEntry> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
         return vec![];
     };
     rd.filter_map(|e| e.ok())

@@ -190,17 +190,18 @@ fn actor_options(d: &Bound<'_, PyDict>) -> PyResult<ActorOptions> {
 /// Joins the cluster as a Python driver (no binary upload: workers are Python processes).
 /// Returns this process's identity as a dict.
 #[pyfunction]
-#[pyo3(signature = (address=None, namespace=None))]
+#[pyo3(signature = (address=None, namespace=None, registry_dir=None))]
 fn init_driver(
     py: Python<'_>,
     address: Option<String>,
     namespace: Option<String>,
+    registry_dir: Option<std::path::PathBuf>,
 ) -> PyResult<Py<PyDict>> {
     tpuray::foreign::set_language("python").map_err(PyRuntimeError::new_err)?;
     py.detach(|| {
         tpuray::init_with(
             address.as_deref(),
-            &tpuray::DriverOptions { upload_binary: false, namespace },
+            &tpuray::DriverOptions { upload_binary: false, namespace, registry_dir },
         )
     })
     .map_err(cluster_err)?;

@@ -44,9 +44,13 @@ fn current_cluster_address() -> Option<String> {
 }
 
 /// The addresses of the node agents running on this host, from its process
-/// registry (`tpuray start` records every agent it starts, REG-1).
-fn local_agent_addresses() -> Vec<String> {
-    tpuray_proto::registry::list()
+/// registry (`tpuray start` records every agent it starts, REG-1), or from
+/// `registry` (a private cluster's).
+fn local_agent_addresses(registry: Option<&std::path::Path>) -> Vec<String> {
+    let dir = registry
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or_else(tpuray_proto::registry::registry_dir);
+    tpuray_proto::registry::list_in(&dir)
         .into_iter()
         .filter(|e| e.kind == "agent" && e.is_alive())
         .map(|e| e.address)
@@ -55,8 +59,11 @@ fn local_agent_addresses() -> Vec<String> {
 
 /// The node this driver attaches to (NET-3): one whose agent runs on this host
 /// (this host's process registry), the head node's first when several do.
-fn local_node<'a>(alive: &[&'a pb::NodeInfo]) -> Option<&'a pb::NodeInfo> {
-    let local = local_agent_addresses();
+fn local_node<'a>(
+    alive: &[&'a pb::NodeInfo],
+    registry: Option<&std::path::Path>,
+) -> Option<&'a pb::NodeInfo> {
+    let local = local_agent_addresses(registry);
     let here = |n: &&&pb::NodeInfo| local.contains(&n.address);
     alive.iter().filter(here).find(|n| n.is_head_node).or_else(|| alive.iter().find(here)).copied()
 }
@@ -118,7 +125,7 @@ async fn upload_binary(
 /// # Errors
 /// [`Error::Cluster`] naming the missing address, token or head refusal.
 pub fn init(address: Option<&str>) -> Result<(), Error> {
-    init_with(address, &DriverOptions { upload_binary: true, namespace: None })
+    init_with(address, &DriverOptions { upload_binary: true, ..Default::default() })
 }
 
 /// How a driver joins: [`init`] uploads the program's binary (a Rust job is its own
@@ -128,6 +135,9 @@ pub struct DriverOptions {
     pub upload_binary: bool,
     /// The job's namespace for named actors and groups (default "default").
     pub namespace: Option<String>,
+    /// The process registry that lists this host's node agents (NET-3), when it is
+    /// not this machine's (a private cluster started with a registry of its own).
+    pub registry_dir: Option<std::path::PathBuf>,
 }
 
 /// [`init`] with options.
@@ -170,7 +180,7 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
             status.nodes.iter().filter(|n| n.state == pb::NodeState::Alive as i32).collect();
         // A host without a node: leases from the head node's agent, objects in a
         // private store served from here (NET-3).
-        let (node, remote) = match local_node(&alive) {
+        let (node, remote) = match local_node(&alive, opts.registry_dir.as_deref()) {
             Some(n) => ((*n).clone(), false),
             None => {
                 let n = alive
@@ -181,6 +191,12 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
                     .ok_or_else(|| {
                         Error::Cluster(format!("the cluster at {head_address} has no live node"))
                     })?;
+                eprintln!(
+                    "tpuray: no node of the cluster at {head_address} runs on this host (none in \
+                     its process registry); this driver leases workers through the node at {} \
+                     and serves its own objects",
+                    n.address
+                );
                 (n, true)
             }
         };

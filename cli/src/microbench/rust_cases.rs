@@ -185,7 +185,11 @@ pub fn run(t: &Timing) -> Result<()> {
     let cluster = LocalCluster::start(r#"{"custom": 100}"#)?;
     tpuray::init_with(
         Some(&cluster.address),
-        &tpuray::DriverOptions { upload_binary: false, namespace: None },
+        &tpuray::DriverOptions {
+            upload_binary: false,
+            namespace: None,
+            registry_dir: Some(cluster.registry.clone()),
+        },
     )
     .context("joining the local cluster")?;
     let r = cases(t);

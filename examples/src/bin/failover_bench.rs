@@ -143,7 +143,13 @@ fn run(b: &mut Bench, rounds: usize) -> anyhow::Result<()> {
         .stdout(std::process::Stdio::null())
         .status()?;
     anyhow::ensure!(st.success(), "the node did not start");
-    tpuray::init(Some(&address))?;
+    // The bench's registry is its own: it lists the node this driver attaches to.
+    let opts = tpuray::DriverOptions {
+        upload_binary: true,
+        registry_dir: Some(b.dir.join("registry")),
+        ..Default::default()
+    };
+    tpuray::init_with(Some(&address), &opts)?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     // Warm up: the first actor pays for the job binary and a worker start.
     let warm = Probe::remote()?;

@@ -249,7 +249,13 @@ fn main() -> Result<()> {
     let sizes = if sizes.is_empty() { vec![100 * MB, 800 * MB] } else { sizes };
     let max = sizes.iter().copied().max().unwrap_or(0);
     let cluster = Cluster::start(max * (CLIENTS + 3))?;
-    tpuray::init(Some(&cluster.address))?;
+    // The cluster's registry is its own: it lists the node this driver attaches to.
+    let opts = tpuray::DriverOptions {
+        upload_binary: true,
+        registry_dir: Some(cluster.dir.join("registry")),
+        ..Default::default()
+    };
+    tpuray::init_with(Some(&cluster.address), &opts)?;
     for size in sizes {
         bench_size(size)?;
     }

@@ -35,8 +35,13 @@ Scheduling = Optional[str | tuple[str, str, bool] | tuple[str, str, int]]
 """``None``/``"DEFAULT"``, ``"SPREAD"``, ``("node", node_id, soft)`` or
 ``("pg", group_id, bundle_index)``."""
 
-def init_driver(address: Optional[str] = None, namespace: Optional[str] = None) -> dict[str, str]:
-    """Joins the cluster at ``address`` as a Python driver; returns ``job_id``,
+def init_driver(
+    address: Optional[str] = None,
+    namespace: Optional[str] = None,
+    registry_dir: Optional[str] = None,
+) -> dict[str, str]:
+    """Joins the cluster at ``address`` as a Python driver (attaching to the node that
+    this machine's process registry, or ``registry_dir``, lists); returns ``job_id``,
     ``node_id``, ``worker_id``, ``address``, ``agent_address``, ``head_address``.
 
     Raises RuntimeError naming the missing address, token or head refusal."""

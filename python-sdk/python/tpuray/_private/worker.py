@@ -161,7 +161,9 @@ def init(
                 address = _current_cluster_address()
         if not address:
             address = _start_local_cluster(num_cpus, num_gpus, resources)
-        info = _tpuray.init_driver(address, namespace)
+        # A private cluster keeps its own process registry, which lists its node.
+        registry = (state.local_cluster or {}).get("env", {}).get("TPURAY_REGISTRY_DIR")
+        info = _tpuray.init_driver(address, namespace, registry)
         state.info = dict(info)
         state.connected = True
         state.mode = "driver"
