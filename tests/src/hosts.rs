@@ -722,3 +722,28 @@ impl Drop for Hosts {
         }
     }
 }
+
+/// Runs `cmd` to completion with stdin closed and stdout/stderr captured; SIGKILLs it
+/// and panics naming it when it takes longer than `timeout`.
+pub fn output_within(mut cmd: Command, timeout: Duration) -> std::process::Output {
+    let what = format!("{cmd:?}");
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(timeout) {
+        Ok(out) => out.expect("wait for the child"),
+        Err(_) => {
+            // SAFETY: kill(2) on our own child.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            panic!("timed out after {timeout:?}: {what}");
+        }
+    }
+}

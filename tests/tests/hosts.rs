@@ -3,41 +3,18 @@
 //! name through the bridge; every fault; and that the root namespace is left as it
 //! was with nothing left behind. Needs root.
 
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tpuray_tests::hosts::{Host, Hosts, NO_NETEM, nft_status, proc_state};
+use tpuray_tests::hosts::{Host, Hosts, NO_NETEM, nft_status, output_within, proc_state};
 
 const TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Runs `cmd` to completion, panicking when it takes longer than `timeout`.
-fn output(mut cmd: Command, timeout: Duration) -> Output {
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let pid = child.id();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(timeout) {
-        Ok(out) => out.expect("wait"),
-        Err(_) => {
-            // SAFETY: kill(2) on our own child.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            panic!("timed out after {timeout:?}: {cmd:?}");
-        }
-    }
-}
 
 /// `sh -c SCRIPT` in `host`; its stdout, panicking when it fails.
 fn sh(host: &Host, script: &str) -> String {
     let mut c = host.command("sh");
     c.args(["-c", script]);
-    let out = output(c, TIMEOUT);
+    let out = output_within(c, TIMEOUT);
     assert!(
         out.status.success(),
         "{script:?} in {} failed: {}",
@@ -103,7 +80,7 @@ fn start_server(host: &Host, port: u16) -> std::process::Child {
 fn probe(from: &Host, to: &str, port: u16, timeout_s: f64) -> Option<String> {
     let mut c = from.command("python3");
     c.args(["-c", CLIENT, to, &port.to_string(), &timeout_s.to_string()]);
-    let out = output(c, TIMEOUT);
+    let out = output_within(c, TIMEOUT);
     out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
@@ -162,7 +139,7 @@ fn hosts_reach_each_other_by_name_through_the_bridge() {
         assert_eq!(got.as_deref(), Some(format!("hi from host0 to {}", h.address).as_str()));
     }
     // The root namespace cannot reach it.
-    let out = output(
+    let out = output_within(
         {
             let mut c = Command::new("python3");
             c.args(["-c", CLIENT, "198.18.0.1", "7000", "1"]);
@@ -251,7 +228,7 @@ fn udp_delivered(from: &Host, to: &Host, port: u16, n: usize) -> usize {
     );
     let mut c = from.command("python3");
     c.args(["-c", &send]);
-    assert!(output(c, TIMEOUT).status.success());
+    assert!(output_within(c, TIMEOUT).status.success());
     wait_until("udp receiver done", TIMEOUT, || rchild.try_wait().unwrap().is_some());
     let text = std::fs::read_to_string(&log).unwrap();
     let got = text.lines().find_map(|l| l.strip_prefix("GOT ")).unwrap_or_else(|| panic!("{text}"));

@@ -9,10 +9,10 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-use tpuray_tests::hosts::{Host, Hosts};
+use tpuray_tests::hosts::{Host, Hosts, output_within};
 use tpuray_tests::tpuray_bin;
 
 const PORT: u16 = 6379;
@@ -25,30 +25,6 @@ const BROADCAST_BYTES: usize = 20_000_000;
 
 fn driver_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_tpuray-test-driver"))
-}
-
-/// Runs `cmd` to completion, SIGKILLing it and panicking after `timeout`.
-fn output(mut cmd: Command, timeout: Duration) -> Output {
-    let what = format!("{cmd:?}");
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
-    let pid = child.id();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(timeout) {
-        Ok(out) => out.expect("wait"),
-        Err(_) => {
-            // SAFETY: kill(2) on our own child.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            panic!("timed out after {timeout:?}: {what}");
-        }
-    }
 }
 
 fn text(out: &Output) -> String {
@@ -67,7 +43,7 @@ fn tpuray(host: &Host, args: &[&str], envs: &[(&str, &str)]) -> String {
     for (k, v) in envs {
         c.env(k, v);
     }
-    let out = output(c, CLI_TIMEOUT);
+    let out = output_within(c, CLI_TIMEOUT);
     assert!(out.status.success(), "tpuray {args:?} in {} failed:\n{}", host.name, text(&out));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
@@ -210,7 +186,7 @@ fn a_rust_driver_on_a_worker_host_runs_tasks_on_every_host() {
     let mut c = h1.command(driver_bin());
     let bytes = BROADCAST_BYTES.to_string();
     c.args(["broadcast", &head, &bytes, "h0,h1,h2"]).envs(auth);
-    let out = output(c, DRIVER_TIMEOUT);
+    let out = output_within(c, DRIVER_TIMEOUT);
     let shown = text(&out);
     eprintln!("broadcast driver on host1 ran in {:?}", t.elapsed());
     assert!(out.status.success(), "broadcast driver failed:\n{shown}");
