@@ -208,6 +208,31 @@ fn init_driver(
     process_info(py)
 }
 
+/// TPU.md's slice arithmetic (`tpuray_scheduler::tpu`, the one implementation): from
+/// an accelerator type (`"tpu7x-16"`), or from a topology and a version (`"2x2x2"`,
+/// `"v7x"`), returns `(normalised type, chips, hosts, chips per host)`, e.g.
+/// `("v7x-16", 8, 2, 4)`. Raises `ValueError` naming what is wrong.
+#[pyfunction]
+#[pyo3(signature = (accelerator_type=None, topology=None, version=None))]
+fn tpu_slice_shape(
+    accelerator_type: Option<String>,
+    topology: Option<String>,
+    version: Option<String>,
+) -> PyResult<(String, u32, u32, u32)> {
+    use tpuray_scheduler::tpu::AcceleratorType;
+    let ty = match (accelerator_type, topology, version) {
+        (Some(t), None, None) => AcceleratorType::parse(&t),
+        (None, Some(topo), Some(v)) => AcceleratorType::from_topology(&topo, &v),
+        _ => {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "tpu_slice_shape takes an accelerator type, or a topology and a version",
+            ));
+        }
+    }
+    .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    Ok((ty.to_string(), ty.chips, ty.hosts(), ty.chips_per_host()))
+}
+
 /// This process's identity: job_id, node_id, worker_id, address, agent_address,
 /// head_address.
 #[pyfunction]
@@ -1346,6 +1371,7 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
     for f in [
         wrap_pyfunction!(init_driver, m)?,
         wrap_pyfunction!(process_info, m)?,
+        wrap_pyfunction!(tpu_slice_shape, m)?,
         wrap_pyfunction!(is_initialized, m)?,
         wrap_pyfunction!(shutdown, m)?,
         wrap_pyfunction!(submit, m)?,

@@ -142,12 +142,33 @@ def test_worker_group_rejects_bad_arguments():
         WorkerGroup(_Member, num_workers=1, topology="2x2", accelerator_version="v6e")
     with pytest.raises(ValueError, match="not both or neither"):
         WorkerGroup(_Member)
-    with pytest.raises(ValueError, match="topology must look like"):
+    with pytest.raises(ValueError, match="invalid TPU topology"):
         WorkerGroup(_Member, topology="four", accelerator_version="v6e")
-    with pytest.raises(ValueError, match="not a v6e topology"):
+    with pytest.raises(ValueError, match="is not valid for v6e"):
         WorkerGroup(_Member, topology="3x3", accelerator_version="v6e")
     with pytest.raises(ValueError, match="unknown TPU version"):
         WorkerGroup(_Member, topology="4x4", accelerator_version="v9z")
+
+
+def test_tpu_slice_arithmetic_follows_tpu_md_for_every_generation():
+    """One implementation (Rust) behind every Python use: v4/v5p/v7x types count
+    TensorCores (tpu7x-16 is 8 chips on 2 hosts, as Ray reads it since ray PR#60338)."""
+    from tpuray import _tpuray
+    from tpuray.rl.worker_group import _slice_shape
+
+    cases = {
+        "tpu7x-16": ("v7x-16", 8, 2, 4), "7x-8": ("v7x-8", 4, 1, 4),
+        "v4-32": ("v4-32", 16, 4, 4), "v5p-8": ("v5p-8", 4, 1, 4),
+        "v6e-16": ("v6e-16", 16, 4, 4), "v6e-8": ("v6e-8", 8, 1, 8),
+        "v5litepod-16": ("v5litepod-16", 16, 4, 4),
+    }
+    for ty, want in cases.items():
+        assert _tpuray.tpu_slice_shape(ty) == want, ty
+    assert _slice_shape("2x2x2", "v7x") == ("v7x-16", 2)
+    assert _slice_shape("2x2x2", "tpu7x") == ("v7x-16", 2)
+    assert _slice_shape("4x4", "v6e") == ("v6e-16", 4)
+    with pytest.raises(ValueError, match="unknown TPU accelerator type"):
+        _tpuray.tpu_slice_shape("v7x-3")
 
 
 def test_cpu_pool_that_cannot_fit_fails_at_once_naming_the_resource():

@@ -143,6 +143,60 @@ def _device_and_jax_platforms(**extra_env) -> list:
     return r.stdout.split()
 
 
+def test_two_tpu7x_16_hosts_form_one_v7x_slice_with_two_devices_per_chip(tmp_path_factory):
+    """Ironwood (TPU.md): tpu7x-16 counts TensorCores, so it is 8 chips in 2x2x2 on two
+    hosts of 4. Both hosts start as a real one would (TPU_* env + 4 chips), advertise
+    TPU-V7X, the slice and one TPU-v7x-16-head; a gang over them gets two members whose
+    TORCH_TPU_TOPOLOGY carries the devices per chip; one-chip actors on one host get
+    distinct chips with v7x's four-value bounds."""
+    c = CliCluster(tmp_path_factory.mktemp("v7x"))
+    try:
+        c.head(num_cpus=4).tpu_slice("ix", accelerator_type="tpu7x-16", topology="2x2x2",
+                                     hosts=2, chips=4)
+        (nodes, members, actors) = run_script(c.tmp, c.env, MEMBER + f"""
+    ray.init({c.address!r})
+    from tpuray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    tpu_nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("TPU")]
+    out([{{"res": n["Resources"], "labels": n["Labels"], "id": n["NodeID"]}} for n in tpu_nodes])
+    out(ray.get(tpu.run_on_slice(member, "m", topology="2x2x2", accelerator_version="v7x"),
+                timeout=120))
+
+    @ray.remote(num_cpus=0, resources={{"TPU": 1}})
+    class OneChip:
+        def env(self):
+            return {{k: os.environ.get(k) for k in ("TPU_VISIBLE_CHIPS",
+                    "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS")}}
+
+    worker0 = [n["id"] for n in [{{"id": x["NodeID"], "w": x["Labels"].get("ray.io/tpu-worker-id")}}
+               for x in tpu_nodes] if n["w"] == "0"][0]
+    on0 = NodeAffinitySchedulingStrategy(worker0, soft=False)
+    group = [OneChip.options(scheduling_strategy=on0).remote() for _ in range(4)]
+    out(ray.get([a.env.remote() for a in group], timeout=120))
+    """)
+        assert len(nodes) == 2, nodes
+        heads = 0
+        for n in nodes:
+            r, lab = n["res"], n["labels"]
+            assert r["TPU"] == 4.0 and r["accelerator_type:TPU-V7X"] == 1.0 and r["ix"] == 1.0, r
+            heads += int(r.get("TPU-v7x-16-head", 0))
+            assert lab["ray.io/tpu-pod-type"] == "v7x-16" and lab["ray.io/tpu-topology"] == "2x2x2"
+        assert heads == 1, nodes
+        assert sorted(m["TPU_WORKER_ID"] for m in members) == ["0", "1"], members
+        for m in members:
+            assert m["TORCH_TPU_TOPOLOGY"] == "2,2,2,2", m
+            assert m["NNODES"] == "2" and m["WORLD_SIZE"] == "16", m  # 8 chips x 2 devices
+            assert len(m["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")) == 16, m
+        for k in ("TORCH_TPU_SLICEBUILDER_ADDRESSES", "MASTER_ADDR", "MASTER_PORT",
+                  "TPU_WORKER_HOSTNAMES", "TORCH_TPU_XPROF_SESSION_ID"):
+            assert members[0][k] == members[1][k], k
+        assert sorted(a["TPU_VISIBLE_CHIPS"] for a in actors) == ["0", "1", "2", "3"], actors
+        for a in actors:
+            assert a["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,1,1,2", a
+            assert a["TPU_PROCESS_BOUNDS"] == "1,1,1", a
+    finally:
+        c.stop()
+
+
 def test_torch_device_falls_back_to_cpu_and_sets_jax_platforms(tmp_path):
     pytest.importorskip("torch")
     assert _device_and_jax_platforms() == ["cpu", "cpu"]

@@ -438,7 +438,7 @@ mod tests {
 
     #[test]
     fn v7x_counts_two_devices_per_chip() {
-        let m = gang_members(&layout("v7x-8", "2x2x2", &["x"], GangMode::PerHost, true)).unwrap();
+        let m = gang_members(&layout("v7x-16", "2x2x2", &["x"], GangMode::PerHost, true)).unwrap();
         assert_eq!(m.len(), 2);
         assert_eq!(m[0].env["TORCH_TPU_TOPOLOGY"], "2,2,2,2");
         assert_eq!(m[0].env["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(',').count(), 16);

@@ -105,12 +105,11 @@ impl TpuGeneration {
         if self == Self::V7x { 2 } else { 1 }
     }
 
-    /// The number in `<prefix>-N` per chip: 2 on v4/v5p (N counts cores), else 1.
+    /// The number in `<prefix>-N` per chip: N counts TensorCores, so 2 on v4, v5p and
+    /// v7x, 1 on v5e and v6e (TPU.md's table; `tpu7x-16` is 8 chips in `2x2x2`, as Ray
+    /// reads it since ray PR#60338 and PR#62526).
     pub fn type_number_per_chip(self) -> u32 {
-        match self {
-            Self::V4 | Self::V5p => 2,
-            _ => 1,
-        }
+        self.cores_per_chip()
     }
 
     /// True when topologies have two dimensions (v5e, v6e); else three.
@@ -140,8 +139,9 @@ pub struct AcceleratorType {
 }
 
 impl AcceleratorType {
-    /// Parses `v6e-16`, `v5litepod-8`, `v4-32`, `tpu7x-8`, `7x-8` (case-insensitive). Errors:
-    /// an unknown prefix, a missing or zero count, an odd core count on v4/v5p.
+    /// Parses `v6e-16`, `v5litepod-8`, `v4-32`, `tpu7x-16`, `7x-16` (case-insensitive).
+    /// Errors: an unknown prefix, a missing or zero count, an odd core count on v4, v5p
+    /// or v7x.
     pub fn parse(s: &str) -> Result<AcceleratorType, TpuError> {
         let bad = || TpuError::UnknownAcceleratorType(s.to_string());
         let (prefix, n) = s.trim().rsplit_once('-').ok_or_else(bad)?;
@@ -624,6 +624,13 @@ mod tests {
         assert_eq!(t("4x4", "v6e").unwrap(), "v6e-16");
         assert_eq!(t("2x4", "v6e").unwrap(), "v6e-8");
         assert_eq!(t("2x2x2", "v4").unwrap(), "v4-16");
+        assert_eq!(t("2x2x4", "v5p").unwrap(), "v5p-32");
+        assert_eq!(t("2x2x2", "v7x").unwrap(), "v7x-16");
+        assert_eq!(t("2x2x1", "tpu7x").unwrap(), "v7x-8");
+        assert_eq!(t("2x2x4", "7x").unwrap(), "v7x-32");
+        let ty = AcceleratorType::from_topology("2x2x2", "v7x").unwrap();
+        assert_eq!((ty.chips, ty.hosts(), ty.chips_per_host()), (8, 2, 4));
+        assert_eq!(ty.head_resource_name(), "TPU-v7x-16-head");
         assert!(t("3x3", "v6e").unwrap_err().to_string().contains("not valid for v6e"));
         assert!(t("4x4", "v9").unwrap_err().to_string().contains("unknown TPU version"));
     }
@@ -638,14 +645,25 @@ mod tests {
     fn accelerator_types_parse_to_generation_chips_and_hosts() {
         // (type, normalised, generation, chips, hosts, chips per host)
         let cases = [
+            // v5e/v6e: N counts chips; single-host 1x1, 2x2, 2x4 use 1, 4, 8 chips.
             ("v6e-16", "v6e-16", TpuGeneration::V6e, 16, 4, 4),
             ("v6e-8", "v6e-8", TpuGeneration::V6e, 8, 1, 8),
+            ("v6e-4", "v6e-4", TpuGeneration::V6e, 4, 1, 4),
             ("v6e-1", "v6e-1", TpuGeneration::V6e, 1, 1, 1),
+            ("v6e-256", "v6e-256", TpuGeneration::V6e, 256, 64, 4),
             ("v5litepod-16", "v5litepod-16", TpuGeneration::V5e, 16, 4, 4),
+            ("v5litepod-8", "v5litepod-8", TpuGeneration::V5e, 8, 1, 8),
+            ("v5e-4", "v5litepod-4", TpuGeneration::V5e, 4, 1, 4),
+            // v4/v5p/v7x: N counts TensorCores, two per chip; hosts of 4 chips.
+            ("v4-8", "v4-8", TpuGeneration::V4, 4, 1, 4),
+            ("v4-16", "v4-16", TpuGeneration::V4, 8, 2, 4),
             ("v4-32", "v4-32", TpuGeneration::V4, 16, 4, 4),
             ("v5p-8", "v5p-8", TpuGeneration::V5p, 4, 1, 4),
-            ("tpu7x-16", "v7x-16", TpuGeneration::V7x, 16, 4, 4),
-            ("7x-8", "v7x-8", TpuGeneration::V7x, 8, 2, 4),
+            ("v5p-16", "v5p-16", TpuGeneration::V5p, 8, 2, 4),
+            ("tpu7x-16", "v7x-16", TpuGeneration::V7x, 8, 2, 4),
+            ("v7x-16", "v7x-16", TpuGeneration::V7x, 8, 2, 4),
+            ("7x-8", "v7x-8", TpuGeneration::V7x, 4, 1, 4),
+            ("TPU7X-32", "v7x-32", TpuGeneration::V7x, 16, 4, 4),
             ("V6E-4", "v6e-4", TpuGeneration::V6e, 4, 1, 4),
         ];
         for (s, norm, g, chips, hosts, per) in cases {
@@ -653,7 +671,7 @@ mod tests {
             assert_eq!((t.to_string().as_str(), t.generation, t.chips), (norm, g, chips), "{s}");
             assert_eq!((t.hosts(), t.chips_per_host()), (hosts, per), "{s}");
         }
-        for bad in ["v9-8", "v6e", "v6e-0", "v4-3", "tpu", "v6e-x"] {
+        for bad in ["v9-8", "v6e", "v6e-0", "v4-3", "v7x-3", "tpu7x-0", "tpu", "v6e-x"] {
             let err = AcceleratorType::parse(bad).unwrap_err().to_string();
             assert!(err.starts_with(&format!("unknown TPU accelerator type {bad:?}")), "{err}");
         }
@@ -712,6 +730,31 @@ mod tests {
             assert_eq!(get("tpu-pod-type"), Some("v6e-16"));
         }
         assert_eq!(l.0.len(), 10);
+    }
+
+    #[test]
+    fn a_simulated_tpu7x_16_host_is_v7x_16_with_8_chips_on_2_hosts() {
+        for (w, head) in [(0, true), (1, false)] {
+            let e = env(&[
+                ("TPU_ACCELERATOR_TYPE", "tpu7x-16"),
+                ("TPU_NAME", "ix"),
+                ("TPU_WORKER_ID", &w.to_string()),
+                ("TPU_TOPOLOGY", "2x2x2"),
+            ]);
+            let h = TpuHostInfo::from_env(&e, 4).unwrap();
+            let mut want = r#"{"TPU": 4, "accelerator_type:TPU-V7X": 1, "ix": 1"#.to_string();
+            want += if head { r#", "TPU-v7x-16-head": 1}"# } else { "}" };
+            assert_eq!(h.resources(), ResourceSet::from_json(&want).unwrap(), "worker {w}");
+            assert_eq!(h.labels().0["ray.io/tpu-pod-type"], "v7x-16");
+        }
+        // A third host of a two-host slice is refused.
+        let e = env(&[
+            ("TPU_ACCELERATOR_TYPE", "tpu7x-16"),
+            ("TPU_NAME", "ix"),
+            ("TPU_WORKER_ID", "2"),
+        ]);
+        let err = TpuHostInfo::from_env(&e, 4).unwrap_err().to_string();
+        assert!(err.contains("beyond the 2 host(s) of v7x-16"), "{err}");
     }
 
     #[test]
@@ -872,6 +915,11 @@ mod tests {
             (TpuGeneration::V6e, 8, &[0, 1, 2, 3, 4, 5, 6, 7], None),
             (TpuGeneration::V6e, 4, &[0, 1, 2, 3], None),
             (TpuGeneration::V7x, 4, &[0, 1], Some("1,2,1,2")),
+            (TpuGeneration::V7x, 4, &[2, 3], Some("1,2,1,2")),
+            (TpuGeneration::V7x, 4, &[0], Some("1,1,1,2")),
+            (TpuGeneration::V7x, 4, &[3], Some("1,1,1,2")),
+            (TpuGeneration::V7x, 4, &[0, 1, 2, 3], None),
+            (TpuGeneration::V4, 4, &[1], Some("1,1,1")),
         ];
         for (g, n, chips, bounds) in cases {
             let e = chip_env(*g, *n, chips, 9000);

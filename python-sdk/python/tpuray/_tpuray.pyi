@@ -114,6 +114,15 @@ def placement_group_state(id: str, wait: float) -> dict[str, Any]:
 def placement_group_table() -> list[dict[str, Any]]: ...
 def remove_placement_group(id: str) -> None: ...
 def get_placement_group(name: str, namespace: Optional[str] = None) -> tuple[str, int]: ...
+def tpu_slice_shape(
+    accelerator_type: Optional[str] = None,
+    topology: Optional[str] = None,
+    version: Optional[str] = None,
+) -> tuple[str, int, int, int]:
+    """TPU.md's slice arithmetic: ``(normalised type, chips, hosts, chips per host)`` of an
+    accelerator type (``"tpu7x-16"`` -> ``("v7x-16", 8, 2, 4)``) or of a topology and a
+    version. Raises ``ValueError`` naming what is wrong."""
+
 def slice_placement_group(
     topology: str,
     accelerator_version: str,

@@ -24,12 +24,6 @@ import tpuray
 from tpuray.exceptions import RaySchedulingError
 
 _PREFIX = "tpuray.io/"
-# TPU.md: generations with two cores per chip name their accelerator type by cores.
-_TWO_CORES = ("v4", "v5p", "v7x")
-_ALIASES = {"v5e": "v5litepod", "tpu7x": "v7x", "7x": "v7x"}
-_KNOWN = ("v4", "v5p", "v5litepod", "v6e", "v7x")
-# TPU.md (Google's tables): the v5e/v6e slice topologies.
-_TOPOLOGIES_2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
 #: Groups alive in this process, by name (what the capacity error says holds a slice).
 _LIVE: dict[str, "WorkerGroup"] = {}
 
@@ -39,31 +33,18 @@ class PoolUnsatisfiableError(RaySchedulingError, ValueError):
     resource and what holds the rest)."""
 
 
-def _generation(version: str) -> str:
-    v = str(version).strip().lower()
-    return _ALIASES.get(v, v)
-
-
 def _slice_shape(topology: str, accelerator_version: str) -> tuple[str, int]:
     """``(accelerator type, hosts)`` of one slice, e.g. ``("v6e-16", 4)`` for ``4x4`` v6e
-    (TPU.md: 4 chips per host, single-host v5e/v6e slices up to 8 chips)."""
-    try:
-        dims = [int(d) for d in str(topology).lower().split("x")]
-    except ValueError:
-        dims = []
-    if not dims or any(d < 1 for d in dims):
-        raise ValueError(f"topology must look like '4x4' or '2x2x4', got {topology!r}")
-    gen = _generation(accelerator_version)
-    if gen not in _KNOWN:
-        raise ValueError(f"unknown TPU version {accelerator_version!r} (known: {', '.join(sorted(_KNOWN))})")
-    if gen in ("v5litepod", "v6e") and str(topology).lower() not in _TOPOLOGIES_2D:
-        raise ValueError(f"{topology!r} is not a {gen} topology (valid: {', '.join(_TOPOLOGIES_2D)})")
-    if gen in _TWO_CORES and len(dims) != 3:
-        raise ValueError(f"{gen} topologies have three dimensions (e.g. '2x2x4'), got {topology!r}")
-    chips = math.prod(dims)
-    per_type = chips * (2 if gen in _TWO_CORES else 1)
-    hosts = 1 if gen in ("v5litepod", "v6e") and chips <= 8 else max(1, chips // 4)
-    return f"{gen}-{per_type}", hosts
+    or ``("v7x-16", 2)`` for ``2x2x2`` v7x (TPU.md's arithmetic, from the Rust core).
+
+    Raises:
+        ValueError: an unknown version or a topology not valid for it.
+    """
+    from tpuray import _tpuray
+
+    ty, _chips, hosts, _per_host = _tpuray.tpu_slice_shape(
+        topology=str(topology), version=str(accelerator_version))
+    return ty, hosts
 
 
 def _held_by_placement_groups() -> dict[str, list]:

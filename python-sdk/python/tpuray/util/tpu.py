@@ -346,14 +346,12 @@ def get_current_pod_worker_count():
     hostnames = os.environ.get("TPU_WORKER_HOSTNAMES")
     if hostnames:
         return len(hostnames.split(","))
-    gen, _, n = ty.rpartition("-")
     try:
-        chips = int(n) // (2 if gen.lower() in ("v4", "v5p") else 1)
+        # TPU.md's arithmetic, in Rust: v4/v5p/v7x types count TensorCores (tpu7x-16 is 8
+        # chips on 2 hosts), v5e/v6e count chips.
+        return _tpuray.tpu_slice_shape(ty)[2]
     except ValueError:
         return None
-    if gen.lower() in ("v5litepod", "v5e", "v6e") and chips <= 8:
-        return 1
-    return max(1, chips // 4)
 
 
 def get_num_tpu_chips_on_node() -> int:
