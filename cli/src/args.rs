@@ -301,6 +301,9 @@ pub struct AgentArgs {
     pub ready_file: Option<PathBuf>,
     #[arg(long)]
     pub head_node: bool,
+    /// Which head this head node's agent belongs to, for the registry (REG-2).
+    #[arg(long, default_value = "")]
+    pub head_of: String,
     /// The object store's spill folder (default: `<session dir>/spill`).
     #[arg(long)]
     pub spill_dir: Option<PathBuf>,

@@ -56,8 +56,19 @@ struct Spawned {
     ready: serde_json::Value,
 }
 
+/// How `tpuray start` waits for a process it spawns.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// Until it writes its ready file (a head listening, an agent registered).
+    Ready,
+    /// Not at all: it is recorded in the registry at once and runs on in the
+    /// background (the node agent of a replicated head, which joins once a majority
+    /// of heads elected a leader; it records its own address when it has joined).
+    Background,
+}
+
 /// Spawns `self_command() args...` with its output in `logs/<name>.{out,err}`
-/// and waits for it to write its ready file.
+/// and waits for it to write its ready file, unless `wait` is [`Wait::Background`].
 fn spawn_and_wait(
     session: &Path,
     name: &str,
@@ -65,6 +76,21 @@ fn spawn_and_wait(
     args: Vec<String>,
     detach: bool,
     waiting: &str,
+) -> Result<Spawned> {
+    spawn_with(session, name, kind, args, detach, waiting, Wait::Ready, &[], "")
+}
+
+#[allow(clippy::too_many_arguments)]
+fn spawn_with(
+    session: &Path,
+    name: &str,
+    kind: &'static str,
+    args: Vec<String>,
+    detach: bool,
+    waiting: &str,
+    wait: Wait,
+    envs: &[(&str, String)],
+    head_of: &str,
 ) -> Result<Spawned> {
     let ready_file = session.join(format!("{name}.ready"));
     let _ = std::fs::remove_file(&ready_file);
@@ -81,6 +107,9 @@ fn spawn_and_wait(
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err);
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
     if detach {
         use std::os::unix::process::CommandExt;
         // SAFETY: setsid is async-signal-safe; it detaches the child from our
@@ -93,6 +122,12 @@ fn spawn_and_wait(
         }
     }
     let mut child = cmd.spawn().with_context(|| format!("cannot start {kind} process"))?;
+    if wait == Wait::Background {
+        if let Some(e) = ProcEntry::for_pid(child.id(), kind, &session.display().to_string(), "") {
+            registry::record(&e.head_of(head_of)).context("cannot write the process registry")?;
+        }
+        return Ok(Spawned { child, kind, ready: serde_json::Value::Null });
+    }
     let started = Instant::now();
     let mut told = false;
     loop {
@@ -110,7 +145,8 @@ fn spawn_and_wait(
                 v.get("address").and_then(|a| a.as_str()).unwrap_or(""),
             );
             if let Some(e) = entry {
-                registry::record(&e).context("cannot write the process registry")?;
+                registry::record(&e.head_of(head_of))
+                    .context("cannot write the process registry")?;
             }
             return Ok(Spawned { child, kind, ready: v });
         }
@@ -172,8 +208,13 @@ fn node_ip(a: &StartArgs) -> Result<String> {
 /// The address a node agent advertises: `--node-ip-address`, the head's own when this
 /// is the head node, else the one that routes to the head (NET-3).
 fn agent_ip(a: &StartArgs, head_address: &str) -> Result<String> {
-    if a.node_ip_address.is_some() || a.head {
+    if a.node_ip_address.is_some() {
         return node_ip(a);
+    }
+    if a.head {
+        // The head's own address (a replica's is its entry in --head-peers).
+        let (listen, _, _) = head_listen(a)?;
+        return Ok(listen.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or(listen));
     }
     Ok(tpuray_proto::net::advertise_address_toward(head_address).to_string())
 }
@@ -212,6 +253,10 @@ fn head_listen(a: &StartArgs) -> Result<(String, String, u64)> {
     Ok((format!("{ip}:{port}"), list.join(","), id))
 }
 
+/// How long the node agent of a replicated head keeps trying to join (10 minutes):
+/// the other heads may be started well after this one.
+const HA_AGENT_JOIN_PATIENCE_MS: u64 = 600_000;
+
 pub fn start(a: StartArgs) -> Result<i32> {
     // Check every flag before anything starts, so bad input fails fast.
     tpuray_worker::build_resources(&a.resources.options())?;
@@ -221,12 +266,29 @@ pub fn start(a: StartArgs) -> Result<i32> {
         }
     }
     // The address is checked before anything is made (no empty session folder).
-    if a.head {
-        head_listen(&a)?;
+    let head_key = if a.head {
+        let (listen, peers, id) = head_listen(&a)?;
+        if peers.is_empty() { listen } else { format!("{peers}#{id}") }
     } else {
-        if a.node_ip_address.is_some() {
-            node_ip(&a)?;
+        String::new()
+    };
+    // REG-2: one node agent per head; a head restarted while its agent still runs
+    // would otherwise add a second node for the same machine.
+    if a.head && !a.head_only {
+        let running = registry::list()
+            .into_iter()
+            .find(|e| e.kind == "agent" && e.head_of == head_key && e.is_alive());
+        if let Some(e) = running {
+            bail!(
+                "the node agent of this head already runs on this machine (pid {}, session {}): \
+                 restart the head alone with --head-only, or stop that agent first",
+                e.pid,
+                e.session_dir
+            );
         }
+    }
+    if !a.head && a.node_ip_address.is_some() {
+        node_ip(&a)?;
     }
     let session = new_session_dir(&a.temp_dir)?;
     let detach = !a.block;
@@ -293,6 +355,7 @@ pub fn start(a: StartArgs) -> Result<i32> {
     ];
     if a.head {
         args.push("--head-node".into());
+        args.extend(["--head-of".into(), head_key.clone()]);
     }
     let spill = match &a.spill_dir {
         Some(d) => {
@@ -302,15 +365,48 @@ pub fn start(a: StartArgs) -> Result<i32> {
     };
     args.extend(["--spill-dir".into(), spill.display().to_string()]);
     args.extend(a.resources.to_args());
-    let agent = match spawn_and_wait(&session, "agent", "agent", args, detach, waiting) {
-        Ok(s) => s,
-        Err(e) => {
-            for mut s in spawned {
-                terminate_child(&mut s.child);
-            }
-            return Err(e);
-        }
+    // The node agent of a replicated head joins in the background: a majority of the
+    // heads must be up before any serves, and they are started one after another.
+    let replicated = a.head && a.head_peers.is_some();
+    let (wait, envs) = if replicated {
+        let patience = std::env::var("TPURAY_HEAD_CONNECT_TIMEOUT_MS")
+            .unwrap_or_else(|_| HA_AGENT_JOIN_PATIENCE_MS.to_string());
+        (Wait::Background, vec![("TPURAY_HEAD_CONNECT_TIMEOUT_MS", patience)])
+    } else {
+        (Wait::Ready, vec![])
     };
+    let agent =
+        match spawn_with(&session, "agent", "agent", args, detach, waiting, wait, &envs, &head_key)
+        {
+            Ok(s) => s,
+            Err(e) => {
+                for mut s in spawned {
+                    terminate_child(&mut s.child);
+                }
+                return Err(e);
+            }
+        };
+    if replicated {
+        let pid = agent.child.id();
+        spawned.push(agent);
+        registry::set_current_cluster(&CurrentCluster {
+            address: head_address.clone(),
+            session_dir: session.display().to_string(),
+        })?;
+        println!(
+            "tpuray head started at {} (replica of {head_address})",
+            spawned[0].ready["address"].as_str().unwrap_or_default()
+        );
+        println!(
+            "  its node agent (pid {pid}) joins once a majority of the heads elected a leader"
+        );
+        println!("  session folder: {}", session.display());
+        println!("  cluster status: tpuray status --address {head_address}");
+        if a.block {
+            return block_until_stopped(spawned);
+        }
+        return Ok(0);
+    }
     let node_id = agent.ready["node_id"].as_str().unwrap_or_default().to_string();
     let node_address = agent.ready["address"].as_str().unwrap_or_default().to_string();
     spawned.push(agent);
@@ -557,6 +653,8 @@ pub fn run_agent(a: AgentArgs) -> Result<i32> {
     let ready = a.ready_file.clone();
     let host = listen.ip().to_string();
     let session = a.session_dir.clone();
+    let session_s = session.display().to_string();
+    let head_of = a.head_of.clone();
     rt.block_on(tpuray_worker::serve_agent(
         listen,
         &host,
@@ -572,7 +670,13 @@ pub fn run_agent(a: AgentArgs) -> Result<i32> {
             write_ready(
                 &ready,
                 serde_json::json!({ "address": addr.to_string(), "node_id": node_id.to_string() }),
-            )
+            );
+            // The agent's registry entry names its address (REG-1; an agent started in
+            // the background was recorded without one).
+            let me = std::process::id();
+            if let Some(e) = ProcEntry::for_pid(me, "agent", &session_s, &addr.to_string()) {
+                let _ = registry::record(&e.head_of(&head_of));
+            }
         },
         shutdown_signal(),
     ))?;

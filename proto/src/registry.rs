@@ -30,6 +30,11 @@ pub struct ProcEntry {
     pub kind: String,
     pub session_dir: String,
     pub address: String,
+    /// For the node agent of a head's node: which head (its address, or for a
+    /// replicated head `<peers>#<head id>`), so a restarted head does not start a
+    /// second agent for the same machine.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub head_of: String,
 }
 
 /// The cluster `tpuray start --head` last started on this machine.
@@ -61,7 +66,13 @@ impl ProcEntry {
             kind: kind.to_string(),
             session_dir: session_dir.to_string(),
             address: address.to_string(),
+            head_of: String::new(),
         })
+    }
+
+    /// The entry, as the node agent of head `key`.
+    pub fn head_of(self, key: &str) -> Self {
+        Self { head_of: key.to_string(), ..self }
     }
 
     /// True while the very process this entry names is running.

@@ -197,6 +197,15 @@ def test_two_tpu7x_16_hosts_form_one_v7x_slice_with_two_devices_per_chip(tmp_pat
         c.stop()
 
 
+def test_util_submodules_are_attributes_after_import_tpuray():
+    """As the README writes it (and as ray.util's are after ``import ray``)."""
+    code = ("import tpuray; tpuray.util.tpu.run_on_slice; "
+            "tpuray.util.scheduling_strategies.NodeAffinitySchedulingStrategy; "
+            "tpuray.util.placement_group.placement_group; print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
 def test_torch_device_falls_back_to_cpu_and_sets_jax_platforms(tmp_path):
     pytest.importorskip("torch")
     assert _device_and_jax_platforms() == ["cpu", "cpu"]

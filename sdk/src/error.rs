@@ -31,8 +31,10 @@ impl TaskFailure {
     }
 }
 
-/// Errors returned to SDK users; each names what failed.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+/// Errors returned to SDK users; each names what failed. `Debug` prints the same
+/// message as `Display`, so `fn main() -> Result<(), tpuray::Error>` ends with
+/// `Error: no cluster address: ...` rather than the variant's fields.
+#[derive(Clone, PartialEq, thiserror::Error)]
 pub enum Error {
     /// The task's function returned an error or panicked (Ray's `RayTaskError`).
     #[error("task {function} failed on node {node} (pid {pid}): {message}")]
@@ -88,5 +90,11 @@ impl Error {
                 payload: e.payload.clone(),
             },
         }
+    }
+}
+
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
     }
 }

@@ -79,3 +79,19 @@ fn obj13_an_agent_sweeps_stores_of_killed_agents_and_stop_force_removes_its_own(
     run(h, &["stop", "--force"]);
     assert!(shm_stores(h).is_empty(), "stop --force left {:?}", shm_stores(h));
 }
+
+#[test]
+fn an_agent_that_cannot_join_leaves_no_store_folder() {
+    let hosts = Hosts::new(1);
+    let h = hosts.host(0);
+    let mut c = h.command(tpuray_bin());
+    // Nothing listens on port 9 of this host: the join fails after the short retry.
+    c.args(["start", "--address", &format!("{}:9", h.address), "--temp-dir", "/tmp/tpuray/x"])
+        .env("TPURAY_HEAD_CONNECT_TIMEOUT_MS", "300")
+        .stdin(Stdio::null());
+    let out = c.output().expect("run tpuray start");
+    assert!(!out.status.success(), "joining a head that is not there succeeded");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("cannot reach the head at {}:9", h.address)), "{err}");
+    assert!(shm_stores(h).is_empty(), "a failed join left {:?}", shm_stores(h));
+}

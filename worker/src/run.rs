@@ -401,6 +401,8 @@ pub async fn serve_agent(
         Ok(r) => r,
         Err(e) => {
             let _ = stop_tx.send(());
+            // A node that never joined leaves no store folder behind.
+            store.destroy();
             return Err(e);
         }
     };

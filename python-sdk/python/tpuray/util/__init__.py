@@ -27,4 +27,10 @@ def get_node_ip_address() -> str:
     """This process's node address (Ray's ``ray.util.get_node_ip_address``)."""
     from tpuray._private import worker
 
-    return worker.process_info()["agent_address"].rpartition(":")[0]
+    # This process's own address (on its host; a driver on a host without a node
+    # has no agent there).
+    return worker.process_info()["address"].rpartition(":")[0]
+
+
+# Ray's ``ray.util`` submodules are attributes once ``ray`` is imported.
+from tpuray.util import scheduling_strategies, tpu  # noqa: E402
