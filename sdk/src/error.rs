@@ -98,3 +98,15 @@ impl std::fmt::Debug for Error {
         std::fmt::Display::fmt(self, f)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+
+    #[test]
+    fn debug_reads_as_the_message_so_main_returning_result_prints_it() {
+        let e = Error::Cluster("no cluster address: pass one to init()".into());
+        assert_eq!(format!("{e:?}"), "no cluster address: pass one to init()");
+        assert_eq!(format!("{e:?}"), e.to_string());
+    }
+}
