@@ -467,6 +467,29 @@ impl StateMachine {
                         rec.node_id
                     )));
                 }
+                // HEAD-10: one live host per (slice, worker id); a duplicate would also
+                // bring a second slice-head resource (TPU.md's known failures).
+                let slot = |r: &NodeRecord| {
+                    let l = &r.labels.0;
+                    Some((
+                        l.get("tpuray.io/tpu-slice-name")?.clone(),
+                        l.get("tpuray.io/tpu-worker-id")?.clone(),
+                    ))
+                };
+                if let Some(mine) = slot(&rec)
+                    && let Some(other) = self.nodes.values().find(|n| {
+                        n.node_id != rec.node_id
+                            && n.status == NodeStatus::Alive
+                            && slot(n).as_ref() == Some(&mine)
+                    })
+                {
+                    return Outcome::Rejected(Rejection::AlreadyExists(format!(
+                        "TPU slice {:?} already has a live host with TPU_WORKER_ID={} (node {} at {}): \
+                         each host of a slice needs its own worker id (a restarted host may join once \
+                         its old node is declared dead)",
+                        mine.0, mine.1, other.node_id, other.address
+                    )));
+                }
                 let id = rec.node_id.clone();
                 self.nodes.insert(id.clone(), rec);
                 changed.push(Changed::Node(id.clone()));
@@ -1154,5 +1177,47 @@ mod tests {
         sm.apply(cmd(CommandKind::MarkNodeDead { node_id: n.clone(), reason: "x".into() }));
         let (o, _) = sm.apply(cmd(CommandKind::RegisterNode(node(&n))));
         assert!(matches!(o, Outcome::Rejected(_)));
+    }
+
+    #[test]
+    fn head10_a_second_live_host_with_a_slices_worker_id_is_refused() {
+        let tpu = |id: &NodeId, slice: &str, w: &str| {
+            let mut r = node(id);
+            r.labels.0.insert("tpuray.io/tpu-slice-name".into(), slice.into());
+            r.labels.0.insert("tpuray.io/tpu-worker-id".into(), w.into());
+            r
+        };
+        let mut sm = StateMachine::new();
+        let (a, b, c, d) = (NodeId::random(), NodeId::random(), NodeId::random(), NodeId::random());
+        assert!(matches!(
+            sm.apply(cmd(CommandKind::RegisterNode(tpu(&a, "ix", "0")))).0,
+            Outcome::Node(_)
+        ));
+        // The same node registering again (a retry) is fine; another slice's 0 too.
+        assert!(matches!(
+            sm.apply(cmd(CommandKind::RegisterNode(tpu(&a, "ix", "0")))).0,
+            Outcome::Node(_)
+        ));
+        assert!(matches!(
+            sm.apply(cmd(CommandKind::RegisterNode(tpu(&b, "iy", "0")))).0,
+            Outcome::Node(_)
+        ));
+        let (o, _) = sm.apply(cmd(CommandKind::RegisterNode(tpu(&c, "ix", "0"))));
+        match o {
+            Outcome::Rejected(r) => {
+                let m = r.to_string();
+                assert!(
+                    m.contains("TPU slice \"ix\" already has a live host with TPU_WORKER_ID=0"),
+                    "{m}"
+                );
+            }
+            _ => panic!("a duplicate worker id was accepted"),
+        }
+        // Once the first is declared dead, a restarted host takes its place.
+        sm.apply(cmd(CommandKind::MarkNodeDead { node_id: a.clone(), reason: "x".into() }));
+        assert!(matches!(
+            sm.apply(cmd(CommandKind::RegisterNode(tpu(&d, "ix", "0")))).0,
+            Outcome::Node(_)
+        ));
     }
 }

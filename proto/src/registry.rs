@@ -44,17 +44,34 @@ pub struct CurrentCluster {
     pub session_dir: String,
 }
 
-/// The start time of a live, non-zombie process, or `None`.
+/// The start time of a live process, or `None` once it has exited. A zombie counts as
+/// exited only when all its threads have: the thread-group leader of a SIGKILLed
+/// multi-threaded process shows `Z` while its other threads are still exiting and
+/// still hold its files (an agent's store lock among them).
 pub fn proc_start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may hold spaces; fields after it follow ')'.
     let rest = &stat[stat.rfind(')')? + 2..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // rest starts at field 3 (state); field 22 is index 19.
-    if fields.first() == Some(&"Z") || fields.first() == Some(&"X") {
+    if matches!(fields.first(), Some(&"Z") | Some(&"X")) && !threads_exiting(pid) {
         return None;
     }
     fields.get(19)?.parse().ok()
+}
+
+/// Whether some thread of `pid` other than its leader has not finished exiting.
+fn threads_exiting(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    tasks.flatten().any(|t| {
+        let tid = t.file_name();
+        if tid.to_string_lossy() == pid.to_string() {
+            return false;
+        }
+        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+        let state = stat.rfind(')').and_then(|i| stat.get(i + 2..i + 3));
+        !matches!(state, None | Some("Z") | Some("X"))
+    })
 }
 
 impl ProcEntry {
@@ -92,9 +109,16 @@ fn entry_path(pid: u32) -> PathBuf {
 pub fn record(entry: &ProcEntry) -> std::io::Result<()> {
     let dir = registry_dir();
     std::fs::create_dir_all(&dir)?;
-    let tmp = dir.join(format!(".proc-{}.tmp", entry.pid));
+    // Unique per writer: an agent records itself while `tpuray start` records it too.
+    let tmp = dir.join(format!(".proc-{}.{}.{}.tmp", entry.pid, std::process::id(), unique()));
     std::fs::write(&tmp, serde_json::to_vec(entry).expect("entry serializes"))?;
     std::fs::rename(tmp, entry_path(entry.pid))
+}
+
+/// A number no other call in this process returns.
+fn unique() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Forgets a process (after it exited).

@@ -42,7 +42,7 @@ pub enum TpuError {
     #[error("{name}={value:?} is not a valid {what}")]
     InvalidEnv { name: &'static str, value: String, what: &'static str },
     #[error(
-        "TPU_WORKER_ID={worker_id} is beyond the {hosts} host(s) of {accelerator_type} (expected 0..{hosts})"
+        "TPU_WORKER_ID={worker_id} is beyond the {hosts} host(s) of {accelerator_type} (expected 0 to {})", .hosts.saturating_sub(1)
     )]
     WorkerIdOutOfRange { worker_id: u32, hosts: u32, accelerator_type: String },
     #[error("TPU_WORKER_HOSTNAMES lists {listed} host(s) but {accelerator_type} has {hosts}")]
@@ -754,7 +754,7 @@ mod tests {
             ("TPU_WORKER_ID", "2"),
         ]);
         let err = TpuHostInfo::from_env(&e, 4).unwrap_err().to_string();
-        assert!(err.contains("beyond the 2 host(s) of v7x-16"), "{err}");
+        assert!(err.contains("beyond the 2 host(s) of v7x-16 (expected 0 to 1)"), "{err}");
     }
 
     #[test]

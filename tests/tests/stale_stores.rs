@@ -45,6 +45,15 @@ fn agent_pids(host: &Host) -> Vec<u32> {
         .collect()
 }
 
+/// Whether every thread of `pid` has exited (only a zombie, or nothing, is left).
+fn fully_exited(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return true };
+    tasks.flatten().all(|t| {
+        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+        matches!(stat.rfind(')').and_then(|i| stat.get(i + 2..i + 3)), None | Some("Z" | "X"))
+    })
+}
+
 fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !cond() {
@@ -63,11 +72,13 @@ fn obj13_an_agent_sweeps_stores_of_killed_agents_and_stop_force_removes_its_own(
     let first = shm_stores(h);
     assert_eq!(first.len(), 1, "one agent, one store folder: {first:?}");
     // Kill the agent the way a crash does: its folder stays behind.
-    for pid in agent_pids(h) {
+    let pids = agent_pids(h);
+    for &pid in &pids {
         // SAFETY: kill(2) on a process of the test's own simulated host.
         unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     }
-    wait_until("the agent is gone", || agent_pids(h).is_empty());
+    // Every thread gone (a zombie leader's other threads still hold its files).
+    wait_until("the agent is gone", || pids.iter().all(|&p| fully_exited(p)));
     assert_eq!(shm_stores(h), first, "a SIGKILLed agent leaves its folder");
     // A new agent on this machine sweeps it at start and keeps its own.
     let head = format!("{}:6379", h.address);
