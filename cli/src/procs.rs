@@ -336,7 +336,12 @@ pub fn start(a: StartArgs) -> Result<i32> {
             address: head_address.clone(),
             session_dir: session.display().to_string(),
         })?;
-        println!("tpuray head started at {head_address} (no node agent)");
+        let own = spawned[0].ready["address"].as_str().unwrap_or_default().to_string();
+        if own == head_address {
+            println!("tpuray head started at {head_address} (no node agent)");
+        } else {
+            println!("tpuray head started at {own} (replica of {head_address}; no node agent)");
+        }
         println!("  session folder: {}", session.display());
         println!("  add a node:     tpuray start --address {head_address}");
         if a.block {
