@@ -68,18 +68,8 @@ enum Wait {
 }
 
 /// Spawns `self_command() args...` with its output in `logs/<name>.{out,err}`
-/// and waits for it to write its ready file, unless `wait` is [`Wait::Background`].
-fn spawn_and_wait(
-    session: &Path,
-    name: &str,
-    kind: &'static str,
-    args: Vec<String>,
-    detach: bool,
-    waiting: &str,
-) -> Result<Spawned> {
-    spawn_with(session, name, kind, args, detach, waiting, Wait::Ready, &[], "")
-}
-
+/// and waits for it to write its ready file, unless `wait` is [`Wait::Background`];
+/// `envs` are added to its environment, `head_of` goes into its registry entry (REG-2).
 #[allow(clippy::too_many_arguments)]
 fn spawn_with(
     session: &Path,
@@ -275,9 +265,9 @@ pub fn start(a: StartArgs) -> Result<i32> {
     // REG-2: one node agent per head; a head restarted while its agent still runs
     // would otherwise add a second node for the same machine.
     if a.head && !a.head_only {
-        let running = registry::list()
+        let running = registry::live_agents_in(&registry::registry_dir())
             .into_iter()
-            .find(|e| e.kind == "agent" && e.head_of == head_key && e.is_alive());
+            .find(|e| e.head_of == head_key);
         if let Some(e) = running {
             bail!(
                 "the node agent of this head already runs on this machine (pid {}, session {}): \
@@ -324,7 +314,7 @@ pub fn start(a: StartArgs) -> Result<i32> {
             "--data-dir".into(),
             data_dir.display().to_string(),
         ];
-        let s = spawn_and_wait(&session, "head", "head", args, detach, "")?;
+        let s = spawn_with(&session, "head", "head", args, detach, "", Wait::Ready, &[], "")?;
         let addr = s.ready["address"].as_str().unwrap_or_default().to_string();
         spawned.push(s);
         if peers.is_empty() { addr } else { peers }

@@ -106,6 +106,22 @@ pub fn default_capacity(available_bytes: u64) -> u64 {
     ((available_bytes as f64 * PROPORTION) as u64).min(MAX_BYTES)
 }
 
+/// `MemTotal` and `MemAvailable` from `/proc/meminfo`, in bytes (0 when unreadable).
+pub fn memory_bytes() -> (u64, u64) {
+    let Ok(s) = std::fs::read_to_string("/proc/meminfo") else {
+        return (0, 0);
+    };
+    let field = |name: &str| {
+        s.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(|kib| kib * 1024)
+            .unwrap_or(0)
+    };
+    (field("MemTotal:"), field("MemAvailable:"))
+}
+
 /// How many objects [`LocalStore::usage`] lists in [`StoreUsage::largest`].
 pub const USAGE_TOP: usize = 10;
 

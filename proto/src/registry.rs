@@ -131,6 +131,11 @@ pub fn list() -> Vec<ProcEntry> {
     list_in(&registry_dir())
 }
 
+/// The node agents recorded in `dir` that still run.
+pub fn live_agents_in(dir: &std::path::Path) -> Vec<ProcEntry> {
+    list_in(dir).into_iter().filter(|e| e.kind == "agent" && e.is_alive()).collect()
+}
+
 /// Every process recorded in the registry folder `dir` (a private cluster's).
 pub fn list_in(dir: &std::path::Path) -> Vec<ProcEntry> {
     let Ok(rd) = std::fs::read_dir(dir) else {

@@ -799,7 +799,10 @@ impl Core {
     /// copies were there are made again from lineage. Resumes after the last change
     /// seen when the stream breaks (a head failover).
     pub(crate) fn watch_nodes(self: &Arc<Self>) {
-        if self.watching_nodes.swap(true, Ordering::SeqCst) {
+        // Called on every submission: a plain load first, the swap only once.
+        if self.watching_nodes.load(Ordering::Relaxed)
+            || self.watching_nodes.swap(true, Ordering::SeqCst)
+        {
             return;
         }
         let core = Arc::clone(self);

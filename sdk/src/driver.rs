@@ -50,11 +50,7 @@ fn local_agent_addresses(registry: Option<&std::path::Path>) -> Vec<String> {
     let dir = registry
         .map(std::path::Path::to_path_buf)
         .unwrap_or_else(tpuray_proto::registry::registry_dir);
-    tpuray_proto::registry::list_in(&dir)
-        .into_iter()
-        .filter(|e| e.kind == "agent" && e.is_alive())
-        .map(|e| e.address)
-        .collect()
+    tpuray_proto::registry::live_agents_in(&dir).into_iter().map(|e| e.address).collect()
 }
 
 /// The node this driver attaches to (NET-3): one whose agent runs on this host
@@ -285,15 +281,7 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
 /// Bytes of a private store (a driver on a host without a node): a quarter of the
 /// host's available memory, at least 64 MiB.
 fn private_store_bytes() -> u64 {
-    let avail_kib = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemAvailable:"))
-                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()))
-        })
-        .unwrap_or(1 << 20);
-    (avail_kib * 1024 / 4).max(64 << 20)
+    (tpuray_objectstore::memory_bytes().1 / 4).max(64 << 20)
 }
 
 /// NET-3: a driver on a host without a node keeps its objects in a store of its own
@@ -335,12 +323,8 @@ async fn serve_private_store(
             .add_service(svc)
             .serve_with_incoming(tpuray_proto::incoming(listener)),
     );
-    PRIVATE_STORE.set(dir).ok();
     Ok((store, served))
 }
-
-/// The private store's folder of a driver without a node, removed at [`shutdown`].
-static PRIVATE_STORE: OnceLock<std::path::PathBuf> = OnceLock::new();
 
 /// Finishes this job (non-detached actors end with it) after sending the
 /// last task events and the placement group removals still in the background (PG-2).
@@ -359,8 +343,9 @@ pub fn shutdown() {
             let _ = head.finish_job(req).await;
         }
     });
-    if let Some(dir) = PRIVATE_STORE.get() {
-        let _ = std::fs::remove_dir_all(dir);
+    // A driver without a node serves a store of its own (NET-3): it goes with the job.
+    if core.store_address != core.agent_address {
+        core.store.destroy();
     }
 }
 

@@ -19,21 +19,9 @@ pub fn num_cpus() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
-/// `MemTotal` and `MemAvailable` from `/proc/meminfo`, in bytes.
-pub fn memory_bytes() -> (u64, u64) {
-    let Ok(s) = std::fs::read_to_string("/proc/meminfo") else {
-        return (0, 0);
-    };
-    let field = |name: &str| {
-        s.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-            .map(|kib| kib * 1024)
-            .unwrap_or(0)
-    };
-    (field("MemTotal:"), field("MemAvailable:"))
-}
+/// `MemTotal` and `MemAvailable` from `/proc/meminfo`, in bytes (the store's reader,
+/// which drivers without a node use too).
+pub use tpuray_objectstore::memory_bytes;
 
 /// Default object store size when `--object-store-memory` is not given
 /// (see [`tpuray_objectstore::default_capacity`]).
