@@ -160,6 +160,15 @@ pub struct StartArgs {
     /// --object-store-memory (default: `spill` in the session folder).
     #[arg(long)]
     pub spill_dir: Option<PathBuf>,
+    /// The head's HTTP server (Jobs REST API, health, later the dashboard): its port
+    /// (with --head; default 8265, or a free port with a warning when 8265 is taken; a
+    /// given port that is taken is an error; 0 picks a free port).
+    #[arg(long, requires = "head")]
+    pub dashboard_port: Option<u16>,
+    /// The address the HTTP server binds (default: as the head's own server binds,
+    /// NET-3: its address when that is a loopback one, else every address).
+    #[arg(long, requires = "head")]
+    pub dashboard_host: Option<String>,
     #[command(flatten)]
     pub resources: ResourceFlags,
 }
@@ -287,6 +296,10 @@ pub struct HeadArgs {
     /// The Raft log's folder.
     #[arg(long)]
     pub data_dir: PathBuf,
+    #[arg(long)]
+    pub dashboard_port: Option<u16>,
+    #[arg(long)]
+    pub dashboard_host: Option<String>,
 }
 
 #[derive(Args, Debug)]

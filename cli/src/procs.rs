@@ -299,7 +299,7 @@ pub fn start(a: StartArgs) -> Result<i32> {
         };
         let data_dir =
             a.head_data_dir.clone().unwrap_or_else(|| session.join(format!("head-data-{id}")));
-        let args = vec![
+        let mut args: Vec<String> = vec![
             "_head".into(),
             "--listen".into(),
             listen,
@@ -314,6 +314,12 @@ pub fn start(a: StartArgs) -> Result<i32> {
             "--data-dir".into(),
             data_dir.display().to_string(),
         ];
+        if let Some(p) = a.dashboard_port {
+            args.extend(["--dashboard-port".into(), p.to_string()]);
+        }
+        if let Some(h) = &a.dashboard_host {
+            args.extend(["--dashboard-host".into(), h.clone()]);
+        }
         let s = spawn_with(&session, "head", "head", args, detach, "", Wait::Ready, &[], "")?;
         let addr = s.ready["address"].as_str().unwrap_or_default().to_string();
         spawned.push(s);
@@ -332,6 +338,7 @@ pub fn start(a: StartArgs) -> Result<i32> {
         } else {
             println!("tpuray head started at {own} (replica of {head_address}; no node agent)");
         }
+        print_dashboard(&spawned[0]);
         println!("  session folder: {}", session.display());
         println!("  add a node:     tpuray start --address {head_address}");
         if a.block {
@@ -392,6 +399,7 @@ pub fn start(a: StartArgs) -> Result<i32> {
             "tpuray head started at {} (replica of {head_address})",
             spawned[0].ready["address"].as_str().unwrap_or_default()
         );
+        print_dashboard(&spawned[0]);
         println!(
             "  its node agent (pid {pid}) joins once a majority of the heads elected a leader"
         );
@@ -411,6 +419,7 @@ pub fn start(a: StartArgs) -> Result<i32> {
             session_dir: session.display().to_string(),
         })?;
         println!("tpuray head started at {head_address} (node {node_id})");
+        print_dashboard(&spawned[0]);
         println!("  session folder: {}", session.display());
         println!("  add a node:     tpuray start --address {head_address}");
         println!("  cluster status: tpuray status");
@@ -584,6 +593,13 @@ fn env_ms(var: &str, default: u64) -> Duration {
     tpuray_worker::run::env_duration_ms(var, default)
 }
 
+/// `Dashboard: http://ADDRESS:PORT`, from the head's ready file (DESIGN.md §13).
+fn print_dashboard(head: &Spawned) {
+    if let Some(url) = head.ready["dashboard_url"].as_str() {
+        println!("Dashboard: {url}");
+    }
+}
+
 pub fn run_head(a: HeadArgs) -> Result<i32> {
     init_logging();
     let listen: SocketAddr = a
@@ -614,12 +630,29 @@ pub fn run_head(a: HeadArgs) -> Result<i32> {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(10_000),
+        dashboard: Some(tpuray_head::DashboardConfig {
+            host: match &a.dashboard_host {
+                Some(h) => Some(h.parse().with_context(|| {
+                    format!(
+                        "invalid --dashboard-host {h:?} (expected an IP address such as 0.0.0.0)"
+                    )
+                })?),
+                None => None,
+            },
+            port: a.dashboard_port.unwrap_or(8265),
+            explicit: a.dashboard_port.is_some(),
+        }),
     };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let ready = a.ready_file.clone();
     rt.block_on(tpuray_head::serve(
         config,
-        move |addr| write_ready(&ready, serde_json::json!({ "address": addr.to_string() })),
+        move |r| {
+            write_ready(
+                &ready,
+                serde_json::json!({ "address": r.address.to_string(), "dashboard_url": r.dashboard_url }),
+            )
+        },
         shutdown_signal(),
     ))
     .map_err(|e| anyhow!("{e}"))?;

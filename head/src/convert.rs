@@ -4,6 +4,7 @@ use tpuray_proto::convert::{labels_to_proto, resources_to_proto, strategy_to_pro
 use tpuray_proto::pb;
 
 use crate::state::{ActorRecord, ActorStatus, JobRecord, JobStatus, NodeRecord, NodeStatus};
+use crate::submissions::SubmissionRecord;
 
 pub fn node_to_proto(n: &NodeRecord) -> pb::NodeInfo {
     let (state, death_reason) = match &n.status {
@@ -44,6 +45,39 @@ pub fn job_to_proto(j: &JobRecord) -> pb::JobInfo {
         end_time_ms: j.end_time_ms,
         driver_pid: j.driver_pid,
         worker_binary_hash: j.worker_binary_hash.clone(),
+        submission_id: j.submission_id.clone(),
+    }
+}
+
+/// A submission as the wire carries it.
+pub fn submission_to_proto(s: &SubmissionRecord) -> pb::JobSubmission {
+    let (node, agent) =
+        s.placed.as_ref().map(|(n, a)| (n.to_string(), a.clone())).unwrap_or_default();
+    let (job_id, driver_address, driver_pid) =
+        s.driver.as_ref().map(|(j, a, p)| (j.to_string(), a.clone(), *p)).unwrap_or_default();
+    pb::JobSubmission {
+        submission_id: s.submission_id.clone(),
+        status: s.status.as_str().into(),
+        entrypoint: s.entrypoint.clone(),
+        message: s.message.clone(),
+        error_type: s.error_type.clone(),
+        start_time_ms: s.start_time_ms,
+        end_time_ms: s.end_time_ms,
+        metadata: s.metadata.clone().into_iter().collect(),
+        runtime_env_json: s.runtime_env_json.clone(),
+        entrypoint_num_cpus: s.entrypoint_num_cpus,
+        entrypoint_num_gpus: s.entrypoint_num_gpus,
+        entrypoint_memory: s.entrypoint_memory,
+        entrypoint_resources: s.entrypoint_resources.clone().into_iter().collect(),
+        entrypoint_label_selector: s.entrypoint_label_selector.clone().into_iter().collect(),
+        driver_node_id: node,
+        driver_agent_address: agent,
+        driver_exit_code: s.driver_exit_code,
+        job_id,
+        driver_address,
+        driver_pid,
+        stop_requested: s.stop_requested,
+        submit_time_ms: s.submit_time_ms,
     }
 }
 

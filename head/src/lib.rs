@@ -26,9 +26,13 @@
 //! and does the blocking `sled` I/O); no user code runs in the head process.
 
 pub mod convert;
+pub mod http;
+pub mod jobs;
 pub mod placement_groups;
 pub mod replication;
 pub mod server;
 pub mod state;
+pub mod submissions;
 
-pub use server::{Head, HeadConfig, ServeError, serve};
+pub use http::DashboardConfig;
+pub use server::{Head, HeadConfig, Ready, ServeError, serve};

@@ -71,6 +71,8 @@ pub struct HeadConfig {
     pub raft_tick: Duration,
     /// Applied commands between two snapshots; the log keeps about this many entries.
     pub snapshot_every: u64,
+    /// The HTTP server (dashboard port); `None` serves none.
+    pub dashboard: Option<crate::http::DashboardConfig>,
 }
 
 impl HeadConfig {
@@ -87,6 +89,7 @@ impl HeadConfig {
             data_dir: None,
             raft_tick: Duration::from_millis(50),
             snapshot_every: 10_000,
+            dashboard: None,
         }
     }
 
@@ -111,9 +114,11 @@ pub(crate) struct NodeSoft {
     pending: Vec<pb::ResourceDemand>,
     num_workers: u32,
     /// Whether the node reported since this head became leader (its resources are known).
-    reported: bool,
+    pub(crate) reported: bool,
     /// When this leader last compared the node's actor workers with the state (HEAD-8).
     reconciled_at: Option<Instant>,
+    /// The jobs the node's agent supervises, from its last heartbeat (HEAD-11).
+    pub(crate) job_submissions: HashSet<String>,
 }
 
 impl NodeSoft {
@@ -128,6 +133,7 @@ impl NodeSoft {
             num_workers: 0,
             reported: false,
             reconciled_at: None,
+            job_submissions: HashSet::new(),
         }
     }
 }
@@ -156,6 +162,8 @@ pub(crate) struct Inner {
     tasks: HashMap<String, pb::TaskSummary>,
     task_order: VecDeque<String>,
     tasks_dropped: u64,
+    /// The job sweep's soft state (HEAD-11, `jobs.rs`).
+    pub(crate) jobs_soft: crate::jobs::JobsSoft,
 }
 
 impl Inner {
@@ -167,6 +175,7 @@ impl Inner {
         self.pg_pending.clear();
         self.pg_placing.clear();
         self.returning.clear();
+        self.jobs_soft = Default::default();
     }
 }
 
@@ -191,6 +200,8 @@ pub struct Head {
     /// Node agent clients by address: one HTTP/2 channel per agent, reused by every call
     /// (a fresh connection per call cost more than the call).
     agents: Mutex<HashMap<String, AgentClient>>,
+    /// This head's HTTP server, `http://ADDRESS:PORT` (set once it listens).
+    pub(crate) dashboard_url: OnceLock<String>,
 }
 
 /// A client of a node agent's `NodeAgentService`.
@@ -216,6 +227,7 @@ impl Head {
                 tasks: HashMap::new(),
                 task_order: VecDeque::new(),
                 tasks_dropped: 0,
+                jobs_soft: Default::default(),
             }),
             events,
             placement_wake: Notify::new(),
@@ -227,6 +239,7 @@ impl Head {
             leading: AtomicBool::new(false),
             rt: tokio::runtime::Handle::current(),
             agents: Mutex::new(HashMap::new()),
+            dashboard_url: OnceLock::new(),
         })
     }
 
@@ -480,7 +493,7 @@ impl Head {
 
     /// The live nodes placement may use: those that reported their resources to this
     /// leader (a new leader waits for each node's heartbeat, HEAD-8).
-    fn alive_views(inner: &Inner) -> Vec<NodeView<String>> {
+    pub(crate) fn alive_views(inner: &Inner) -> Vec<NodeView<String>> {
         inner
             .sm
             .nodes
@@ -820,7 +833,7 @@ impl Head {
         }
     }
 
-    async fn kill_actor_worker(
+    pub(crate) async fn kill_actor_worker(
         &self,
         agent_address: &str,
         actor_id: &ActorId,
@@ -929,6 +942,7 @@ impl HeadService for HeadSvc {
             version: env!("CARGO_PKG_VERSION").to_string(),
             heartbeat_interval_ms: h.config.heartbeat_interval.as_millis() as u64,
             node_death_timeout_ms: h.config.node_death_timeout.as_millis() as u64,
+            dashboard_url: h.dashboard_url.get().cloned().unwrap_or_default(),
         }))
     }
 
@@ -978,6 +992,7 @@ impl HeadService for HeadSvc {
                 reported: true,
                 // A new node runs no actors yet: nothing to reconcile.
                 reconciled_at: Some(Instant::now()),
+                job_submissions: HashSet::new(),
             },
         );
         tracing::info!(%node_id, "node registered");
@@ -1049,6 +1064,7 @@ impl HeadService for HeadSvc {
                 num_workers: req.num_workers,
                 reported: true,
                 reconciled_at,
+                job_submissions: req.job_submissions.into_iter().collect(),
             },
         );
         let cluster = inner
@@ -1208,6 +1224,7 @@ impl HeadService for HeadSvc {
             start_time_ms: now_ms(),
             end_time_ms: 0,
             worker_binary_hash: req.worker_binary_hash,
+            submission_id: req.submission_id,
         };
         let id = match self
             .0
@@ -1231,7 +1248,7 @@ impl HeadService for HeadSvc {
         let job_id = JobId::from_wire(req.job_id);
         // Remember which actors die with the job, to stop their workers.
         let before: Vec<(ActorId, String)> =
-            self.alive_actor_agents(|a| a.job_id == job_id && !a.detached);
+            self.0.alive_actor_agents(|a| a.job_id == job_id && !a.detached);
         if let Outcome::Rejected(r) = self
             .0
             .commit(Command {
@@ -1259,6 +1276,51 @@ impl HeadService for HeadSvc {
         Ok(Response::new(pb::ListJobsReply {
             jobs: inner.sm.jobs.values().map(job_to_proto).collect(),
         }))
+    }
+
+    async fn submit_job(
+        &self,
+        req: Request<pb::SubmitJobRequest>,
+    ) -> Result<Response<pb::SubmitJobReply>, Status> {
+        self.0.submit_job(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn get_job_submission(
+        &self,
+        req: Request<pb::GetJobSubmissionRequest>,
+    ) -> Result<Response<pb::GetJobSubmissionReply>, Status> {
+        Ok(Response::new(self.0.get_job_submission(&req.into_inner().id)))
+    }
+
+    async fn list_job_submissions(
+        &self,
+        _req: Request<pb::ListJobSubmissionsRequest>,
+    ) -> Result<Response<pb::ListJobSubmissionsReply>, Status> {
+        Ok(Response::new(self.0.list_job_submissions()))
+    }
+
+    async fn stop_job(
+        &self,
+        req: Request<pb::StopJobRequest>,
+    ) -> Result<Response<pb::StopJobReply>, Status> {
+        let stopped = self.0.stop_job(req.into_inner()).await?;
+        Ok(Response::new(pb::StopJobReply { stopped }))
+    }
+
+    async fn delete_job(
+        &self,
+        req: Request<pb::DeleteJobRequest>,
+    ) -> Result<Response<pb::DeleteJobReply>, Status> {
+        let deleted = self.0.delete_job(req.into_inner()).await?;
+        Ok(Response::new(pb::DeleteJobReply { deleted }))
+    }
+
+    async fn report_job_status(
+        &self,
+        req: Request<pb::ReportJobStatusRequest>,
+    ) -> Result<Response<pb::ReportJobStatusReply>, Status> {
+        self.0.report_job_status(req.into_inner()).await?;
+        Ok(Response::new(pb::ReportJobStatusReply {}))
     }
 
     async fn create_actor(
@@ -1799,9 +1861,13 @@ impl HeadService for HeadSvc {
     }
 }
 
-impl HeadSvc {
-    fn alive_actor_agents(&self, pred: impl Fn(&ActorRecord) -> bool) -> Vec<(ActorId, String)> {
-        let inner = self.0.lock();
+impl Head {
+    /// The live actors matching `pred`, with their node agent's address.
+    pub(crate) fn alive_actor_agents(
+        &self,
+        pred: impl Fn(&ActorRecord) -> bool,
+    ) -> Vec<(ActorId, String)> {
+        let inner = self.lock();
         inner
             .sm
             .actors
@@ -1891,9 +1957,18 @@ fn start_replica<K: tpuray_replica::KvStore>(
     Ok(replica)
 }
 
+/// What [`serve`] tells its caller once the head accepts connections.
+#[derive(Clone, Debug)]
+pub struct Ready {
+    /// The advertised address with the bound port.
+    pub address: SocketAddr,
+    /// The HTTP server, `http://ADDRESS:PORT`, when one was asked for.
+    pub dashboard_url: Option<String>,
+}
+
 /// Serves the head on `config.listen` (NET-3: on every address when that is not a
-/// loopback address) until `shutdown` resolves. `ready` is called with the advertised
-/// address and the bound port once the server accepts connections (before a
+/// loopback address), and its HTTP server when `config.dashboard` asks for one, until
+/// `shutdown` resolves. `ready` is called once the servers accept connections (before a
 /// leader is elected: calls until then are answered `UNAVAILABLE`, and clients retry).
 ///
 /// # Errors
@@ -1901,7 +1976,7 @@ fn start_replica<K: tpuray_replica::KvStore>(
 /// the log cannot be opened, or the server fails.
 pub async fn serve(
     config: HeadConfig,
-    ready: impl FnOnce(SocketAddr),
+    ready: impl FnOnce(Ready),
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     check_replicas(&config)?;
@@ -1913,6 +1988,12 @@ pub async fn serve(
         .local_addr()
         .map(|bound| SocketAddr::new(config.listen.ip(), bound.port()))
         .map_err(|e| ServeError::Listen { addr: config.listen, detail: e.to_string() })?;
+    let dashboard = match &config.dashboard {
+        Some(d) => {
+            Some(crate::http::bind(d, config.listen.ip()).await.map_err(ServeError::Config)?)
+        }
+        None => None,
+    };
     let auth = ServerAuth::new(config.token.as_deref().unwrap_or(""), config.auth_required);
     let head = Head::new(config.clone());
 
@@ -1949,6 +2030,7 @@ pub async fn serve(
             let _ = tokio::time::timeout(Duration::from_secs(1), placer.placement_wake.notified())
                 .await;
             placer.place_actors();
+            placer.sweep_jobs();
         }
     });
 
@@ -1964,13 +2046,43 @@ pub async fn serve(
     .max_encoding_message_size(tpuray_proto::MAX_PEER_MESSAGE_BYTES);
     let peer = InterceptedService::new(peer, auth);
     let incoming = tpuray_proto::incoming(listener);
-    ready(addr);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let mut dashboard_url = None;
+    let mut http_task = None;
+    if let Some(listener) = dashboard {
+        let port = listener
+            .local_addr()
+            .map_err(|e| ServeError::Config(format!("the dashboard's listener: {e}")))?
+            .port();
+        let host = match config.dashboard.as_ref().and_then(|d| d.host) {
+            Some(h) if !h.is_unspecified() => h,
+            _ => addr.ip(),
+        };
+        let url = format!("http://{}", SocketAddr::new(host, port));
+        let _ = head.dashboard_url.set(url.clone());
+        let own = if config.peers.is_empty() { addr.to_string() } else { config.peers.join(",") };
+        let router = crate::http::router(Arc::clone(&head), &own).map_err(ServeError::Config)?;
+        http_task =
+            Some(tokio::spawn(crate::http::serve(listener, router, stopped(stop_rx.clone()))));
+        dashboard_url = Some(url);
+    }
+    ready(Ready { address: addr, dashboard_url });
     let served = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .add_service(svc)
         .add_service(peer)
-        .serve_with_incoming_shutdown(incoming, shutdown)
+        .serve_with_incoming_shutdown(incoming, stopped(stop_rx))
         .await;
+    if let Some(t) = http_task {
+        let _ = t.await;
+    }
     let _ = tokio::task::spawn_blocking(move || replica.stop()).await;
     served?;
     Ok(())

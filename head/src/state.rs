@@ -70,6 +70,8 @@ pub struct JobRecord {
     pub end_time_ms: u64,
     /// sha256 of the job's worker binary in the KV ("" when none).
     pub worker_binary_hash: String,
+    /// The Jobs API submission whose entrypoint started this driver ("" for none).
+    pub submission_id: String,
 }
 
 /// Where an actor is in its life. `Restarting` and `PendingCreation` both
@@ -188,7 +190,7 @@ mod kv_map {
 }
 
 /// Version byte in front of every encoded command (log entries) and snapshot.
-const FORMAT: u8 = 1;
+const FORMAT: u8 = 2;
 
 /// A command as a Raft log entry: a version byte, then postcard.
 pub fn encode_command(cmd: &Command) -> Vec<u8> {
@@ -342,6 +344,8 @@ pub enum CommandKind {
         #[serde(with = "raw_bytes")]
         key: Vec<u8>,
     },
+    /// Jobs API submissions (HEAD-11, `submissions.rs`).
+    Submission(crate::submissions::SubmissionCommand),
     /// Names the cluster once, when its first leader starts (later ones change nothing).
     InitCluster {
         cluster_id: String,
@@ -360,6 +364,11 @@ pub enum Outcome {
     KvAdded(bool),
     KvDeleted(bool),
     Rejected(Rejection),
+    /// A job submission's id.
+    Submission(String),
+    /// Whether a stopped job had not ended yet.
+    Stopped(bool),
+    Deleted(bool),
 }
 
 /// A command the state machine refused, as data (it crosses the wire).
@@ -399,6 +408,8 @@ pub struct StateMachine {
     pub named_placement_groups: HashMap<(String, String), PlacementGroupId>,
     #[serde(with = "kv_map")]
     pub kv: BTreeMap<(String, Vec<u8>), Vec<u8>>,
+    /// Jobs API submissions by submission id (HEAD-11).
+    pub submissions: BTreeMap<String, crate::submissions::SubmissionRecord>,
     applied: HashMap<String, Outcome>,
     applied_order: VecDeque<String>,
     /// Index of the last applied command.
@@ -537,47 +548,18 @@ impl StateMachine {
             }
             CommandKind::RegisterJob(job) => {
                 let id = job.job_id.clone();
+                if let Some(s) = self.submissions.get_mut(&job.submission_id) {
+                    // Ray's `driver_info`: the last driver the submission started.
+                    s.driver = Some((id.clone(), job.driver_address.clone(), job.driver_pid));
+                }
                 self.jobs.insert(id.clone(), job);
                 changed.push(Changed::Job(id.clone()));
                 Outcome::Job(id)
             }
             CommandKind::FinishJob { job_id, end_time_ms } => {
-                let Some(job) = self.jobs.get_mut(&job_id) else {
-                    return Outcome::Rejected(Rejection::NotFound(format!("no job {job_id}")));
-                };
-                if job.status == JobStatus::Running {
-                    job.status = JobStatus::Finished;
-                    job.end_time_ms = end_time_ms;
-                    changed.push(Changed::Job(job_id.clone()));
-                    // Non-detached actors die with their job (Ray's semantics).
-                    let owned: Vec<ActorId> = self
-                        .actors
-                        .values()
-                        .filter(|a| a.job_id == job_id && !a.detached && !a.is_dead())
-                        .map(|a| a.actor_id.clone())
-                        .collect();
-                    for actor_id in owned {
-                        self.actor_exited(
-                            &actor_id,
-                            None,
-                            true,
-                            format!("the actor's job {job_id} finished"),
-                            changed,
-                        );
-                    }
-                    // Groups die with their job unless detached (Ray's lifetime).
-                    let groups: Vec<PlacementGroupId> = self
-                        .placement_groups
-                        .values()
-                        .filter(|p| p.job_id == job_id && !p.detached && !p.is_removed())
-                        .map(|p| p.pg_id.clone())
-                        .collect();
-                    for pg_id in groups {
-                        self.remove_group(&pg_id, format!("its job {job_id} finished"), changed);
-                    }
-                }
-                Outcome::Done
+                self.apply_finish_job(job_id, end_time_ms, changed)
             }
+            CommandKind::Submission(c) => self.apply_submission(c, changed),
             CommandKind::CreateActor { actor, get_if_exists } => {
                 if !actor.name.is_empty() {
                     let key = (actor.namespace.clone(), actor.name.clone());
@@ -705,6 +687,50 @@ impl StateMachine {
     /// ACTOR-1: an exit that was not asked for counts against
     /// `max_restarts`, whatever its exit code; a stale report about an older
     /// worker of the same actor changes nothing.
+    /// Ends a running driver job: its non-detached actors and placement groups end with it.
+    pub(crate) fn apply_finish_job(
+        &mut self,
+        job_id: JobId,
+        end_time_ms: u64,
+        changed: &mut Vec<Changed>,
+    ) -> Outcome {
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            return Outcome::Rejected(Rejection::NotFound(format!("no job {job_id}")));
+        };
+        if job.status == JobStatus::Running {
+            job.status = JobStatus::Finished;
+            job.end_time_ms = end_time_ms;
+            changed.push(Changed::Job(job_id.clone()));
+            // Non-detached actors die with their job (Ray's semantics).
+            let owned: Vec<ActorId> = self
+                .actors
+                .values()
+                .filter(|a| a.job_id == job_id && !a.detached && !a.is_dead())
+                .map(|a| a.actor_id.clone())
+                .collect();
+            for actor_id in owned {
+                self.actor_exited(
+                    &actor_id,
+                    None,
+                    true,
+                    format!("the actor's job {job_id} finished"),
+                    changed,
+                );
+            }
+            // Groups die with their job unless detached (Ray's lifetime).
+            let groups: Vec<PlacementGroupId> = self
+                .placement_groups
+                .values()
+                .filter(|p| p.job_id == job_id && !p.detached && !p.is_removed())
+                .map(|p| p.pg_id.clone())
+                .collect();
+            for pg_id in groups {
+                self.remove_group(&pg_id, format!("its job {job_id} finished"), changed);
+            }
+        }
+        Outcome::Done
+    }
+
     fn actor_exited(
         &mut self,
         actor_id: &ActorId,
@@ -1100,6 +1126,7 @@ mod tests {
             start_time_ms: 0,
             end_time_ms: 0,
             worker_binary_hash: String::new(),
+            submission_id: String::new(),
         })));
         let plain = group("", &job, 1);
         let mut detached = group("", &job, 1);

@@ -10,7 +10,9 @@ pub mod convert;
 pub mod h2grpc;
 pub mod ids;
 pub mod net;
+pub mod packages;
 pub mod registry;
+pub mod runtime_env;
 
 /// Generated messages and services of package `tpuray.v1`.
 #[allow(clippy::all, missing_docs)]

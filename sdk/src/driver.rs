@@ -223,6 +223,8 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
             namespace: opts.namespace.clone().unwrap_or_default(),
             driver_pid: std::process::id(),
             worker_binary_hash: hash,
+            // A Jobs API entrypoint's driver: its supervisor names the job (AGENT-13).
+            submission_id: std::env::var("TPURAY_SUBMISSION_ID").unwrap_or_default(),
         });
         req.set_timeout(Duration::from_secs(10));
         let job = head

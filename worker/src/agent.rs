@@ -180,6 +180,8 @@ pub struct Agent {
     stopping: std::sync::atomic::AtomicBool,
     /// Whether the cluster checks tokens (AUTH-1), as the head said at registration.
     pub auth_required: std::sync::atomic::AtomicBool,
+    /// Jobs API jobs supervised here, and their runtime environments (AGENT-13).
+    pub supervisors: crate::jobs::Supervisors,
 }
 
 /// How long an infeasible shape stays listed after its last request.
@@ -210,6 +212,7 @@ impl Agent {
             freed: Notify::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
             auth_required: std::sync::atomic::AtomicBool::new(true),
+            supervisors: Default::default(),
         })
     }
 
@@ -311,6 +314,31 @@ impl Agent {
             labels: self.config.labels.clone(),
             alive: true,
         }
+    }
+
+    /// Takes `r` from the node's available resources (a job entrypoint's), all or none.
+    ///
+    /// # Errors
+    /// A message naming what is needed and what is free.
+    pub(crate) fn take_resources(&self, r: &ResourceSet) -> Result<(), String> {
+        let mut st = self.lock();
+        if !st.available.is_superset_of(r) {
+            return Err(format!(
+                "node {} cannot reserve {r} now (available {})",
+                self.config.node_id, st.available
+            ));
+        }
+        st.available.saturating_sub(r);
+        Ok(())
+    }
+
+    /// Gives back what [`Agent::take_resources`] took (once, AGENT-2).
+    pub(crate) fn give_back_resources(&self, r: &ResourceSet) {
+        {
+            let mut st = self.lock();
+            self.release(&mut st, r);
+        }
+        self.freed.notify_waiters();
     }
 
     fn release(&self, st: &mut AgentState, r: &ResourceSet) {
@@ -850,16 +878,30 @@ impl Agent {
         } else {
             serde_json::Value::Null
         };
-        let python = v["python"]
-            .as_str()
-            .filter(|p| std::path::Path::new(p).exists())
-            .unwrap_or("python3")
-            .to_string();
-        let mut env = Vec::new();
-        if let Some(paths) = v["sys_path"].as_array() {
-            let joined: Vec<&str> =
-                paths.iter().filter_map(|p| p.as_str()).filter(|p| !p.is_empty()).collect();
-            env.push(("PYTHONPATH".to_string(), joined.join(":")));
+        // AGENT-13: a job submitted with `pip` or an uploaded `working_dir` runs its
+        // workers in the same environment, built on this node on first use.
+        let built = self.job_environment(&v["runtime_env"]).await?;
+        let python = built
+            .python()
+            .map(|p| p.display().to_string())
+            .or_else(|| {
+                v["python"].as_str().filter(|p| std::path::Path::new(p).exists()).map(String::from)
+            })
+            .unwrap_or_else(|| "python3".into());
+        let mut env = built.env();
+        let mut paths: Vec<String> =
+            built.working_dir.iter().map(|d| d.display().to_string()).collect();
+        if let Some(sys_path) = v["sys_path"].as_array() {
+            paths.extend(
+                sys_path
+                    .iter()
+                    .filter_map(|p| p.as_str())
+                    .filter(|p| !p.is_empty())
+                    .map(String::from),
+            );
+        }
+        if !paths.is_empty() {
+            env.push(("PYTHONPATH".to_string(), paths.join(":")));
         }
         if let Some(vars) = v["env_vars"].as_object() {
             for (k, val) in vars {
@@ -872,8 +914,49 @@ impl Agent {
             env.push(("TPURAY_JOB_RUNTIME_ENV".to_string(), rt.to_string()));
         }
         env.push(("PYTHONUNBUFFERED".to_string(), "1".to_string()));
-        let cwd = v["cwd"].as_str().filter(|d| std::path::Path::new(d).is_dir()).map(PathBuf::from);
+        let cwd = built.working_dir.clone().or_else(|| {
+            v["cwd"].as_str().filter(|d| std::path::Path::new(d).is_dir()).map(PathBuf::from)
+        });
         Ok(WorkerCommand { argv: vec![python, "-m".into(), "tpuray._worker".into()], env, cwd })
+    }
+
+    /// The Jobs API parts of a job's runtime environment (`pip`, a `gcs://` `working_dir`),
+    /// built on this node (cached).
+    ///
+    /// # Errors
+    /// `FAILED_PRECONDITION` with the setup error (pip's output, a missing package).
+    async fn job_environment(
+        &self,
+        runtime_env: &serde_json::Value,
+    ) -> Result<crate::runtime_env::Prepared, Status> {
+        let mut parts = serde_json::Map::new();
+        if let Some(p) = runtime_env.get("pip") {
+            parts.insert("pip".into(), p.clone());
+        }
+        if let Some(wd) = runtime_env.get("working_dir").filter(|w| {
+            w.as_str().is_some_and(|w| w.starts_with(tpuray_proto::runtime_env::PACKAGE_SCHEME))
+        }) {
+            parts.insert("working_dir".into(), wd.clone());
+        }
+        if parts.is_empty() {
+            return Ok(Default::default());
+        }
+        let env =
+            tpuray_proto::runtime_env::JobRuntimeEnv::parse(&serde_json::Value::Object(parts))
+                .map_err(Status::failed_precondition)?;
+        let logs = self.config.session_dir.join("logs");
+        let _ = std::fs::create_dir_all(&logs);
+        self.supervisors
+            .envs
+            .prepare(
+                &self.config.head_address,
+                self.config.token.as_deref(),
+                &self.config.session_dir.join("runtime_resources"),
+                &env,
+                &logs.join("runtime_env_setup-workers.log"),
+            )
+            .await
+            .map_err(|e| Status::failed_precondition(format!("runtime_env setup failed: {e}")))
     }
 
     /// The environment of a worker started for runtime environment `hash` (KV namespace
@@ -1838,6 +1921,30 @@ impl NodeAgentService for AgentSvc {
             workers_stopped,
             resources: Some(self.0.resources_of(&names)),
         }))
+    }
+
+    async fn start_job_supervisor(
+        &self,
+        req: Request<pb::StartJobSupervisorRequest>,
+    ) -> Result<Response<pb::StartJobSupervisorReply>, Status> {
+        let job = req.into_inner().job.ok_or_else(|| Status::invalid_argument("missing job"))?;
+        self.0.start_job_supervisor(job).await?;
+        Ok(Response::new(pb::StartJobSupervisorReply {}))
+    }
+
+    async fn stop_job_supervisor(
+        &self,
+        req: Request<pb::StopJobSupervisorRequest>,
+    ) -> Result<Response<pb::StopJobSupervisorReply>, Status> {
+        let found = self.0.stop_job_supervisor(&req.into_inner().submission_id);
+        Ok(Response::new(pb::StopJobSupervisorReply { found }))
+    }
+
+    async fn read_job_logs(
+        &self,
+        req: Request<pb::ReadJobLogsRequest>,
+    ) -> Result<Response<pb::ReadJobLogsReply>, Status> {
+        self.0.read_job_logs(req.into_inner()).await.map(Response::new)
     }
 
     async fn prestart_workers(

@@ -9,9 +9,11 @@
 pub mod agent;
 pub mod binaries;
 pub mod detect;
+pub mod jobs;
 /// The machine-wide process registry, shared with drivers (`tpuray_proto::registry`).
 pub use tpuray_proto::registry;
 pub mod run;
+pub mod runtime_env;
 
 pub use agent::{Agent, AgentConfig};
 pub use run::{

@@ -268,6 +268,7 @@ fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after
                         pending,
                         num_workers,
                         seq,
+                        job_submissions: agent.supervisors.listed(),
                     });
                     req.set_timeout(interval.max(Duration::from_secs(2)));
                     match client.heartbeat(req).await {

@@ -171,6 +171,12 @@ def init(
         from tpuray._private import runtime_env as _rt
 
         job_env = _rt.upload(_rt.validate(runtime_env))
+        # A Jobs API entrypoint: the submission's environment (its working_dir package,
+        # pip) is the job's, under what init() itself names (node agents build it for
+        # every worker of the job).
+        submitted = os.environ.get("TPURAY_JOB_RUNTIME_ENV_JSON")
+        if submitted:
+            job_env = _rt.merge(json.loads(submitted), job_env)
         state.runtime_env = job_env
         record = {
             "python": sys.executable,
