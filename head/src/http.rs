@@ -541,7 +541,19 @@ async fn tail(api: Arc<Api>, submission_id: String, mut socket: WebSocket) {
         let _ =
             socket.send(Message::Text(String::from_utf8_lossy(&pending).into_owned().into())).await;
     }
-    let _ = socket.send(Message::Close(None)).await;
+    // A normal closure (1000, as Ray's server closes): Ray's client treats any other
+    // ending as an error. Then wait (briefly) for the client's own close frame.
+    let close = axum::extract::ws::CloseFrame { code: 1000, reason: "".into() };
+    if socket.send(Message::Close(Some(close))).await.is_ok() {
+        let _ = tokio::time::timeout(Duration::from_secs(5), async {
+            while let Some(Ok(m)) = socket.recv().await {
+                if matches!(m, Message::Close(_)) {
+                    break;
+                }
+            }
+        })
+        .await;
+    }
 }
 
 /// Where the dashboard listens: `--dashboard-host` and `--dashboard-port`.
