@@ -1186,6 +1186,12 @@ impl Agent {
         for &pid in &pids {
             signal(pid, libc::SIGTERM);
         }
+        // Job entrypoints: their whole process groups (AGENT-13).
+        let groups = self.supervisors.process_groups();
+        for &g in &groups {
+            // SAFETY: kill(2) on an entrypoint's own process group.
+            unsafe { libc::kill(-(g as i32), libc::SIGTERM) };
+        }
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline
             && pids.iter().any(|&p| registry::proc_start_time(p).is_some())
@@ -1197,6 +1203,10 @@ impl Agent {
                 signal(pid, libc::SIGKILL);
             }
             registry::remove(pid);
+        }
+        for &g in &groups {
+            // SAFETY: as above; whatever of the group is left.
+            unsafe { libc::kill(-(g as i32), libc::SIGKILL) };
         }
     }
 

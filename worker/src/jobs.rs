@@ -36,18 +36,33 @@ const MAX_LOG_READ: u64 = 4 * 1024 * 1024;
 /// The jobs this agent supervises, by submission id.
 #[derive(Default)]
 pub struct Supervisors {
-    jobs: Mutex<HashMap<String, watch::Sender<bool>>>,
+    jobs: Mutex<HashMap<String, Supervised>>,
     pub(crate) envs: crate::runtime_env::Builder,
 }
 
+struct Supervised {
+    stop: watch::Sender<bool>,
+    /// The entrypoint's process (and process group) id once it runs; 0 before.
+    pid: Arc<std::sync::atomic::AtomicU32>,
+}
+
 impl Supervisors {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, watch::Sender<bool>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Supervised>> {
         self.jobs.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Submission ids of the jobs known here, for heartbeats.
     pub fn listed(&self) -> Vec<String> {
         self.lock().keys().cloned().collect()
+    }
+
+    /// The process groups of the running entrypoints (the agent stops them when it stops).
+    pub fn process_groups(&self) -> Vec<u32> {
+        self.lock()
+            .values()
+            .map(|s| s.pid.load(std::sync::atomic::Ordering::SeqCst))
+            .filter(|p| *p > 0)
+            .collect()
     }
 }
 
@@ -103,7 +118,8 @@ impl Agent {
             demand = tpuray_proto::convert::resources_from_proto(&wanted)
                 .map_err(|e| Status::invalid_argument(format!("entrypoint resources: {e}")))?;
         }
-        let (tx, rx) = {
+        let pid = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let rx = {
             let mut jobs = self.supervisors.lock();
             if jobs.contains_key(&id) {
                 return Ok(()); // a retried start
@@ -112,13 +128,12 @@ impl Agent {
             if !demand.is_empty() {
                 self.take_resources(&demand).map_err(Status::resource_exhausted)?;
             }
-            jobs.insert(id.clone(), tx.clone());
-            (tx, rx)
+            jobs.insert(id.clone(), Supervised { stop: tx, pid: Arc::clone(&pid) });
+            rx
         };
-        drop(tx);
         let agent = Arc::clone(self);
         tokio::spawn(async move {
-            let end = agent.run_job(&job, rx).await;
+            let end = agent.run_job(&job, rx, &pid).await;
             if !demand.is_empty() {
                 agent.give_back_resources(&demand);
             }
@@ -131,8 +146,8 @@ impl Agent {
     /// `StopJobSupervisor`: asks the job to stop; false when it is not known here.
     pub fn stop_job_supervisor(&self, submission_id: &str) -> bool {
         match self.supervisors.lock().get(submission_id) {
-            Some(tx) => {
-                let _ = tx.send(true);
+            Some(s) => {
+                let _ = s.stop.send(true);
                 true
             }
             None => false,
@@ -178,6 +193,7 @@ impl Agent {
         self: &Arc<Self>,
         job: &pb::JobSubmission,
         mut stop: watch::Receiver<bool>,
+        pid_out: &std::sync::atomic::AtomicU32,
     ) -> JobEnd {
         let id = &job.submission_id;
         let logs = self.config.session_dir.join("logs");
@@ -257,6 +273,7 @@ impl Agent {
             }
         };
         let pid = child.id().unwrap_or(0);
+        pid_out.store(pid, std::sync::atomic::Ordering::SeqCst);
         if let Some(e) = crate::registry::ProcEntry::for_pid(
             pid,
             "job",
