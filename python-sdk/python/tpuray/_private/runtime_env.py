@@ -1,10 +1,13 @@
-"""Runtime environments (Ray's ``runtime_env``): ``env_vars`` and ``working_dir``.
+"""Runtime environments (Ray's ``runtime_env``): ``env_vars``, ``working_dir`` and, for a
+whole job, ``pip``.
 
 The submitting process uploads a local ``working_dir`` to the head's KV (a zip,
 content-addressed), stores the environment as JSON under its hash, and passes the hash
 with the task; node agents start workers with its ``env_vars`` set, pool them per
 environment, and the worker unpacks the ``working_dir`` into its session folder before
-the first task and runs there (nothing is read from a shared disk).
+the first task and runs there (nothing is read from a shared disk). A job's ``pip``
+(given to ``init`` or to the Jobs API) is built by each node agent into a cached venv
+that the job's workers run in (AGENT-13); per task or actor it is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from tpuray import _tpuray
 RUNTIME_ENV_NAMESPACE = "runtime_env"
 PACKAGE_NAMESPACE = "pkg"
 SUPPORTED = ("env_vars", "working_dir", "config")
+#: Fields a whole job's environment (``init(runtime_env=...)``) may have besides.
+JOB_ONLY = ("pip",)
 _EXCLUDE = {"__pycache__", ".git", ".venv", "node_modules"}
 #: Largest working_dir accepted (Ray's limit is 100 MiB as well).
 MAX_WORKING_DIR_BYTES = 100 * 1024 * 1024
@@ -30,24 +35,34 @@ MAX_WORKING_DIR_BYTES = 100 * 1024 * 1024
 _uploaded: dict[str, str] = {}
 
 
-def validate(env) -> dict:
-    """Checks a runtime_env dict; returns a copy.
+def validate(env, job: bool = False) -> dict:
+    """Checks a runtime_env dict (``job``: a whole job's, from ``init``); returns a copy,
+    with a ``pip`` requirements file read into its lines (as Ray's client does).
 
     Raises:
-        TypeError: not a dict, or ``env_vars`` not a dict of strings.
-        ValueError: a field tpuray does not support (naming the supported ones), or a
-            ``working_dir`` that is not a folder.
+        TypeError: not a dict, or ``env_vars`` not a dict of strings, or ``pip`` not a
+            list, a requirements file or Ray's dict form.
+        ValueError: a field tpuray does not support (naming the supported ones), ``pip``
+            per task or actor, or a ``working_dir`` that is not a folder.
     """
     if env is None:
         return {}
     if not isinstance(env, dict):
         raise TypeError(f"runtime_env must be a dict (got {type(env).__name__})")
+    allowed = SUPPORTED + (JOB_ONLY if job else ())
     for k in env:
-        if k not in SUPPORTED:
+        if k in JOB_ONLY and not job:
             raise ValueError(
-                f"runtime_env field {k!r} is not supported by tpuray (supported: {', '.join(SUPPORTED)})"
+                f"runtime_env field {k!r} is supported for a whole job only (tpuray.init(runtime_env=...) "
+                "or the Jobs API), not per task or actor"
+            )
+        if k not in allowed:
+            raise ValueError(
+                f"runtime_env field {k!r} is not supported by tpuray (supported: {', '.join(allowed)})"
             )
     env = dict(env)
+    if "pip" in env:
+        env["pip"] = _pip(env["pip"])
     ev = env.get("env_vars")
     if ev is not None:
         if not isinstance(ev, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ev.items()):
@@ -56,6 +71,26 @@ def validate(env) -> dict:
     if wd is not None and not str(wd).startswith("pkg://") and not os.path.isdir(wd):
         raise ValueError(f"runtime_env['working_dir'] {wd!r} is not a folder")
     return env
+
+
+def _pip(pip):
+    """Ray's ``pip`` forms: a list of requirements, a requirements file, or a dict with
+    ``packages`` (which may itself be a file)."""
+    def lines(v, what):
+        if isinstance(v, str):
+            if not os.path.isfile(v):
+                raise ValueError(f"{what} {v!r} is not a requirements file")
+            with open(v) as f:
+                return [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+        if isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v):
+            return list(v)
+        raise TypeError(f"{what} must be a list of requirements or a requirements file (got {v!r})")
+
+    if isinstance(pip, dict):
+        out = dict(pip)
+        out["packages"] = lines(pip.get("packages", []), "runtime_env['pip']['packages']")
+        return out
+    return lines(pip, "runtime_env['pip']")
 
 
 def _zip_dir(path: str) -> bytes:

@@ -170,7 +170,7 @@ def init(
         state.namespace = namespace
         from tpuray._private import runtime_env as _rt
 
-        job_env = _rt.upload(_rt.validate(runtime_env))
+        job_env = _rt.upload(_rt.validate(runtime_env, job=True))
         # A Jobs API entrypoint: the submission's environment (its working_dir package,
         # pip) is the job's, under what init() itself names (node agents build it for
         # every worker of the job).
