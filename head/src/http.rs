@@ -48,9 +48,9 @@ const TAIL_POLL: Duration = Duration::from_millis(200);
 
 /// What the handlers share.
 pub(crate) struct Api {
-    head: Arc<Head>,
+    pub(crate) head: Arc<Head>,
     /// Leader-following client of the head cluster (HTTP-1).
-    grpc: HeadServiceClient<AuthChannel>,
+    pub(crate) grpc: HeadServiceClient<AuthChannel>,
     token: Option<String>,
     auth_required: bool,
 }
@@ -104,6 +104,7 @@ pub(crate) fn router(head: Arc<Head>, addresses: &str) -> Result<Router, String>
         .route("/api/jobs/{id}/stop", axum::routing::post(stop_job))
         .route("/api/jobs/{id}/logs", get(job_logs))
         .route("/api/jobs/{id}/logs/tail", get(tail_logs))
+        .merge(crate::state_api::routes())
         .layer(middleware::from_fn_with_state(Arc::clone(&api), require_token))
         // Packages up to Ray's limit, plus room for the request around them.
         .layer(axum::extract::DefaultBodyLimit::max(packages::MAX_PACKAGE_BYTES + (1 << 20)));
@@ -305,7 +306,7 @@ fn host_of(address: &str) -> String {
 }
 
 /// Ray's `JobDetails` of a submission.
-fn submission_details(s: &pb::JobSubmission) -> Value {
+pub(crate) fn submission_details(s: &pb::JobSubmission) -> Value {
     let runtime_env: Value = if s.runtime_env_json.is_empty() {
         json!({})
     } else {
@@ -339,7 +340,7 @@ fn submission_details(s: &pb::JobSubmission) -> Value {
 }
 
 /// Ray's `JobDetails` of a driver started by hand (type DRIVER).
-fn driver_details(j: &pb::JobInfo) -> Value {
+pub(crate) fn driver_details(j: &pb::JobInfo) -> Value {
     let finished = j.state == pb::JobState::Finished as i32;
     json!({
         "type": "DRIVER",

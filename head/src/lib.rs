@@ -32,6 +32,7 @@ pub mod placement_groups;
 pub mod replication;
 pub mod server;
 pub mod state;
+pub mod state_api;
 pub mod submissions;
 
 pub use http::DashboardConfig;

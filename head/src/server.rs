@@ -1690,7 +1690,9 @@ impl HeadService for HeadSvc {
             });
             // Events from owner and executor may arrive in any order: a final
             // state is never overwritten by an earlier one.
+            // A summary made from this very event has no state yet: any state wins.
             let rank = |s: &str| match s {
+                "" => -1,
                 "SUBMITTED" => 0,
                 "RETRYING" => 1,
                 "RUNNING" => 2,
