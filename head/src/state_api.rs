@@ -312,7 +312,7 @@ async fn list(
         Ok(o) => o,
         Err(e) => return bad(e),
     };
-    let (rows, source_total) = match fetch(&api, &resource).await {
+    let Fetched { rows, total: source_total, unreachable } = match fetch(&api, &resource).await {
         Ok(r) => r,
         Err(e) => return reply(StatusCode::INTERNAL_SERVER_ERROR, &e, Value::Null),
     };
@@ -337,14 +337,13 @@ async fn list(
             result.len()
         ));
     }
-    let partial = if source_total > kept {
-        Value::String(format!(
+    if source_total > kept {
+        warnings.push(format!(
             "the head keeps the {kept} most recent {resource} of {source_total}: the oldest {} were dropped",
             source_total - kept
-        ))
-    } else {
-        Value::Null
-    };
+        ));
+    }
+    let partial = unreachable_warning(&unreachable);
     reply(
         StatusCode::OK,
         "",
@@ -360,7 +359,7 @@ async fn list(
 }
 
 async fn summarize(State(api): State<Arc<Api>>, Path(resource): Path<String>) -> Response {
-    let (rows, source_total) = match resource.as_str() {
+    let Fetched { rows, total: source_total, unreachable } = match resource.as_str() {
         "tasks" | "actors" | "objects" => match fetch(&api, &resource).await {
             Ok(r) => r,
             Err(e) => return reply(StatusCode::INTERNAL_SERVER_ERROR, &e, Value::Null),
@@ -380,10 +379,19 @@ async fn summarize(State(api): State<Arc<Api>>, Path(resource): Path<String>) ->
             "num_after_truncation": rows.len(),
             "num_filtered": rows.len(),
             "result": {"node_id_to_summary": {"cluster": cluster}},
-            "partial_failure_warning": Value::Null,
+            "partial_failure_warning": unreachable_warning(&unreachable),
             "warnings": Value::Null,
         }),
     )
+}
+
+/// Ray's `partial_failure_warning`: the nodes that did not answer (null when all did).
+fn unreachable_warning(unreachable: &[String]) -> Value {
+    if unreachable.is_empty() {
+        Value::Null
+    } else {
+        json!(format!("some nodes did not answer: {}", unreachable.join("; ")))
+    }
 }
 
 /// Ray's `TaskSummaries` by function or class name.
@@ -491,9 +499,21 @@ fn task_state(s: &str) -> &str {
     }
 }
 
-/// Every row of `resource` the cluster has, and how many the source had before it
-/// dropped any.
-async fn fetch(api: &Api, resource: &str) -> Result<(Vec<Value>, usize), String> {
+/// Every row of `resource` the cluster has, how many the source had before it dropped
+/// any, and which sources did not answer.
+struct Fetched {
+    rows: Vec<Value>,
+    total: usize,
+    unreachable: Vec<String>,
+}
+
+impl Fetched {
+    fn all(rows: Vec<Value>) -> Self {
+        Self { total: rows.len(), rows, unreachable: Vec::new() }
+    }
+}
+
+async fn fetch(api: &Api, resource: &str) -> Result<Fetched, String> {
     let mut grpc = api.grpc.clone();
     let err = |s: tonic::Status| format!("the head did not answer: {}", s.message());
     match resource {
@@ -506,13 +526,12 @@ async fn fetch(api: &Api, resource: &str) -> Result<(Vec<Value>, usize), String>
                 actors.actors.into_iter().map(|a| (a.actor_id, a.class_name)).collect();
             let rows: Vec<Value> = r.tasks.iter().map(|t| task_row(t, &class_of)).collect();
             let total = rows.len() + r.dropped as usize;
-            Ok((rows, total))
+            Ok(Fetched { rows, total, unreachable: Vec::new() })
         }
         "actors" => {
             let r = grpc.list_actors(pb::ListActorsRequest {}).await.map_err(err)?.into_inner();
             let rows: Vec<Value> = r.actors.iter().map(actor_row).collect();
-            let n = rows.len();
-            Ok((rows, n))
+            Ok(Fetched::all(rows))
         }
         "nodes" => {
             let r = grpc
@@ -521,8 +540,7 @@ async fn fetch(api: &Api, resource: &str) -> Result<(Vec<Value>, usize), String>
                 .map_err(err)?
                 .into_inner();
             let rows: Vec<Value> = r.nodes.iter().map(node_row).collect();
-            let n = rows.len();
-            Ok((rows, n))
+            Ok(Fetched::all(rows))
         }
         "placement_groups" => {
             let r = grpc
@@ -531,8 +549,7 @@ async fn fetch(api: &Api, resource: &str) -> Result<(Vec<Value>, usize), String>
                 .map_err(err)?
                 .into_inner();
             let rows: Vec<Value> = r.placement_groups.iter().map(group_row).collect();
-            let n = rows.len();
-            Ok((rows, n))
+            Ok(Fetched::all(rows))
         }
         "jobs" => {
             let subs =
@@ -547,8 +564,7 @@ async fn fetch(api: &Api, resource: &str) -> Result<(Vec<Value>, usize), String>
                     .filter(|j| j.submission_id.is_empty())
                     .map(crate::http::driver_details),
             );
-            let n = rows.len();
-            Ok((rows, n))
+            Ok(Fetched::all(rows))
         }
         "workers" => workers(api).await,
         "objects" => objects(api).await,
@@ -707,12 +723,25 @@ async fn alive_nodes(api: &Api) -> Result<Vec<(String, String)>, String> {
 }
 
 /// Worker processes of every live node (from their agents) and the running drivers.
-async fn workers(api: &Api) -> Result<(Vec<Value>, usize), String> {
+async fn workers(api: &Api) -> Result<Fetched, String> {
     let mut rows = Vec::new();
+    let mut unreachable = Vec::new();
     let nodes = alive_nodes(api).await?;
     for (node_id, address) in nodes.clone() {
-        let Ok(mut agent) = api.head.agent_client(&address) else { continue };
-        let Ok(r) = agent.list_workers(pb::ListWorkersRequest {}).await else { continue };
+        let r = match api.head.agent_client(&address) {
+            Ok(mut agent) => agent
+                .list_workers(pb::ListWorkersRequest {})
+                .await
+                .map_err(|s| s.message().to_string()),
+            Err(e) => Err(e.message().to_string()),
+        };
+        let r = match r {
+            Ok(r) => r,
+            Err(e) => {
+                unreachable.push(format!("node {node_id} at {address}: {e}"));
+                continue;
+            }
+        };
         for w in r.into_inner().workers {
             rows.push(json!({
                 "worker_id": w.worker_id,
@@ -759,20 +788,28 @@ async fn workers(api: &Api) -> Result<(Vec<Value>, usize), String> {
             "num_paused_threads": Value::Null,
         }));
     }
-    let n = rows.len();
-    Ok((rows, n))
+    Ok(Fetched { total: rows.len(), rows, unreachable })
 }
 
 /// Objects in every live node's store (from their agents).
-async fn objects(api: &Api) -> Result<(Vec<Value>, usize), String> {
+async fn objects(api: &Api) -> Result<Fetched, String> {
     let mut rows = Vec::new();
+    let mut unreachable = Vec::new();
     let token = api.head.config.token.clone();
-    for (_, address) in alive_nodes(api).await? {
-        let Ok(mut store) = tpuray_proto::client::objects(&address, token.as_deref()) else {
-            continue;
+    for (node_id, address) in alive_nodes(api).await? {
+        let r = match tpuray_proto::client::objects(&address, token.as_deref()) {
+            Ok(mut store) => store
+                .get_store_usage(pb::GetStoreUsageRequest { limit: 0 })
+                .await
+                .map_err(|s| s.message().to_string()),
+            Err(e) => Err(e.to_string()),
         };
-        let Ok(r) = store.get_store_usage(pb::GetStoreUsageRequest { limit: 0 }).await else {
-            continue;
+        let r = match r {
+            Ok(r) => r,
+            Err(e) => {
+                unreachable.push(format!("node {node_id} at {address}: {e}"));
+                continue;
+            }
         };
         for o in r.into_inner().objects {
             rows.push(json!({
@@ -789,8 +826,7 @@ async fn objects(api: &Api) -> Result<(Vec<Value>, usize), String> {
             }));
         }
     }
-    let n = rows.len();
-    Ok((rows, n))
+    Ok(Fetched { total: rows.len(), rows, unreachable })
 }
 
 #[cfg(test)]
