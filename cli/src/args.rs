@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::{microbench, procs, serve, show};
+use crate::{job, microbench, procs, serve, show};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -35,6 +35,9 @@ pub enum Command {
     /// `tpuray.serve` applications: `serve status`.
     #[command(subcommand)]
     Serve(ServeCommand),
+    /// Submit, stop, delete, or list jobs (Ray's `ray job`, through the head's Jobs REST API).
+    #[command(subcommand)]
+    Job(JobCommand),
     #[command(name = "_head", hide = true)]
     Head(HeadArgs),
     #[command(name = "_agent", hide = true)]
@@ -236,6 +239,126 @@ pub struct ServeStatusArgs {
     pub address: AddressArg,
 }
 
+/// `tpuray job ...`: Ray's `ray job` verbs and flags (`dashboard/modules/job/cli.py`).
+#[derive(Subcommand, Debug)]
+pub enum JobCommand {
+    /// Submits a job to be run on the cluster; without --no-wait, streams its logs until
+    /// it finishes and exits 1 if it failed. Example: `tpuray job submit -- python my_script.py --arg=val`.
+    Submit(Box<JobSubmitArgs>),
+    /// Queries for the current status of a job.
+    Status(JobIdArgs),
+    /// Gets the logs of a job (-f: follow them until the job ends).
+    Logs(JobLogsArgs),
+    /// Attempts to stop a job, then waits for it to exit (unless --no-wait).
+    Stop(JobStopArgs),
+    /// Lists all jobs and their information.
+    List(JobCommonArgs),
+    /// Deletes a job that ended, and its information (not its logs on disk).
+    Delete(JobIdArgs),
+}
+
+/// Flags every `tpuray job` verb takes (Ray's `--address` and `add_common_job_options`).
+#[derive(Args, Debug, Clone, Default)]
+pub struct JobCommonArgs {
+    /// The job server: http://HOST:DASHBOARD_PORT, or a head's HOST:PORT (default:
+    /// RAY_API_SERVER_ADDRESS, RAY_ADDRESS, TPURAY_ADDRESS, then the cluster `tpuray
+    /// start` left on this machine).
+    #[arg(long)]
+    pub address: Option<String>,
+    /// Headers sent with every request, as a JSON object: '{"Authorization": "Bearer ..."}'
+    /// (default: RAY_JOB_HEADERS).
+    #[arg(long)]
+    pub headers: Option<String>,
+    /// Whether to verify the server's TLS certificate (true/false), or a file or folder
+    /// of trusted certificates (this build talks plain http only).
+    #[arg(long, default_value = "True")]
+    pub verify: String,
+}
+
+#[derive(Args, Debug)]
+pub struct JobIdArgs {
+    /// The job's submission id.
+    #[arg(value_name = "JOB_ID")]
+    pub job_id: String,
+    #[command(flatten)]
+    pub common: JobCommonArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct JobLogsArgs {
+    /// The job's submission id.
+    #[arg(value_name = "JOB_ID")]
+    pub job_id: String,
+    /// Follow the logs (like `tail -f`) until the job ends.
+    #[arg(short = 'f', long)]
+    pub follow: bool,
+    #[command(flatten)]
+    pub common: JobCommonArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct JobStopArgs {
+    /// The job's submission id.
+    #[arg(value_name = "JOB_ID")]
+    pub job_id: String,
+    /// Return at once instead of waiting for the job to exit.
+    #[arg(long)]
+    pub no_wait: bool,
+    #[command(flatten)]
+    pub common: JobCommonArgs,
+}
+
+#[derive(Args, Debug, Default)]
+pub struct JobSubmitArgs {
+    /// DEPRECATED: use --submission-id.
+    #[arg(long)]
+    pub job_id: Option<String>,
+    /// Submission id for the job (default: one is generated).
+    #[arg(long)]
+    pub submission_id: Option<String>,
+    /// A local YAML (or JSON) file holding a runtime_env.
+    #[arg(long, value_name = "FILE")]
+    pub runtime_env: Option<PathBuf>,
+    /// A runtime_env as JSON, e.g. '{"pip": ["requests"]}'.
+    #[arg(long, value_name = "JSON")]
+    pub runtime_env_json: Option<String>,
+    /// The folder the job runs in (uploaded), or a URI of a .zip; overrides the
+    /// runtime_env's working_dir.
+    #[arg(long)]
+    pub working_dir: Option<String>,
+    /// Metadata to attach to the job, as a JSON object of strings.
+    #[arg(long, value_name = "JSON")]
+    pub metadata_json: Option<String>,
+    /// CPUs to reserve for the entrypoint command (apart from its tasks and actors).
+    #[arg(long)]
+    pub entrypoint_num_cpus: Option<f64>,
+    /// GPUs to reserve for the entrypoint command.
+    #[arg(long)]
+    pub entrypoint_num_gpus: Option<f64>,
+    /// Memory in bytes to reserve for the entrypoint command.
+    #[arg(long)]
+    pub entrypoint_memory: Option<u64>,
+    /// Custom resources to reserve for the entrypoint command, as JSON: '{"TPU": 4}'.
+    #[arg(long, value_name = "JSON")]
+    pub entrypoint_resources: Option<String>,
+    /// Label selector for the entrypoint command's node, as JSON: '{"zone": "a"}'.
+    #[arg(long, value_name = "JSON")]
+    pub entrypoint_label_selector: Option<String>,
+    /// Do not stream the logs and wait for the job to exit.
+    #[arg(long)]
+    pub no_wait: bool,
+    #[command(flatten)]
+    pub common: JobCommonArgs,
+    /// The entrypoint command, after `--`: its words are joined as a shell would quote them.
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "ENTRYPOINT"
+    )]
+    pub entrypoint: Vec<String>,
+}
+
 #[derive(Args, Debug)]
 pub struct StopArgs {
     /// Kill with SIGKILL at once instead of stopping gracefully.
@@ -336,6 +459,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Serve(ServeCommand::Status(a)) => {
             serve::status(&resolve_address(a.address.address)?, a.json)
         }
+        Command::Job(c) => job::cmd::run(c),
         Command::Microbenchmark(a) => {
             // A driver of a cluster for minutes (--rust): a peer that hangs up must fail
             // that connection, not kill the run.
