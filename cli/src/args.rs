@@ -350,12 +350,7 @@ pub struct JobSubmitArgs {
     #[command(flatten)]
     pub common: JobCommonArgs,
     /// The entrypoint command, after `--`: its words are joined as a shell would quote them.
-    #[arg(
-        required = true,
-        trailing_var_arg = true,
-        allow_hyphen_values = true,
-        value_name = "ENTRYPOINT"
-    )]
+    #[arg(required = true, trailing_var_arg = true, value_name = "ENTRYPOINT")]
     pub entrypoint: Vec<String>,
 }
 
