@@ -5,6 +5,9 @@
 //! objects of the node's store come back as read-only mappings ([`ObjectBuffer`]), so
 //! large buffers (numpy arrays) are read without a copy.
 //!
+//! `jobs.rs`: the Jobs REST API client behind `tpuray.job_submission` (the CLI's
+//! `tpuray_cli::job`).
+//!
 //! Blocking calls release the GIL. In a worker process, [`run_worker`] installs a
 //! [`tpuray::foreign::ForeignRuntime`] that calls back into the Python runtime object for
 //! every task, actor constructor and method call.
@@ -22,6 +25,8 @@ use tpuray::error::TaskFailure;
 use tpuray::foreign::{AsyncDone, ForeignReturn, ForeignRuntime, ForeignStream, TaskInfo};
 use tpuray::raw::{self, Arg, RawRef};
 use tpuray::{ActorHandle, ActorOptions, Error, Scheduling, TaskOptions};
+
+mod jobs;
 
 /// mimalloc for the extension's own allocations (Python objects keep Python's allocator):
 /// the core worker, and the head and node agents that `tpuray start` runs in this
@@ -1414,6 +1419,7 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
     ] {
         m.add_function(f)?;
     }
+    jobs::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

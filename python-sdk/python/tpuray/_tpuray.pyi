@@ -172,3 +172,32 @@ def enable_async_calls(methods: list[str], wake_fd: int) -> None:
     """Hands calls of ``methods`` to the event loop woken through ``wake_fd`` (taken over)."""
 def take_async_calls() -> list[tuple[AsyncReply, str, int, list[bytes]]]:
     """The queued calls: ``(reply, method, num_returns, args)``."""
+
+class JobClient:
+    """The Jobs REST API client (``tpuray.job_submission`` wraps it). JSON crosses as str.
+
+    Raises ``ConnectionError`` (unreachable), ``tpuray.exceptions.AuthenticationError``
+    (401/403), ``RuntimeError`` (other non-200 answers) and ``ValueError`` (bad input)."""
+    def __init__(
+        self,
+        address: Optional[str] = None,
+        headers: Optional[dict[str, str]] = None,
+        cookies: Optional[dict[str, str]] = None,
+        metadata: Optional[dict[str, str]] = None,
+    ) -> None:
+        """Resolves the address (Ray's rules) and checks ``/api/version``."""
+    def address(self) -> str: ...
+    def version_info(self) -> str: ...
+    def submit(self, request_json: str, cwd: str) -> str:
+        """Uploads the request's local runtime_env paths (relative to ``cwd``), submits;
+        returns the submission id."""
+    def job_info(self, job_id: str) -> str: ...
+    def list(self) -> str: ...
+    def stop(self, job_id: str) -> bool: ...
+    def delete(self, job_id: str) -> bool: ...
+    def logs(self, job_id: str) -> str: ...
+    def tail(self, job_id: str) -> LogTail: ...
+
+class LogTail:
+    def next_chunk(self) -> Optional[str]:
+        """The next chunk of the job's logs; ``None`` once the job ended and all were sent."""

@@ -138,7 +138,17 @@ class RaySchedulingError(RayError):
     """No node can run the request."""
 
 
+class AuthenticationError(RayError):
+    """A server refused this client's token: none sent (401) or a wrong one (403)
+    (Ray's ``AuthenticationError``, raised by the job submission client)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
 __all__ = [
+    "AuthenticationError",
     "RayError",
     "RaySystemError",
     "RayTaskError",
