@@ -18,6 +18,14 @@ fi
 export PATH="$PWD/$venv/bin:$PATH"
 "$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow
 "$venv/bin/python" -c "import torch" 2>/dev/null || "$venv/bin/python" -m pip install -q torch
+# Ray 2.60's own job client (`ray job ...`, `ray.job_submission`) for test_jobs.py, which
+# drives tpuray's Jobs REST API with it; in a venv of its own, so Ray never shadows
+# tpuray in .venv (RAY_CLIENT_VENV names another).
+ray_venv="${RAY_CLIENT_VENV:-.ray-client-venv}"
+if [ ! -x "$ray_venv/bin/ray" ]; then
+    "${PYTHON:-python3}" -m venv "$ray_venv"
+    "$ray_venv/bin/python" -m pip install -q "ray[default]==2.60.0"
+fi
 # No build isolation: use the maturin installed above rather than fetching a
 # fresh one into a throw-away environment on every run.
 MATURIN_PEP517_ARGS="${MATURIN_PEP517_ARGS---profile dev}" \
