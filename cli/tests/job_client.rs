@@ -310,7 +310,7 @@ fn a_local_working_dir_is_uploaded_once_and_sent_as_its_uri() {
 }
 
 #[test]
-fn the_tail_delivers_every_line_once_in_order_through_a_stream_closed_early() {
+fn jobc_2_the_tail_delivers_every_line_once_in_order_through_a_stream_closed_early() {
     let (addr, state) = fake_server();
     let c = client(addr, Some(TOKEN));
     let id = c.submit(json!({"entrypoint": "echo"})).unwrap();

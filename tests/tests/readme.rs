@@ -111,6 +111,8 @@ fn the_readme_cli_block_runs_as_written() {
     assert!(out.contains("tpuray head started at 127.0.0.1:"), "{out}");
     assert!(out.contains("Nodes (2 alive"), "status shows both nodes:\n{out}");
     assert!(out.contains("\"special\""), "list nodes shows the custom resource:\n{out}");
+    assert!(out.contains("hello from a job"), "tpuray job submit streams the job's logs:\n{out}");
+    assert!(out.contains("succeeded"), "tpuray job submit waits for the job's end:\n{out}");
 }
 
 #[test]

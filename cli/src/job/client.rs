@@ -422,7 +422,7 @@ pub fn is_terminal(status: &str) -> bool {
 }
 
 /// A job's log stream: chunks of text in the order the job wrote them, until the job
-/// ended and every chunk was delivered; never a chunk twice.
+/// ended and every chunk was delivered; never a chunk twice (JOBC-2).
 ///
 /// The stream is the server's WebSocket (`/logs/tail`, which starts at the first line).
 /// When it closes before the job is terminal, or breaks, the tail reconnects and skips
@@ -536,7 +536,7 @@ impl LogTail {
         }
     }
 
-    /// Drops what an earlier stream delivered; returns the rest, if any.
+    /// Drops what an earlier stream delivered; returns the rest, if any (JOBC-2).
     fn take(&mut self, bytes: &[u8]) -> Option<String> {
         self.failures = 0;
         let skip = self.skip.min(bytes.len());
@@ -604,7 +604,7 @@ mod tests {
     }
 
     #[test]
-    fn a_tail_skips_what_an_earlier_stream_delivered() {
+    fn jobc_2_a_tail_skips_what_an_earlier_stream_delivered() {
         let addr = HttpAddress { host: "h".into(), port: 1, prefix: String::new() };
         let c = JobClient::with_address(addr, &ClientOptions::default(), None).unwrap();
         let mut t = c.tail("j");

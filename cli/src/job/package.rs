@@ -122,7 +122,7 @@ enum Entry {
     EmptyDir { rel: String, mode: u32 },
 }
 
-/// Ray's hash state: 8 bytes, XORed with the head of each path's SHA-1.
+/// Ray's hash state: 8 bytes, XORed with the head of each path's SHA-1 (JOBC-1).
 struct RayHash([u8; 8]);
 
 impl RayHash {
@@ -225,6 +225,8 @@ fn rel_str(rel: &Path) -> String {
     if rel.as_os_str().is_empty() { ".".into() } else { rel.to_string_lossy().into_owned() }
 }
 
+/// JOBC-1: entries come sorted (the walk sorts each folder) and every timestamp is
+/// 1980-01-01 00:00, so a tree packs to the same bytes whenever it is packed.
 fn zip_entries(entries: &[Entry], prefix: Option<&str>) -> Result<Vec<u8>, JobError> {
     let mut zip = ZipWriter::new(Cursor::new(Vec::new()));
     let base = SimpleFileOptions::default()
@@ -362,7 +364,7 @@ mod tests {
     }
 
     #[test]
-    fn the_same_tree_packs_to_the_same_bytes_and_uri_whatever_its_timestamps() {
+    fn jobc_1_the_same_tree_packs_to_the_same_bytes_and_uri_whatever_its_timestamps() {
         let a = tempfile::tempdir().unwrap();
         let b = tempfile::tempdir().unwrap();
         for root in [a.path(), b.path()] {
@@ -385,7 +387,7 @@ mod tests {
     }
 
     #[test]
-    fn the_uri_is_rays_content_hash() {
+    fn jobc_1_the_uri_is_rays_content_hash() {
         // Ray 2.60's get_uri_for_directory for a folder holding a.txt ("hello") and an
         // empty folder e: hashes ".", "a.txt"+"hello" and "e", XORed into b"00000000".
         let d = tempfile::tempdir().unwrap();
