@@ -306,7 +306,6 @@ class JobSubmissionClient:
             {str(k): str(v) for k, v in (cookies or {}).items()},
             {str(k): str(v) for k, v in (metadata or {}).items()},
         )
-        self._version = json.loads(self._client.version_info())
 
     def submit_job(
         self,
@@ -453,8 +452,9 @@ class JobSubmissionClient:
             yield chunk
 
     def get_version(self) -> str:
-        """The Jobs API version the server speaks (Ray's ``version`` field)."""
-        return str(self._version.get("version"))
+        """The Jobs API version the server speaks (Ray's ``version`` field of
+        ``/api/version``)."""
+        return str(json.loads(self._client.version_info()).get("version"))
 
     def get_address(self) -> str:
         """The server's address, ``http://HOST:PORT``."""
