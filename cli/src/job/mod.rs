@@ -15,8 +15,8 @@
 //! of HTTP, packaging, auth and address resolution).
 //!
 //! Blocking: [`JobClient`]'s methods block the calling thread (they run on a small
-//! runtime of this module's own, [`block_on`]); call them from plain threads, never from
-//! inside a tokio runtime. Nothing here runs user code.
+//! runtime of this module's own, [`block_on`]; called from inside another tokio runtime,
+//! they wait on a thread of their own). Nothing here runs user code.
 
 pub mod address;
 pub mod client;
@@ -86,8 +86,30 @@ fn runtime() -> &'static tokio::runtime::Runtime {
     })
 }
 
-/// Runs `f` to completion on this module's runtime, blocking the calling thread (which
-/// must not be a runtime thread itself).
-pub fn block_on<F: Future>(f: F) -> F::Output {
-    runtime().block_on(f)
+/// Runs `f` to completion on this module's runtime, blocking the calling thread. A
+/// thread inside some tokio runtime (a task's executor thread in a worker, say) cannot
+/// block on another runtime, so from there `f` runs on a scoped thread of its own.
+pub fn block_on<F>(f: F) -> F::Output
+where
+    F: Future + Send,
+    F::Output: Send,
+{
+    if tokio::runtime::Handle::try_current().is_ok() {
+        std::thread::scope(|s| {
+            s.spawn(|| runtime().block_on(f)).join().expect("the jobs client's call panicked")
+        })
+    } else {
+        runtime().block_on(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn blocking_calls_work_from_inside_another_runtime() {
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let v = rt.block_on(async { super::block_on(async { 7 }) });
+        assert_eq!(v, 7);
+        assert_eq!(super::block_on(async { 8 }), 8);
+    }
 }
