@@ -157,16 +157,21 @@ class Cluster:
 
 @contextlib.contextmanager
 def _token_env(token: str):
-    """This process sees `token` as the cluster token while the block runs."""
-    old = os.environ.get("TPURAY_AUTH_TOKEN")
+    """This process sees `token` as the cluster token while the block runs, and no Ray
+    address variable (which would override the client's address, Ray's rule)."""
+    names = ("TPURAY_AUTH_TOKEN", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+    old = {k: os.environ.get(k) for k in names}
+    for k in names[1:]:
+        os.environ.pop(k, None)
     os.environ["TPURAY_AUTH_TOKEN"] = token
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("TPURAY_AUTH_TOKEN", None)
-        else:
-            os.environ["TPURAY_AUTH_TOKEN"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
