@@ -329,6 +329,14 @@ fn jobc_2_the_tail_delivers_every_line_once_in_order_through_a_stream_closed_ear
     assert_eq!(c.logs(&id).unwrap(), expected);
     let jobs = c.list().unwrap();
     assert_eq!(jobs.len(), 1);
+    // Other routes of the same server, raw.
+    let raw = c.get(&format!("/api/jobs/{id}"), Duration::from_secs(5)).unwrap();
+    assert_eq!(serde_json::from_str::<Value>(&raw).unwrap()["status"], "SUCCEEDED");
+    assert!(matches!(
+        c.get("/api/nope", Duration::from_secs(5)),
+        Err(JobError::Status { status: 404, .. })
+    ));
+    assert!(matches!(c.get("api/version", Duration::from_secs(5)), Err(JobError::Invalid(_))));
     assert!(c.delete(&id).unwrap());
     let e = c.tail(&id).next_chunk().unwrap_err();
     assert!(

@@ -121,6 +121,22 @@ impl PyJobClient {
         py.detach(|| self.inner.logs(job_id)).map_err(|e| job_err(py, e))
     }
 
+    /// `GET path` (with its query) on the same server, the body as text (Ray's state API
+    /// for `tpuray.util.state`); `timeout` in seconds (default 600).
+    #[pyo3(signature = (path, timeout=None))]
+    fn get(&self, py: Python<'_>, path: &str, timeout: Option<f64>) -> PyResult<String> {
+        let timeout = match timeout {
+            None => std::time::Duration::from_secs(600),
+            Some(t) if t.is_finite() && t > 0.0 => std::time::Duration::from_secs_f64(t),
+            Some(t) => {
+                return Err(PyValueError::new_err(format!(
+                    "timeout must be a positive number of seconds (got {t})"
+                )));
+            }
+        };
+        py.detach(|| self.inner.get(path, timeout)).map_err(|e| job_err(py, e))
+    }
+
     /// A follower of the job's logs (see [`PyLogTail::next_chunk`]).
     fn tail(&self, job_id: &str) -> PyLogTail {
         PyLogTail { inner: Mutex::new(self.inner.tail(job_id)) }

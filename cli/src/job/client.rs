@@ -189,6 +189,16 @@ impl JobClient {
         path: &str,
         body: Option<(&'static str, Bytes)>,
     ) -> Result<(StatusCode, Bytes), JobError> {
+        self.request_within(method, path, body, REQUEST_TIMEOUT).await
+    }
+
+    async fn request_within(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<(&'static str, Bytes)>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), JobError> {
         let tcp = self.connect_tcp().await?;
         let url = self.address.url();
         let broken = |e: hyper::Error| JobError::Connect {
@@ -223,9 +233,9 @@ impl JobClient {
             let body = resp.into_body().collect().await.map_err(broken)?.to_bytes();
             Ok::<_, JobError>((status, body))
         };
-        tokio::time::timeout(REQUEST_TIMEOUT, exchange).await.map_err(|_| JobError::Connect {
+        tokio::time::timeout(timeout, exchange).await.map_err(|_| JobError::Connect {
             address: self.address.url(),
-            reason: format!("no answer to {path} in {} s", REQUEST_TIMEOUT.as_secs()),
+            reason: format!("no answer to {path} in {:.1} s", timeout.as_secs_f64()),
         })?
     }
 
@@ -238,6 +248,23 @@ impl JobClient {
     ) -> Result<Bytes, JobError> {
         let (status, body) = block_on(self.request_async(method, path, body))?;
         if status == StatusCode::OK { Ok(body) } else { Err(status_error(status, &body)) }
+    }
+
+    /// `GET path_and_query` on the same server (routes beyond the Jobs API, such as
+    /// Ray's state API `/api/v0/...`): the body of a 200 answer as text, an error for any
+    /// other; `timeout` bounds the exchange once connected.
+    pub fn get(&self, path_and_query: &str, timeout: Duration) -> Result<String, JobError> {
+        if !path_and_query.starts_with('/') {
+            return Err(JobError::Invalid(format!(
+                "request path {path_and_query:?} must start with /"
+            )));
+        }
+        let (status, body) =
+            block_on(self.request_within(Method::GET, path_and_query, None, timeout))?;
+        if status != StatusCode::OK {
+            return Err(status_error(status, &body));
+        }
+        Ok(String::from_utf8_lossy(&body).into_owned())
     }
 
     /// `GET /api/version`: `{"version", "ray_version", "ray_commit", "session_name"}`.
