@@ -26,6 +26,11 @@ pub enum Command {
     Status(AddressArg),
     /// List cluster state: nodes, actors, jobs, tasks, placement-groups or objects.
     List(ListArgs),
+    /// One node, actor, job, task, placement group or object, every field (JSON).
+    Get(GetArgs),
+    /// Tasks by function and state, actors by class and state, or objects (Ray's
+    /// `ray summary`, from the head's state API).
+    Summary(SummaryArgs),
     /// Show each node's object store: capacity, used, spilled, pinned and its largest objects.
     Memory(MemoryArgs),
     /// Stop every tpuray process started on this machine.
@@ -206,9 +211,43 @@ pub struct ListArgs {
     pub kind: ListKind,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
-    /// Show at most this many entries, newest tasks first (0: all).
+    /// Show at most this many entries, newest tasks first (0: all), counted after
+    /// --filter.
     #[arg(long, default_value_t = 100)]
     pub limit: usize,
+    /// Keep rows whose field KEY equals (`KEY=VALUE`) or differs from (`KEY!=VALUE`)
+    /// VALUE, strings compared without case (Ray's rules); repeat for several.
+    #[arg(long = "filter", value_name = "KEY=VALUE")]
+    pub filters: Vec<String>,
+    /// Every field of each row in the table (JSON always has them all).
+    #[arg(long)]
+    pub detail: bool,
+    #[command(flatten)]
+    pub address: AddressArg,
+}
+
+#[derive(Args, Debug)]
+pub struct GetArgs {
+    pub kind: ListKind,
+    /// The id (`node_id`, `actor_id`, `job_id`, `task_id`, `placement_group_id`,
+    /// `object_id`; a prefix of at least 6 characters is enough when it is unique).
+    pub id: String,
+    #[command(flatten)]
+    pub address: AddressArg,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SummaryKind {
+    Tasks,
+    Actors,
+    Objects,
+}
+
+#[derive(Args, Debug)]
+pub struct SummaryArgs {
+    pub kind: SummaryKind,
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
     #[command(flatten)]
     pub address: AddressArg,
 }
@@ -447,7 +486,14 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         Command::Start(a) => procs::start(a),
         Command::Status(a) => show::status(&resolve_address(a.address)?),
         Command::List(a) => {
-            show::list(&resolve_address(a.address.address)?, a.kind, a.format, a.limit)
+            let filters = show::parse_filters(&a.filters)?;
+            let opts =
+                show::ListOptions { format: a.format, limit: a.limit, filters, detail: a.detail };
+            show::list(&resolve_address(a.address.address)?, a.kind, &opts)
+        }
+        Command::Get(a) => show::get(&resolve_address(a.address.address)?, a.kind, &a.id),
+        Command::Summary(a) => {
+            show::summary(&resolve_address(a.address.address)?, a.kind, a.format)
         }
         Command::Memory(a) => show::memory(&resolve_address(a.address.address)?, a.format, a.top),
         Command::Stop(a) => procs::stop(a.force),

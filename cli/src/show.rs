@@ -431,7 +431,274 @@ pub fn status(address: &str) -> Result<i32> {
     Ok(0)
 }
 
-pub fn list(address: &str, kind: ListKind, format: Format, limit: usize) -> Result<i32> {
+/// How `list` filters and shows rows.
+pub struct ListOptions {
+    pub format: Format,
+    /// At most this many rows (0: all), after the filters.
+    pub limit: usize,
+    /// `(key, "=" | "!=", value)`.
+    pub filters: Vec<(String, String, String)>,
+    /// Every field in the table.
+    pub detail: bool,
+}
+
+/// `--filter` arguments, `KEY=VALUE` or `KEY!=VALUE`.
+///
+/// # Errors
+/// A message naming an argument of another shape.
+pub fn parse_filters(args: &[String]) -> Result<Vec<(String, String, String)>> {
+    args.iter()
+        .map(|a| {
+            let (k, p, v) = if let Some((k, v)) = a.split_once("!=") {
+                (k, "!=", v)
+            } else if let Some((k, v)) = a.split_once('=') {
+                (k, "=", v)
+            } else {
+                return Err(anyhow!("--filter {a:?}: expected KEY=VALUE or KEY!=VALUE"));
+            };
+            let k = k.trim();
+            if k.is_empty() {
+                return Err(anyhow!(
+                    "--filter {a:?}: the key is empty (expected KEY=VALUE or KEY!=VALUE)"
+                ));
+            }
+            Ok((k.to_string(), p.to_string(), v.trim().to_string()))
+        })
+        .collect()
+}
+
+/// The rows that pass `filters` (Ray's value rules, `tpuray_head::state_api::row_matches`).
+///
+/// # Errors
+/// A filter on a field the rows do not have (naming the fields they have), or a value
+/// of the wrong type.
+fn filter_rows(
+    rows: Vec<serde_json::Value>,
+    filters: &[(String, String, String)],
+) -> Result<Vec<serde_json::Value>> {
+    if filters.is_empty() {
+        return Ok(rows);
+    }
+    if let Some(serde_json::Value::Object(first)) = rows.first() {
+        for (k, _, _) in filters {
+            if !first.contains_key(&k.to_lowercase()) {
+                let have: Vec<&str> = first.keys().map(String::as_str).collect();
+                return Err(anyhow!(
+                    "--filter: the rows have no field {k:?} (they have {})",
+                    have.join(", ")
+                ));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for r in rows {
+        if tpuray_head::state_api::row_matches(&r, filters).map_err(|e| anyhow!("--filter: {e}"))? {
+            out.push(r);
+        }
+    }
+    Ok(out)
+}
+
+pub fn list(address: &str, kind: ListKind, opts: &ListOptions) -> Result<i32> {
+    let rows = filter_rows(list_rows(address, kind)?, &opts.filters)?;
+    let (format, limit) = (opts.format, opts.limit);
+    let total = rows.len();
+    let rows: Vec<serde_json::Value> =
+        if limit > 0 { rows.into_iter().take(limit).collect() } else { rows };
+    if rows.len() < total && format == Format::Table {
+        eprintln!("(showing {} of {total}; use --limit 0 for all)", rows.len());
+    }
+    match format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&rows).context("encode json")?),
+        Format::Table if opts.detail => print!("{}", render_detail(&rows)),
+        Format::Table => print_table(&rows, kind),
+    }
+    Ok(0)
+}
+
+/// The field naming a row of `kind`.
+fn id_field(kind: ListKind) -> &'static str {
+    match kind {
+        ListKind::Nodes => "node_id",
+        ListKind::Actors => "actor_id",
+        ListKind::Jobs => "job_id",
+        ListKind::Tasks => "task_id",
+        ListKind::PlacementGroups => "placement_group_id",
+        ListKind::Objects => "object_id",
+    }
+}
+
+/// `tpuray get KIND ID`: the row with that id (or the one whose id starts with it),
+/// every field, as JSON; exit 1 naming the id when there is none.
+pub fn get(address: &str, kind: ListKind, id: &str) -> Result<i32> {
+    let field = id_field(kind);
+    let rows = list_rows(address, kind)?;
+    let exact: Vec<&serde_json::Value> = rows.iter().filter(|r| r[field] == id).collect();
+    let found: Vec<&serde_json::Value> = if !exact.is_empty() || id.len() < 6 {
+        exact
+    } else {
+        rows.iter().filter(|r| r[field].as_str().is_some_and(|v| v.starts_with(id))).collect()
+    };
+    match found.as_slice() {
+        [] => {
+            eprintln!("tpuray: no {field} {id} in the cluster");
+            Ok(1)
+        }
+        [one] => {
+            println!("{}", serde_json::to_string_pretty(one).context("encode json")?);
+            Ok(0)
+        }
+        many => {
+            // A task's attempts share its id: all of them.
+            if many.iter().all(|r| r[field] == many[0][field]) {
+                println!("{}", serde_json::to_string_pretty(&many).context("encode json")?);
+                return Ok(0);
+            }
+            let ids: Vec<String> = many.iter().map(|r| r[field].to_string()).collect();
+            eprintln!("tpuray: {id} is the start of several ids: {}", ids.join(", "));
+            Ok(1)
+        }
+    }
+}
+
+/// `tpuray summary KIND`: the head's state-API summary (Ray's `ray summary`).
+pub fn summary(address: &str, kind: crate::args::SummaryKind, format: Format) -> Result<i32> {
+    use crate::args::SummaryKind;
+    let resource = match kind {
+        SummaryKind::Tasks => "tasks",
+        SummaryKind::Actors => "actors",
+        SummaryKind::Objects => "objects",
+    };
+    let client = crate::job::JobClient::connect(crate::job::ClientOptions {
+        address: Some(address.to_string()),
+        env_overrides: false,
+        ..Default::default()
+    })
+    .map_err(|e| anyhow!("{e}"))?;
+    let body = client
+        .get(&format!("/api/v0/{resource}/summarize"), Duration::from_secs(30))
+        .map_err(|e| anyhow!("{e}"))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&body).context("the head's summary is not JSON")?;
+    let cluster = &v["data"]["result"]["result"]["node_id_to_summary"]["cluster"];
+    match format {
+        Format::Json => {
+            println!("{}", serde_json::to_string_pretty(cluster).context("encode json")?)
+        }
+        Format::Table => print!("{}", render_summary(kind, cluster)),
+    }
+    Ok(0)
+}
+
+/// A summary as Ray's CLI lays it out: the totals, then a table of the groups.
+fn render_summary(kind: crate::args::SummaryKind, s: &serde_json::Value) -> String {
+    use crate::args::SummaryKind;
+    let mut out = String::new();
+    let counts = |v: &serde_json::Value| {
+        v.as_object()
+            .map(|m| m.iter().map(|(k, n)| format!("{k}: {n}")).collect::<Vec<_>>().join(", "))
+            .unwrap_or_default()
+    };
+    let (totals, cols, rows): (Vec<&str>, Vec<&str>, Vec<Vec<String>>) = match kind {
+        SummaryKind::Tasks => (
+            vec!["total_tasks", "total_actor_tasks", "total_actor_scheduled"],
+            vec!["FUNC_OR_CLASS_NAME", "STATE_COUNTS", "TYPE"],
+            s["summary"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(name, g)| {
+                    vec![
+                        name.clone(),
+                        counts(&g["state_counts"]),
+                        g["type"].as_str().unwrap_or("").into(),
+                    ]
+                })
+                .collect(),
+        ),
+        SummaryKind::Actors => (
+            vec!["total_actors"],
+            vec!["CLASS_NAME", "STATE_COUNTS"],
+            s["summary"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(name, g)| vec![name.clone(), counts(&g["state_counts"])])
+                .collect(),
+        ),
+        SummaryKind::Objects => (
+            vec!["total_objects", "total_size_mb"],
+            vec![
+                "CALLSITE",
+                "TOTAL_OBJECTS",
+                "TOTAL_SIZE_MB",
+                "TASK_STATE_COUNTS",
+                "REF_TYPE_COUNTS",
+            ],
+            s["summary"]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(site, g)| {
+                    vec![
+                        site.clone(),
+                        g["total_objects"].to_string(),
+                        format!("{:.2}", g["total_size_mb"].as_f64().unwrap_or(0.0)),
+                        counts(&g["task_state_counts"]),
+                        counts(&g["ref_type_counts"]),
+                    ]
+                })
+                .collect(),
+        ),
+    };
+    for t in totals {
+        out.push_str(&format!("{t}: {}\n", s[t]));
+    }
+    out.push('\n');
+    let widths: Vec<usize> = cols
+        .iter()
+        .enumerate()
+        .map(|(i, c)| rows.iter().map(|r| r[i].len()).max().unwrap_or(0).max(c.len()))
+        .collect();
+    let mut line = |vals: Vec<String>| {
+        let parts: Vec<String> =
+            vals.iter().zip(&widths).map(|(v, w)| format!("{v:<w$}", w = *w)).collect();
+        out.push_str(parts.join("  ").trim_end());
+        out.push('\n');
+    };
+    line(cols.iter().map(|c| c.to_string()).collect());
+    for r in rows {
+        line(r);
+    }
+    out
+}
+
+/// Rows with every field: one block per row, `field: value` lines.
+fn render_detail(rows: &[serde_json::Value]) -> String {
+    if rows.is_empty() {
+        return "(none)\n".into();
+    }
+    let mut out = String::new();
+    for (i, r) in rows.iter().enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        if let serde_json::Value::Object(m) = r {
+            let w = m.keys().map(String::len).max().unwrap_or(0);
+            for (k, v) in m {
+                let v = match v {
+                    serde_json::Value::String(s) => s.clone(),
+                    v => v.to_string(),
+                };
+                out.push_str(&format!("{k:<w$}  {v}\n"));
+            }
+        }
+    }
+    out
+}
+
+/// Every row of `kind`, newest first for tasks and groups.
+fn list_rows(address: &str, kind: ListKind) -> Result<Vec<serde_json::Value>> {
     let rt = runtime()?;
     let rows: Vec<serde_json::Value> = rt.block_on(async {
         let mut head = head_client(address)?;
@@ -584,17 +851,7 @@ pub fn list(address: &str, kind: ListKind, format: Format, limit: usize) -> Resu
         };
         Ok::<_, anyhow::Error>(rows)
     })?;
-    let total = rows.len();
-    let rows: Vec<serde_json::Value> =
-        if limit > 0 { rows.into_iter().take(limit).collect() } else { rows };
-    if rows.len() < total && format == Format::Table {
-        eprintln!("(showing {} of {total}; use --limit 0 for all)", rows.len());
-    }
-    match format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&rows).context("encode json")?),
-        Format::Table => print_table(&rows, kind),
-    }
-    Ok(0)
+    Ok(rows)
 }
 
 /// One `list nodes` row. `accelerator_type` is the slice type (`v6e-16`), else the

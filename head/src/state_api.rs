@@ -239,7 +239,7 @@ fn matches(
     filters: &[(String, String, String)],
     columns: &[Column],
 ) -> Result<bool, String> {
-    for (key, pred, want) in filters {
+    for (key, _, _) in filters {
         let col = key.to_lowercase();
         if !columns.iter().any(|(n, _, f)| *n == col && *f) {
             let filterable: Vec<&str> = columns.iter().filter(|c| c.2).map(|c| c.0).collect();
@@ -248,6 +248,20 @@ fn matches(
                  --filter key!=value Supported filter columns: {filterable:?}"
             ));
         }
+    }
+    row_matches(row, filters)
+}
+
+/// Whether a JSON row passes every `(key, "=" | "!=", value)` filter, with Ray's value
+/// rules (`do_filter`): strings compare without case, booleans take `true`/`1`/
+/// `false`/`0`, numbers parse, a null or missing field equals nothing. Shared with the
+/// CLI's `tpuray list --filter`.
+///
+/// # Errors
+/// A message for an unknown predicate or a value of the wrong type for its field.
+pub fn row_matches(row: &Value, filters: &[(String, String, String)]) -> Result<bool, String> {
+    for (key, pred, want) in filters {
+        let col = key.to_lowercase();
         let got = &row[col.as_str()];
         let equal = match got {
             Value::String(s) => s.to_lowercase() == want.to_lowercase(),
