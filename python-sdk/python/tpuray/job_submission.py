@@ -300,8 +300,10 @@ class JobSubmissionClient:
             raise TypeError(
                 f"JobSubmissionClient got arguments tpuray does not support: {', '.join(sorted(kwargs))}"
             )
+        from tpuray._private.api_address import default_address
+
         self._client = _tpuray.JobClient(
-            address,
+            default_address(address),
             {str(k): str(v) for k, v in (headers or {}).items()},
             {str(k): str(v) for k, v in (cookies or {}).items()},
             {str(k): str(v) for k, v in (metadata or {}).items()},

@@ -4,7 +4,8 @@ actors, nodes, placement groups, jobs, workers and objects.
 Every call reads the head's state API over HTTP (``/api/v0/...`` on the dashboard port,
 Ray 2.60's routes, which Ray's own ``ray.util.state`` reads as well), through the
 extension's HTTP client (``tpuray._tpuray.JobClient``: address resolution and the
-cluster token as for ``tpuray.job_submission``). Filters are applied by the head to
+cluster token as for ``tpuray.job_submission``). With no ``address``, a driver or worker
+asks its own cluster, as Ray's do. Filters are applied by the head to
 every row before ``limit`` cuts the answer (ray#50378), and an answer the head had to
 truncate raises unless ``raise_on_missing_output=False``, as Ray's does.
 
@@ -235,7 +236,9 @@ def _query(resource: str, path: str, params: List[Tuple[str, Any]], address, tim
     """GETs ``/api/v0/<path>`` and returns Ray's ``data.result``."""
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds (got {timeout!r})")
-    client = _tpuray.JobClient(address)
+    from tpuray._private.api_address import default_address
+
+    client = _tpuray.JobClient(default_address(address))
     query = urllib.parse.urlencode(
         [(k, str(v).lower() if isinstance(v, bool) else str(v)) for k, v in params]
     )
