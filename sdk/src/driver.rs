@@ -343,6 +343,8 @@ pub fn shutdown() {
             let _ = head.finish_job(req).await;
         }
     });
+    // The job is over: its subscription to the head ends too (CORE-10's watch).
+    core.stop_watching_nodes();
     // A driver without a node serves a store of its own (NET-3): it goes with the job.
     if core.store_address != core.agent_address {
         core.store.destroy();
