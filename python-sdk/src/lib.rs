@@ -662,6 +662,28 @@ fn kv_put(
     py.detach(|| raw::kv_put(&namespace, &key, value, overwrite)).map_err(cluster_err)
 }
 
+/// Deletes a key from the head's KV; returns whether it existed.
+#[pyfunction]
+fn kv_delete(py: Python<'_>, namespace: String, key: Vec<u8>) -> PyResult<bool> {
+    py.detach(|| raw::kv_delete(&namespace, &key)).map_err(cluster_err)
+}
+
+/// Every actor the head knows: `(actor_id, class_name, name, namespace, state)`, state
+/// as `actor_state` names it (`ALIVE`, `DEAD`, ...).
+#[pyfunction]
+fn list_actors(py: Python<'_>) -> PyResult<Vec<(String, String, String, String, String)>> {
+    let actors = py.detach(raw::list_actors).map_err(cluster_err)?;
+    Ok(actors
+        .into_iter()
+        .map(|a| {
+            let state = tpuray_proto::pb::ActorState::try_from(a.state)
+                .map(|s| s.as_str_name().trim_start_matches("ACTOR_STATE_").to_string())
+                .unwrap_or_default();
+            (a.actor_id, a.class_name, a.name, a.namespace, state)
+        })
+        .collect())
+}
+
 #[pyfunction]
 fn kill_actor(py: Python<'_>, actor_id: String, no_restart: bool) -> PyResult<()> {
     py.detach(|| tpuray::kill_actor(&actor_id, no_restart)).map_err(cluster_err)
@@ -1386,6 +1408,8 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(cancel, m)?,
         wrap_pyfunction!(kv_get, m)?,
         wrap_pyfunction!(kv_put, m)?,
+        wrap_pyfunction!(kv_delete, m)?,
+        wrap_pyfunction!(list_actors, m)?,
         wrap_pyfunction!(kill_actor, m)?,
         wrap_pyfunction!(get_actor, m)?,
         wrap_pyfunction!(actor_state, m)?,
