@@ -122,6 +122,38 @@ class ActorMethod:
         return refs if self._num_returns != 0 else None
 
 
+#: Methods every actor has (Ray's names -> what the worker runtime answers to).
+_BUILTIN_METHODS = {
+    "__ray_terminate__": "__tpuray_terminate__",
+    "__ray_ready__": "__tpuray_ready__",
+}
+
+
+def exit_actor() -> None:
+    """Ends the current actor from inside one of its methods (Ray's
+    ``ray.actor.exit_actor``).
+
+    The calling method does not return: its caller gets ``RayActorError``, as do the
+    calls queued behind it; ``atexit`` handlers run; the actor is not restarted,
+    whatever its ``max_restarts``, and its name is free again.
+
+    Raises:
+        TypeError: called outside an actor (a driver or a task).
+    """
+    rt = worker.runtime
+    if worker.state.mode != "worker" or rt is None or rt.actor is None:
+        raise TypeError(
+            "exit_actor API is called on a non-actor worker. Call this API inside an "
+            "actor methods if you'd like to exit the actor gracefully."
+        )
+    from tpuray import exceptions
+
+    if rt.loop is not None and rt._wake_read >= 0:
+        # An async actor: a SystemExit would end the event loop's thread instead.
+        raise exceptions.AsyncioActorExit()
+    raise worker.ActorExit("exit_actor() is called.")
+
+
 class ActorHandle:
     """A handle to an actor: ``handle.method.remote(...)``. Picklable, so it can be
     passed to tasks and other actors; calls from one caller run in order."""
@@ -142,6 +174,8 @@ class ActorHandle:
         self._methods = set(methods) if methods is not None else None
 
     def __getattr__(self, name: str) -> ActorMethod:
+        if name in _BUILTIN_METHODS:
+            return ActorMethod(self, _BUILTIN_METHODS[name])
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         methods = self.__dict__.get("_methods")

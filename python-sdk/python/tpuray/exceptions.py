@@ -138,6 +138,11 @@ class RaySchedulingError(RayError):
     """No node can run the request."""
 
 
+class AsyncioActorExit(RayError):
+    """Raised by ``exit_actor()`` inside an async actor's coroutine (Ray's
+    ``AsyncioActorExit``); the actor then exits."""
+
+
 __all__ = [
     "RayError",
     "RaySystemError",
@@ -157,4 +162,5 @@ __all__ = [
     "TaskPlacementGroupRemoved",
     "ActorPlacementGroupRemoved",
     "RaySchedulingError",
+    "AsyncioActorExit",
 ]
