@@ -1864,6 +1864,26 @@ impl Core {
                                 continue;
                             }
                             Ok(Ready::Stored(_)) => {}
+                            // An argument that failed with a task error fails this task
+                            // with that same error (Ray's: `get` raises the upstream's
+                            // exception, its type included).
+                            Err(crate::Error::Task {
+                                function: upstream,
+                                message,
+                                node,
+                                pid,
+                                payload,
+                            }) => {
+                                return Err(pb::TaskError {
+                                    kind: Kind::Application as i32,
+                                    message,
+                                    function_name: upstream,
+                                    node_id: node,
+                                    pid,
+                                    payload,
+                                    no_retry: true,
+                                });
+                            }
                             Err(e) => {
                                 return Err(err(
                                     Kind::Application,
