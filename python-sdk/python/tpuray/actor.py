@@ -74,7 +74,11 @@ class ActorClass:
         )
 
     def bind(self, *args, **kwargs):
-        raise NotImplementedError("DAG building (bind) is not supported by tpuray yet")
+        """A lazy actor creation (Ray's DAG API): a ``tpuray.dag.ClassNode`` whose
+        methods' ``.bind`` record calls on it."""
+        from tpuray.dag import ClassNode
+
+        return ClassNode(self, args, kwargs, {})
 
 
 def _method_returns(cls) -> dict:
@@ -100,6 +104,15 @@ class ActorMethod:
 
     def options(self, **options) -> "ActorMethod":
         return ActorMethod(self._handle, self._name, options.get("num_returns", self._num_returns))
+
+    def bind(self, *args, **kwargs):
+        """A lazy call of this method on this actor (Ray's DAG API): a
+        ``tpuray.dag.ClassMethodNode``."""
+        from tpuray.dag.dag_node import _UnboundClassMethodNode
+
+        default = self._handle._method_returns.get(self._name, 1)
+        options = {} if self._num_returns == default else {"num_returns": self._num_returns}
+        return _UnboundClassMethodNode(self._handle, self._name, options).bind(*args, **kwargs)
 
     def remote(self, *args, **kwargs):
         h = self._handle
