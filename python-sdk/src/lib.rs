@@ -735,6 +735,14 @@ fn nodes(py: Python<'_>) -> PyResult<Py<PyList>> {
     Ok(out.unbind())
 }
 
+/// Free resources of each live node, by node id.
+#[pyfunction]
+fn available_resources_per_node(
+    py: Python<'_>,
+) -> PyResult<BTreeMap<String, BTreeMap<String, f64>>> {
+    py.detach(tpuray::available_resources_per_node).map_err(cluster_err)
+}
+
 #[pyfunction]
 fn cluster_resources(py: Python<'_>) -> PyResult<BTreeMap<String, f64>> {
     py.detach(tpuray::cluster_resources).map_err(cluster_err)
@@ -830,23 +838,26 @@ fn get_placement_group(
     Ok((pg.id().to_string(), pg.bundle_count()))
 }
 
-/// A TPU slice group: `(id, bundle_count, accelerator_type, num_hosts, chips_per_host)`.
+/// A TPU slice group: `(id, bundle_count, accelerator_type, num_hosts, chips_per_host)`;
+/// `name` as `tpuray status` shows it ("" for none).
 #[pyfunction]
-#[pyo3(signature = (topology, accelerator_version, resources_per_bundle=None, num_slices=1))]
+#[pyo3(signature = (topology, accelerator_version, resources_per_bundle=None, num_slices=1, name=String::new()))]
 fn slice_placement_group(
     py: Python<'_>,
     topology: String,
     accelerator_version: String,
     resources_per_bundle: Option<BTreeMap<String, f64>>,
     num_slices: u32,
+    name: String,
 ) -> PyResult<(String, usize, String, u32, u32)> {
     let s = py
         .detach(|| {
-            tpuray::slice_placement_group(
+            tpuray::placement_group::slice_placement_group_named(
                 &topology,
                 &accelerator_version,
                 resources_per_bundle.as_ref(),
                 num_slices,
+                &name,
             )
         })
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -1410,6 +1421,7 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(kv_put, m)?,
         wrap_pyfunction!(kv_delete, m)?,
         wrap_pyfunction!(list_actors, m)?,
+        wrap_pyfunction!(available_resources_per_node, m)?,
         wrap_pyfunction!(kill_actor, m)?,
         wrap_pyfunction!(get_actor, m)?,
         wrap_pyfunction!(actor_state, m)?,

@@ -389,6 +389,20 @@ pub fn cluster_resources() -> Result<BTreeMap<String, f64>, Error> {
     Ok(status()?.total.into_iter().collect())
 }
 
+/// Resources free right now on each live node, by node id (Ray's
+/// `ray._private.state.available_resources_per_node()`).
+///
+/// # Errors
+/// As [`nodes`].
+pub fn available_resources_per_node() -> Result<BTreeMap<String, BTreeMap<String, f64>>, Error> {
+    Ok(status()?
+        .nodes
+        .into_iter()
+        .filter(|n| n.state == pb::NodeState::Alive as i32)
+        .map(|n| (n.node_id, n.available.into_iter().collect()))
+        .collect())
+}
+
 /// Resources free right now (`ray.available_resources()`).
 ///
 /// # Errors

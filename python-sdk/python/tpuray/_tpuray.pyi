@@ -104,6 +104,8 @@ def nodes() -> list[dict[str, Any]]:
     """Ray's keys: ``NodeID``, ``Alive``, ``NodeManagerAddress``, ``Resources``, ``Labels``."""
 def cluster_resources() -> dict[str, float]: ...
 def available_resources() -> dict[str, float]: ...
+def available_resources_per_node() -> dict[str, dict[str, float]]:
+    """Free resources of each live node, by node id."""
 def create_placement_group(
     bundles: list[dict[str, float]],
     strategy: str,
@@ -133,8 +135,10 @@ def slice_placement_group(
     accelerator_version: str,
     resources_per_bundle: Optional[dict[str, float]] = None,
     num_slices: int = 1,
+    name: str = "",
 ) -> tuple[str, int, str, int, int]:
-    """``(group_id, bundle_count, accelerator_type, num_hosts, chips_per_host)``;
+    """``(group_id, bundle_count, accelerator_type, num_hosts, chips_per_host)``; ``name``
+    is the group's (as ``tpuray status`` shows it);
     ValueError for an unknown version or a topology not valid for it."""
 def gang_start(
     topology: str, accelerator_version: str, num_slices: int, per_chip: bool,
