@@ -80,7 +80,8 @@ DRIVER = """
 """
 
 
-def test_allreduce_over_four_actors_on_two_nodes_is_the_local_sum(two_nodes, tmp_path):
+def test_allreduce_over_four_actors_on_two_nodes_is_the_local_sum_coll_1(two_nodes, tmp_path):
+    """COLL-1: the group meets through the KV; the key is gone once it is up."""
     script = tmp_path / "driver.py"
     script.write_text(textwrap.dedent(DRIVER.format(address=two_nodes.address)))
     r = subprocess.run([sys.executable, str(script)], env=two_nodes.env, cwd=tmp_path,

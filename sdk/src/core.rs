@@ -1864,9 +1864,9 @@ impl Core {
                                 continue;
                             }
                             Ok(Ready::Stored(_)) => {}
-                            // An argument that failed with a task error fails this task
-                            // with that same error (Ray's: `get` raises the upstream's
-                            // exception, its type included).
+                            // CORE-11: an argument that failed with a task error fails
+                            // this task with that same error (Ray's: `get` raises the
+                            // upstream's exception, its type included).
                             Err(crate::Error::Task {
                                 function: upstream,
                                 message,

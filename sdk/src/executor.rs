@@ -629,8 +629,8 @@ fn resolve_args(core: &Arc<Core>, spec: &pb::TaskSpec) -> Result<Vec<Vec<u8>>, T
                 core.rt.block_on(core.get_data(&raw, None)).map(|d| d.to_vec()).map_err(|e| {
                     let message = format!("argument {i} ({}) failed: {e}", r.object_id);
                     match e {
-                        // The upstream's exception travels on (Ray raises it at `get`),
-                        // and running this task again cannot change it.
+                        // CORE-11: the upstream's exception travels on (Ray raises it
+                        // at `get`), and running this task again cannot change it.
                         crate::Error::Task { payload, .. } if !payload.is_empty() => TaskFailure {
                             no_retry: true,
                             ..TaskFailure::with_payload(message, payload)

@@ -186,7 +186,9 @@ class ClassNode(DAGNode):
         return cls.remote(*args, **kwargs)
 
     def __getattr__(self, name: str):
-        if name.startswith("__") and name.endswith("__"):
+        if name.startswith("_"):
+            # Private and special names are never methods (and may be looked up before
+            # __dict__ is filled, while unpickling).
             raise AttributeError(name)
         if name == "bind":
             raise AttributeError(f".bind() cannot be used again on {type(self)} ")
@@ -306,7 +308,7 @@ class InputNode(DAGNode):
         pass
 
     def __getattr__(self, key: str):
-        if key.startswith("__") and key.endswith("__"):
+        if key.startswith("__") and key.endswith("__") or key == "input_attribute_nodes":
             raise AttributeError(key)
         if key in ("bind", "remote"):
             return DAGNode.__getattr__(self, key)

@@ -61,8 +61,8 @@ def _reduce_op(op):
 
 
 def _rendezvous_store(group_name: str, rank: int, world_size: int, timeout: timedelta):
-    """Rank 0: a new TCPStore, published in the KV. Others: a client of the published
-    one.
+    """COLL-1: rank 0: a new TCPStore on a port the kernel picks, published in the KV.
+    Others: a client of the published one.
 
     Raises:
         TimeoutError: rank 0 published no reachable store within ``timeout``.
@@ -112,6 +112,7 @@ class _TorchGroup(BaseGroup):
         if rank == 0:
             from tpuray import _tpuray
 
+            # COLL-1: every rank has connected once the process group is up.
             _tpuray.kv_delete(KV_NAMESPACE, rendezvous_key(group_name))
 
     def _process_group(self, store, rank, world_size, timeout):
