@@ -7,11 +7,12 @@ import os
 import ray
 from ray.util import tpu
 
-# A TPU slice's environment on this CPU host (Ray would otherwise ask the GCE metadata
-# server): this host has no chips, so it counts no workers.
-os.environ.update({"TPU_NAME": "my-slice", "TPU_ACCELERATOR_TYPE": "v6e-16"})
-
 ray.init(num_cpus=2)
+
+# A TPU slice's environment in this driver only (after init: the cluster's processes do
+# not see it), so Ray does not ask the GCE metadata server; this host has no chips, so it
+# counts no workers.
+os.environ.update({"TPU_NAME": "my-slice", "TPU_ACCELERATOR_TYPE": "v6e-16"})
 
 
 def show(what, call, message=True):
