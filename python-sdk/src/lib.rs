@@ -668,10 +668,13 @@ fn kv_delete(py: Python<'_>, namespace: String, key: Vec<u8>) -> PyResult<bool> 
     py.detach(|| raw::kv_delete(&namespace, &key)).map_err(cluster_err)
 }
 
-/// Every actor the head knows: `(actor_id, class_name, name, namespace, state)`, state
-/// as `actor_state` names it (`ALIVE`, `DEAD`, ...).
+/// `(actor_id, class_name, name, namespace, state)`.
+type ActorRow = (String, String, String, String, String);
+
+/// Every actor the head knows: [`ActorRow`]s, state as `actor_state` names it (`ALIVE`,
+/// `DEAD`, ...).
 #[pyfunction]
-fn list_actors(py: Python<'_>) -> PyResult<Vec<(String, String, String, String, String)>> {
+fn list_actors(py: Python<'_>) -> PyResult<Vec<ActorRow>> {
     let actors = py.detach(raw::list_actors).map_err(cluster_err)?;
     Ok(actors
         .into_iter()
