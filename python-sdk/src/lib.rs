@@ -667,6 +667,31 @@ fn kv_put(
     py.detach(|| raw::kv_put(&namespace, &key, value, overwrite)).map_err(cluster_err)
 }
 
+/// Deletes a key from the head's KV; returns whether it existed.
+#[pyfunction]
+fn kv_delete(py: Python<'_>, namespace: String, key: Vec<u8>) -> PyResult<bool> {
+    py.detach(|| raw::kv_delete(&namespace, &key)).map_err(cluster_err)
+}
+
+/// `(actor_id, class_name, name, namespace, state)`.
+type ActorRow = (String, String, String, String, String);
+
+/// Every actor the head knows: [`ActorRow`]s, state as `actor_state` names it (`ALIVE`,
+/// `DEAD`, ...).
+#[pyfunction]
+fn list_actors(py: Python<'_>) -> PyResult<Vec<ActorRow>> {
+    let actors = py.detach(raw::list_actors).map_err(cluster_err)?;
+    Ok(actors
+        .into_iter()
+        .map(|a| {
+            let state = tpuray_proto::pb::ActorState::try_from(a.state)
+                .map(|s| s.as_str_name().trim_start_matches("ACTOR_STATE_").to_string())
+                .unwrap_or_default();
+            (a.actor_id, a.class_name, a.name, a.namespace, state)
+        })
+        .collect())
+}
+
 #[pyfunction]
 fn kill_actor(py: Python<'_>, actor_id: String, no_restart: bool) -> PyResult<()> {
     py.detach(|| tpuray::kill_actor(&actor_id, no_restart)).map_err(cluster_err)
@@ -716,6 +741,14 @@ fn nodes(py: Python<'_>) -> PyResult<Py<PyList>> {
         out.append(d)?;
     }
     Ok(out.unbind())
+}
+
+/// Free resources of each live node, by node id.
+#[pyfunction]
+fn available_resources_per_node(
+    py: Python<'_>,
+) -> PyResult<BTreeMap<String, BTreeMap<String, f64>>> {
+    py.detach(tpuray::available_resources_per_node).map_err(cluster_err)
 }
 
 #[pyfunction]
@@ -813,23 +846,26 @@ fn get_placement_group(
     Ok((pg.id().to_string(), pg.bundle_count()))
 }
 
-/// A TPU slice group: `(id, bundle_count, accelerator_type, num_hosts, chips_per_host)`.
+/// A TPU slice group: `(id, bundle_count, accelerator_type, num_hosts, chips_per_host)`;
+/// `name` as `tpuray status` shows it ("" for none).
 #[pyfunction]
-#[pyo3(signature = (topology, accelerator_version, resources_per_bundle=None, num_slices=1))]
+#[pyo3(signature = (topology, accelerator_version, resources_per_bundle=None, num_slices=1, name=String::new()))]
 fn slice_placement_group(
     py: Python<'_>,
     topology: String,
     accelerator_version: String,
     resources_per_bundle: Option<BTreeMap<String, f64>>,
     num_slices: u32,
+    name: String,
 ) -> PyResult<(String, usize, String, u32, u32)> {
     let s = py
         .detach(|| {
-            tpuray::slice_placement_group(
+            tpuray::placement_group::slice_placement_group_named(
                 &topology,
                 &accelerator_version,
                 resources_per_bundle.as_ref(),
                 num_slices,
+                &name,
             )
         })
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -1391,6 +1427,9 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(cancel, m)?,
         wrap_pyfunction!(kv_get, m)?,
         wrap_pyfunction!(kv_put, m)?,
+        wrap_pyfunction!(kv_delete, m)?,
+        wrap_pyfunction!(list_actors, m)?,
+        wrap_pyfunction!(available_resources_per_node, m)?,
         wrap_pyfunction!(kill_actor, m)?,
         wrap_pyfunction!(get_actor, m)?,
         wrap_pyfunction!(actor_state, m)?,

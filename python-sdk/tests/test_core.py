@@ -86,6 +86,34 @@ def test_task_error_is_both_ray_task_error_and_the_user_exception():
     assert "custom" in str(ei.value) and "raise_mine" in str(ei.value)
 
 
+@ray.remote
+def _raise_key_error():
+    raise KeyError("upstream")
+
+
+@ray.remote
+def _passthrough(x):
+    return x
+
+
+@ray.remote
+def _make_failing_ref():
+    return _raise_key_error.remote()
+
+
+def test_a_failed_argument_fails_the_task_with_the_upstream_exception_core_11():
+    """CORE-11: as Ray's, ``get`` on a task whose argument failed raises the upstream's
+    exception class (owned ref: the owner's path; borrowed ref: the executor's), and
+    ``retry_exceptions`` does not rerun it."""
+    owned = _passthrough.options(retry_exceptions=True).remote(_raise_key_error.remote())
+    borrowed = _passthrough.remote(ray.get(_make_failing_ref.remote()))
+    for ref in (owned, borrowed):
+        with pytest.raises(KeyError) as info:
+            ray.get(ref, timeout=60)
+        assert isinstance(info.value, ray.exceptions.RayTaskError)
+        assert "upstream" in str(info.value)
+
+
 def test_unpicklable_argument_fails_at_the_call_naming_it():
     lock = threading.Lock()
     with pytest.raises(TypeError, match="lock"):

@@ -93,6 +93,126 @@ def test_run_on_slice_gives_every_member_tpu_md_gang_environment(slice_cluster):
     assert "3x3" in err and "not valid for v6e" in err
 
 
+def test_ray_tpu_arguments_are_honoured_or_refused_by_name(slice_cluster):
+    """Ray 2.60's ``ray.util.tpu`` names on a simulated v6e-16 slice: the slice group's
+    properties, ``pg_per_slice`` with ``run_on_slice(slice_index=...)``, Ray's arguments
+    never reaching the user function, the cluster's slice counts, this host's facts in
+    a member, and every argument tpuray cannot honour refused naming it."""
+    addr, env, tmp = slice_cluster
+    (props, counts, kwargs, facts, per_slice, refused, left) = run_script(tmp, env, MEMBER + f"""
+    import time, warnings
+    ray.init({addr!r})
+
+    @ray.remote
+    def kw(*args, **kwargs):
+        return [list(args), sorted(kwargs)]
+
+    @ray.remote
+    def facts():
+        return [tpu.get_current_pod_name(), tpu.get_current_pod_worker_count(),
+                tpu.get_num_tpu_chips_on_node()]
+
+    def ready_slices(want):
+        for _ in range(50):
+            n = tpu.get_num_ready_tpu_slices("4x4", "TPU-V6E")
+            if n == want:
+                return n
+            time.sleep(0.2)
+        return n
+
+    s = tpu.slice_placement_group("4x4", "v6e", name="mine", resources_per_bundle={{"CPU": 1}})
+    ray.get(s.placement_group.ready(), timeout=60)
+    try:
+        s.slice_placement_groups
+        per_slice_error = "none"
+    except ValueError as e:
+        per_slice_error = str(e)
+    out({{"hosts": s.num_hosts, "bundles": s.num_bundles, "chips": s.chips_per_host,
+         "devices": s.devices_per_host, "topology": s.topology, "version": s.accelerator_version,
+         "type": s.accelerator_type, "heads": s.head_placement_groups,
+         "resources": s.bundle_resources, "labels": s.bundle_label_selector,
+         "per_chip": s.tpu_resource_per_chip, "slices": s.num_slices,
+         "name": ray.util.placement_group_table(s.placement_group)["name"],
+         "per_slice_error": per_slice_error}})
+    out([tpu.get_num_tpu_slices("4x4", "TPU-V6E"), ready_slices(0)])
+    out(ray.get(tpu.run_on_slice(kw, 1, tpu_slice=s, pg_ready_timeout_s=30, tag="t"), timeout=120))
+    out(ray.get(tpu.run_on_slice(facts, tpu_slice=s), timeout=120))
+    s.release_head_pgs()
+    s.shutdown()
+    errors = {{}}
+    try:
+        tpu.run_on_slice(kw, tpu_slice=s)
+    except ValueError as e:
+        errors["shut down"] = str(e)
+    errors["ready again"] = ready_slices(1)
+
+    p = tpu.SlicePlacementGroup("4x4", "v6e", pg_per_slice=True)
+    groups = p.slice_placement_groups
+    refs = tpu.run_on_slice(kw, tpu_slice=p, slice_index=0, x=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = tpu.dispatch(kw, tpu_slice=p)
+    for what, call in [
+        ("slice_index 1", lambda: tpu.run_on_slice(kw, tpu_slice=p, slice_index=1)),
+        ("release 5", lambda: p.release_head_pgs(5)),
+        ("slice_placement_group", lambda: p.slice_placement_group),
+    ]:
+        try:
+            call()
+            errors[what] = "none"
+        except ValueError as e:
+            errors[what] = str(e)
+    out([len(groups), ray.get(refs, timeout=120), len(ray.get(again, timeout=120)),
+         [w.category.__name__ for w in caught], errors])
+    p.shutdown()
+
+    refusals = {{}}
+    for arg, call in [
+        ("tpu_resource_per_chip", lambda: tpu.slice_placement_group("4x4", "v6e", tpu_resource_per_chip=2)),
+        ("bundle_label_selector", lambda: tpu.SlicePlacementGroup("4x4", "v6e", bundle_label_selector=[{{}}] * 4)),
+        ("lifetime", lambda: tpu.slice_placement_group("4x4", "v6e", lifetime="detached")),
+        ("chips_per_vm", lambda: tpu.slice_placement_group("4x4", "v6e", chips_per_vm=8)),
+        ("resources_per_bundle", lambda: tpu.slice_placement_group("4x4", "v6e", resources_per_bundle={{"TPU": 1}})),
+        ("strategy", lambda: tpu.slice_placement_group("4x4", "v6e", strategy="STRICT_PACK")),
+        ("chips_per_vm", lambda: tpu.run_on_slice(kw, topology="4x4", accelerator_version="v6e", chips_per_vm=2)),
+        ("subslice_placement_group", lambda: tpu.subslice_placement_group("2x4", "v6e")),
+    ]:
+        try:
+            call()
+            refusals.setdefault(arg, []).append("accepted")
+        except (ValueError, NotImplementedError) as e:
+            refusals.setdefault(arg, []).append(str(e))
+    out(refusals)
+    out([g["state"] for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"])
+    ray.shutdown()
+    """)
+    assert props["hosts"] == props["bundles"] == 4 and props["chips"] == props["devices"] == 4
+    assert (props["topology"], props["version"], props["type"]) == ("4x4", "v6e", "v6e-16")
+    assert props["heads"] == [] and props["per_chip"] == 1 and props["slices"] == 1
+    assert props["resources"] == {"TPU": 4.0, "CPU": 1.0}
+    assert props["labels"] == [{"ray.io/tpu-slice-name": "sa"}] * 4
+    assert props["name"] == "mine"
+    assert "pg_per_slice=False" in props["per_slice_error"]
+    assert counts == [1, 0], "one intact slice, none free while reserved"
+    assert kwargs == [[[1], ["tag"]]] * 4, "Ray's arguments never reach the function"
+    assert facts == [["sa", 4, 4]] * 4
+    n_groups, per_slice_members, n_again, warned, errors = per_slice
+    assert n_groups == 1 and per_slice_members == [[[], ["x"]]] * 4 and n_again == 4
+    assert warned == ["DeprecationWarning"]
+    assert "already been shut down" in errors["shut down"] and errors["ready again"] == 1
+    assert "Invalid slice_index 1" in errors["slice_index 1"]
+    assert "Invalid slice_index: 5" in errors["release 5"]
+    assert "pg_per_slice=True" in errors["slice_placement_group"]
+    for arg, messages in refused.items():
+        for m in messages:
+            assert arg in m and "tpuray" in m, (arg, m)
+    assert refused.keys() == {"tpu_resource_per_chip", "bundle_label_selector", "lifetime",
+                              "chips_per_vm", "resources_per_bundle", "strategy",
+                              "subslice_placement_group"}
+    assert len(refused["chips_per_vm"]) == 2
+    assert left == [], "every group released"
+
+
 def test_actor_group_restarts_whole_when_a_member_dies(slice_cluster):
     addr, env, tmp = slice_cluster
     (before, after, restarts) = run_script(tmp, env, MEMBER + f"""

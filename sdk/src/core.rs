@@ -387,6 +387,9 @@ pub(crate) struct Core {
     pub(crate) deaths: crate::node_watch::NodeDeaths,
     /// Whether [`Core::watch_nodes`] runs.
     watching_nodes: AtomicBool,
+    /// Ends [`Core::watch_nodes`] (a driver's `shutdown`): its stream would hold the
+    /// head's graceful stop until `tpuray stop` gives up (10 s for a local cluster).
+    stop_watching: Notify,
 }
 
 type AuthChannel = tpuray_proto::client::AuthChannel;
@@ -789,6 +792,7 @@ impl Core {
             borrow_queues: Mutex::new(HashMap::new()),
             deaths: crate::node_watch::NodeDeaths::default(),
             watching_nodes: AtomicBool::new(false),
+            stop_watching: Notify::new(),
         }
     }
 
@@ -807,25 +811,38 @@ impl Core {
         }
         let core = Arc::clone(self);
         self.rt.spawn(async move {
-            let mut after_seq = 0u64;
-            loop {
-                if let Ok(mut head) = core.head_client()
-                    && let Ok(r) = head.subscribe(pb::SubscribeRequest { after_seq }).await
-                {
-                    let mut changes = r.into_inner();
-                    while let Ok(Some(c)) = changes.message().await {
-                        after_seq = after_seq.max(c.seq);
-                        if let Some(pb::state_change::Change::Node(n)) = c.change
-                            && n.state == pb::NodeState::Dead as i32
-                            && core.deaths.mark_dead(&n.node_id)
-                        {
-                            core.on_node_death(&n.node_id);
-                        }
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
+            let stop = Arc::clone(&core);
+            tokio::select! {
+                () = Self::follow_node_changes(core) => {}
+                () = stop.stop_watching.notified() => {}
             }
         });
+    }
+
+    /// Ends [`Core::watch_nodes`] (now, or at once when it starts later).
+    pub(crate) fn stop_watching_nodes(&self) {
+        self.stop_watching.notify_one();
+    }
+
+    async fn follow_node_changes(core: Arc<Self>) {
+        let mut after_seq = 0u64;
+        loop {
+            if let Ok(mut head) = core.head_client()
+                && let Ok(r) = head.subscribe(pb::SubscribeRequest { after_seq }).await
+            {
+                let mut changes = r.into_inner();
+                while let Ok(Some(c)) = changes.message().await {
+                    after_seq = after_seq.max(c.seq);
+                    if let Some(pb::state_change::Change::Node(n)) = c.change
+                        && n.state == pb::NodeState::Dead as i32
+                        && core.deaths.mark_dead(&n.node_id)
+                    {
+                        core.on_node_death(&n.node_id);
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 
     /// What an owner does when a node dies (CORE-10); waits on the node end by
@@ -1847,6 +1864,26 @@ impl Core {
                                 continue;
                             }
                             Ok(Ready::Stored(_)) => {}
+                            // CORE-11: an argument that failed with a task error fails
+                            // this task with that same error (Ray's: `get` raises the
+                            // upstream's exception, its type included).
+                            Err(crate::Error::Task {
+                                function: upstream,
+                                message,
+                                node,
+                                pid,
+                                payload,
+                            }) => {
+                                return Err(pb::TaskError {
+                                    kind: Kind::Application as i32,
+                                    message,
+                                    function_name: upstream,
+                                    node_id: node,
+                                    pid,
+                                    payload,
+                                    no_retry: true,
+                                });
+                            }
                             Err(e) => {
                                 return Err(err(
                                     Kind::Application,

@@ -345,6 +345,8 @@ pub fn shutdown() {
             let _ = head.finish_job(req).await;
         }
     });
+    // The job is over: its subscription to the head ends too (CORE-10's watch).
+    core.stop_watching_nodes();
     // A driver without a node serves a store of its own (NET-3): it goes with the job.
     if core.store_address != core.agent_address {
         core.store.destroy();
@@ -387,6 +389,20 @@ pub fn nodes() -> Result<Vec<NodeSummary>, Error> {
 /// As [`nodes`].
 pub fn cluster_resources() -> Result<BTreeMap<String, f64>, Error> {
     Ok(status()?.total.into_iter().collect())
+}
+
+/// Resources free right now on each live node, by node id (Ray's
+/// `ray._private.state.available_resources_per_node()`).
+///
+/// # Errors
+/// As [`nodes`].
+pub fn available_resources_per_node() -> Result<BTreeMap<String, BTreeMap<String, f64>>, Error> {
+    Ok(status()?
+        .nodes
+        .into_iter()
+        .filter(|n| n.state == pb::NodeState::Alive as i32)
+        .map(|n| (n.node_id, n.available.into_iter().collect()))
+        .collect())
 }
 
 /// Resources free right now (`ray.available_resources()`).

@@ -627,10 +627,16 @@ fn resolve_args(core: &Arc<Core>, spec: &pb::TaskSpec) -> Result<Vec<Vec<u8>>, T
                 // Pinned by the submitter while the task runs.
                 let raw = RawRef::uncounted(r.object_id.clone(), r.owner_address.clone());
                 core.rt.block_on(core.get_data(&raw, None)).map(|d| d.to_vec()).map_err(|e| {
-                    TaskFailure::new(
-                        Kind::Application,
-                        format!("argument {i} ({}) failed: {e}", r.object_id),
-                    )
+                    let message = format!("argument {i} ({}) failed: {e}", r.object_id);
+                    match e {
+                        // CORE-11: the upstream's exception travels on (Ray raises it
+                        // at `get`), and running this task again cannot change it.
+                        crate::Error::Task { payload, .. } if !payload.is_empty() => TaskFailure {
+                            no_retry: true,
+                            ..TaskFailure::with_payload(message, payload)
+                        },
+                        _ => TaskFailure::new(Kind::Application, message),
+                    }
                 })
             }
             None => Err(TaskFailure::bad_arguments(format!("argument {i} is empty"))),

@@ -50,8 +50,8 @@ use serde::de::DeserializeOwned;
 pub use actor::ActorHandle;
 pub use codec::{Blob, IntoArg};
 pub use driver::{
-    DriverOptions, NodeSummary, available_resources, cluster_resources, init, init_with, nodes,
-    shutdown,
+    DriverOptions, NodeSummary, available_resources, available_resources_per_node,
+    cluster_resources, init, init_with, nodes, shutdown,
 };
 pub use error::{Error, TaskFailure};
 pub use object_ref::{Generator, ObjectRef, ObjectRefGenerator, RawRef};

@@ -383,3 +383,20 @@ pub fn actor_info(actor_id: &str, wait: Duration) -> Result<pb::ActorInfo, Error
             .unwrap_or_default())
     })
 }
+
+/// Every actor the head knows, alive or dead (`ListActors`; Ray's
+/// `list_named_actors` filters these).
+///
+/// # Errors
+/// The head cannot be reached.
+pub fn list_actors() -> Result<Vec<pb::ActorInfo>, Error> {
+    let c = core()?;
+    c.rt.block_on(async {
+        Ok(c.head_client()?
+            .list_actors(pb::ListActorsRequest {})
+            .await
+            .map_err(|s| Error::Cluster(s.message().to_string()))?
+            .into_inner()
+            .actors)
+    })
+}

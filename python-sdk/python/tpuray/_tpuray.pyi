@@ -90,6 +90,11 @@ def deserialize_ref(id: str, owner: str) -> RefCore:
 def cancel(ref: RefCore, force: bool) -> None: ...
 def kv_get(namespace: str, key: bytes) -> Optional[bytes]: ...
 def kv_put(namespace: str, key: bytes, value: bytes, overwrite: bool) -> bool: ...
+def kv_delete(namespace: str, key: bytes) -> bool:
+    """Deletes a key; returns whether it existed."""
+def list_actors() -> list[tuple[str, str, str, str, str]]:
+    """Every actor the head knows: ``(actor_id, class_name, name, namespace, state)``, state
+    one of ``PENDING_CREATION``, ``ALIVE``, ``RESTARTING``, ``DEAD``."""
 def kill_actor(actor_id: str, no_restart: bool) -> None: ...
 def get_actor(name: str, namespace: Optional[str] = None) -> tuple[str, str, str]:
     """``(actor_id, class, name)``; RuntimeError when no live actor has the name."""
@@ -99,6 +104,8 @@ def nodes() -> list[dict[str, Any]]:
     """Ray's keys: ``NodeID``, ``Alive``, ``NodeManagerAddress``, ``Resources``, ``Labels``."""
 def cluster_resources() -> dict[str, float]: ...
 def available_resources() -> dict[str, float]: ...
+def available_resources_per_node() -> dict[str, dict[str, float]]:
+    """Free resources of each live node, by node id."""
 def create_placement_group(
     bundles: list[dict[str, float]],
     strategy: str,
@@ -128,8 +135,10 @@ def slice_placement_group(
     accelerator_version: str,
     resources_per_bundle: Optional[dict[str, float]] = None,
     num_slices: int = 1,
+    name: str = "",
 ) -> tuple[str, int, str, int, int]:
-    """``(group_id, bundle_count, accelerator_type, num_hosts, chips_per_host)``;
+    """``(group_id, bundle_count, accelerator_type, num_hosts, chips_per_host)``; ``name``
+    is the group's (as ``tpuray status`` shows it);
     ValueError for an unknown version or a topology not valid for it."""
 def gang_start(
     topology: str, accelerator_version: str, num_slices: int, per_chip: bool,

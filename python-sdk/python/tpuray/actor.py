@@ -74,7 +74,11 @@ class ActorClass:
         )
 
     def bind(self, *args, **kwargs):
-        raise NotImplementedError("DAG building (bind) is not supported by tpuray yet")
+        """A lazy actor creation (Ray's DAG API): a ``tpuray.dag.ClassNode`` whose
+        methods' ``.bind`` record calls on it."""
+        from tpuray.dag import ClassNode
+
+        return ClassNode(self, args, kwargs, {})
 
 
 def _method_returns(cls) -> dict:
@@ -101,6 +105,15 @@ class ActorMethod:
     def options(self, **options) -> "ActorMethod":
         return ActorMethod(self._handle, self._name, options.get("num_returns", self._num_returns))
 
+    def bind(self, *args, **kwargs):
+        """A lazy call of this method on this actor (Ray's DAG API): a
+        ``tpuray.dag.ClassMethodNode``."""
+        from tpuray.dag.dag_node import _UnboundClassMethodNode
+
+        default = self._handle._method_returns.get(self._name, 1)
+        options = {} if self._num_returns == default else {"num_returns": self._num_returns}
+        return _UnboundClassMethodNode(self._handle, self._name, options).bind(*args, **kwargs)
+
     def remote(self, *args, **kwargs):
         h = self._handle
         if self._num_returns == "streaming":
@@ -120,6 +133,38 @@ class ActorMethod:
         if self._num_returns == 1:
             return refs[0]
         return refs if self._num_returns != 0 else None
+
+
+#: Methods every actor has (Ray's names -> what the worker runtime answers to).
+_BUILTIN_METHODS = {
+    "__ray_terminate__": "__tpuray_terminate__",
+    "__ray_ready__": "__tpuray_ready__",
+}
+
+
+def exit_actor() -> None:
+    """Ends the current actor from inside one of its methods (Ray's
+    ``ray.actor.exit_actor``).
+
+    The calling method does not return: its caller gets ``RayActorError``, as do the
+    calls queued behind it; ``atexit`` handlers run; the actor is not restarted,
+    whatever its ``max_restarts``, and its name is free again.
+
+    Raises:
+        TypeError: called outside an actor (a driver or a task).
+    """
+    rt = worker.runtime
+    if worker.state.mode != "worker" or rt is None or rt.actor is None:
+        raise TypeError(
+            "exit_actor API is called on a non-actor worker. Call this API inside an "
+            "actor methods if you'd like to exit the actor gracefully."
+        )
+    from tpuray import exceptions
+
+    if rt.loop is not None and rt._wake_read >= 0:
+        # An async actor: a SystemExit would end the event loop's thread instead.
+        raise exceptions.AsyncioActorExit()
+    raise worker.ActorExit("exit_actor() is called.")
 
 
 class ActorHandle:
@@ -142,6 +187,8 @@ class ActorHandle:
         self._methods = set(methods) if methods is not None else None
 
     def __getattr__(self, name: str) -> ActorMethod:
+        if name in _BUILTIN_METHODS:
+            return ActorMethod(self, _BUILTIN_METHODS[name])
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         methods = self.__dict__.get("_methods")

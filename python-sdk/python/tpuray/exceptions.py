@@ -147,6 +147,11 @@ class AuthenticationError(RayError):
         self.message = message
 
 
+class AsyncioActorExit(RayError):
+    """Raised by ``exit_actor()`` inside an async actor's coroutine (Ray's
+    ``AsyncioActorExit``); the actor then exits."""
+
+
 __all__ = [
     "AuthenticationError",
     "RayError",
@@ -167,4 +172,5 @@ __all__ = [
     "TaskPlacementGroupRemoved",
     "ActorPlacementGroupRemoved",
     "RaySchedulingError",
+    "AsyncioActorExit",
 ]

@@ -59,4 +59,8 @@ class RemoteFunction:
         return refs if n != 0 else None
 
     def bind(self, *args, **kwargs):
-        raise NotImplementedError("DAG building (bind) is not supported by tpuray yet")
+        """A lazy call of this function (Ray's DAG API): a ``tpuray.dag.FunctionNode``
+        that runs when the graph is executed."""
+        from tpuray.dag import FunctionNode
+
+        return FunctionNode(self, args, kwargs, {})

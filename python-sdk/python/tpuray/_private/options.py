@@ -136,6 +136,12 @@ def task_core_options(o: dict, default_name: str) -> dict:
     }
 
 
+def _job_namespace():
+    from tpuray._private import worker
+
+    return worker.state.namespace
+
+
 def actor_core_options(o: dict, is_async: bool) -> dict:
     sched, labels = scheduling(o)
     label_selector = dict(o.get("label_selector") or {})
@@ -156,7 +162,8 @@ def actor_core_options(o: dict, is_async: bool) -> dict:
         "num_gpus": float(num_gpus or 0),
         "resources": resources,
         "name": o.get("name"),
-        "namespace": o.get("namespace"),
+        # Ray: a named actor without a namespace lives in the job's.
+        "namespace": o.get("namespace") or _job_namespace(),
         "detached": lifetime == "detached",
         "max_restarts": int(o.get("max_restarts", 0)),
         "max_concurrency": int(max_concurrency),

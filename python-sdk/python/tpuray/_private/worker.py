@@ -182,7 +182,12 @@ def init(
             "python": sys.executable,
             "cwd": os.getcwd(),
             "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
-            "env_vars": dict(job_env.get("env_vars") or {}),
+            # TPURAY_NAMESPACE: workers create and look up named actors in the job's
+            # namespace, as Ray's do.
+            "env_vars": {
+                **dict(job_env.get("env_vars") or {}),
+                **({"TPURAY_NAMESPACE": namespace} if namespace else {}),
+            },
             "runtime_env": job_env,
         }
         _tpuray.kv_put(
@@ -422,6 +427,18 @@ def current_placement_group_id():
 #: ``_failure``'s default: the retry filter of the arguments this thread decoded last.
 _FROM_CONTEXT = object()
 
+#: This worker process's :class:`WorkerRuntime` (None in a driver).
+runtime = None
+
+
+class ActorExit(SystemExit):
+    """Raised by ``exit_actor()`` in a sync actor's method (a ``SystemExit``, as Ray
+    raises): the runtime that catches it ends the actor instead of answering."""
+
+
+def _is_actor_exit(e: BaseException) -> bool:
+    return isinstance(e, (ActorExit, exceptions.AsyncioActorExit))
+
 
 class WorkerRuntime:
     """What a Python worker process hands the core: runs tasks, the actor's constructor
@@ -490,6 +507,9 @@ class WorkerRuntime:
                 reply.send(self._returns(num_returns, result))
                 return
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            if _is_actor_exit(e):
+                self._exit_from_loop(reply)
+                return
             reply.send(self._failure(None, e, retry_filter))
             return
         # The loop holds tasks weakly: the set keeps a waiting one alive.
@@ -500,6 +520,9 @@ class WorkerRuntime:
         try:
             answer = self._returns(num_returns, await coro)
         except BaseException as e:  # noqa: BLE001 - cancellation and failures alike
+            if _is_actor_exit(e):
+                self._exit_from_loop(reply)
+                return
             answer = self._failure(None, e, retry_filter)
         finally:
             self._async_tasks.discard(self._current_task())
@@ -518,12 +541,41 @@ class WorkerRuntime:
                 result = asyncio.run_coroutine_threadsafe(result, self._event_loop()).result()
             return self._returns(info["num_returns"], result)
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            if _is_actor_exit(e) and self.actor is not None:
+                self.exit_actor()
             return self._failure(info, e)
         finally:
             # The thread (and its thread state) serves the next task too.
             _task_context.task_id = None
             _task_context.retry_filter = None
             _flush_output()
+
+    def _exit_from_loop(self, reply) -> None:
+        """``exit_actor()`` in an async call: the call is never answered (a reply
+        dropped would answer with an error, so it is kept), and the actor exits from
+        another thread while the loop runs on."""
+        self._unanswered = getattr(self, "_unanswered", []) + [reply]
+        threading.Thread(target=self.exit_actor, daemon=True).start()
+
+    def exit_actor(self) -> None:
+        """Ends this actor for good (``exit_actor()``, ``__ray_terminate__``): runs the
+        process's ``atexit`` handlers, sends what it printed, then has the head record it
+        dead with no restart and stop this process (Ray's intended exit: the call that
+        asked gets ``RayActorError``, as do the calls queued behind it). Does not
+        return."""
+        import atexit
+
+        try:
+            atexit._run_exitfuncs()
+        except BaseException:  # noqa: BLE001 - a failing handler does not stop the exit
+            pass
+        _flush_output()
+        try:
+            # The head marks the actor dead (intended: no restart) before its agent
+            # stops this process, so no exit report can make it restart.
+            _tpuray.kill_actor(self.actor_id, True)
+        finally:
+            os._exit(0)
 
     @staticmethod
     def _returns(n, result):
@@ -629,8 +681,11 @@ class WorkerRuntime:
     def call_method(self, info, raw_args):
         name = info["function"]
         if name == "__tpuray_terminate__":
-            threading.Timer(0.05, lambda: os._exit(0)).start()
-            return ("ok", [serialize(None)[0]], [])
+            # Ray's ``__ray_terminate__``: behind the caller's earlier calls (calls from one
+            # caller run in order), the actor exits as ``exit_actor()`` makes it.
+            self.exit_actor()
+        if name == "__tpuray_ready__":
+            return ("ok", [serialize(True)[0]], [])
         method = getattr(self.actor, name, None)
         if method is None:
             return self._failure(
@@ -744,8 +799,11 @@ def worker_main() -> int:
     """Entry point of a Python worker process (``python -m tpuray._worker``)."""
     state.mode = "worker"
     state.connected = True
+    state.namespace = os.environ.get("TPURAY_NAMESPACE") or None
     _forward_output()
-    return _tpuray.run_worker(WorkerRuntime())
+    global runtime
+    runtime = WorkerRuntime()
+    return _tpuray.run_worker(runtime)
 
 
 def process_info() -> dict:

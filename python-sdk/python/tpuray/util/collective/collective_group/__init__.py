@@ -1,0 +1,1 @@
+"""The group classes behind ``tpuray.util.collective`` (one per backend)."""

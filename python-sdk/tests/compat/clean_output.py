@@ -1,0 +1,39 @@
+"""The part of a compatibility script's stdout that is compared: what the script itself
+printed. Dropped: the lines a cluster adds to a driver's stdout on its own (Ray's
+``(raylet)``/``(autoscaler ...)`` diagnostics and the traceback lines after them, and
+worker output forwarded with a ``(name pid=N...)`` prefix, which names a process id),
+and terminal colour codes.
+
+Used by ``scripts/record-compat.sh`` (``python3 clean_output.py < raw > NAME.expected``)
+and by ``test_compat.py``, so both sides are cleaned alike.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+_CLUSTER_LINE = re.compile(r"^\((raylet|autoscaler|gcs_server|dashboard)\b")
+_WORKER_LINE = re.compile(r"^\([^()]* pid=\d+[^()]*\) ")
+_FOLLOWS_DIAGNOSTIC = re.compile(r"^(ray::|  |[A-Za-z_.]+(Error|Exception|Warning):|Traceback)")
+
+
+def clean(text: str) -> str:
+    out = []
+    in_diagnostic = False
+    for line in _COLOUR.sub("", text).splitlines():
+        if _CLUSTER_LINE.match(line):
+            in_diagnostic = True
+            continue
+        if in_diagnostic and _FOLLOWS_DIAGNOSTIC.match(line):
+            continue
+        in_diagnostic = False
+        if _WORKER_LINE.match(line):
+            continue
+        out.append(line)
+    return "\n".join(out) + ("\n" if out else "")
+
+
+if __name__ == "__main__":
+    sys.stdout.write(clean(sys.stdin.read()))

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Records what the Ray scripts of python-sdk/tests/compat/ print under Ray itself, into
+# NAME.expected beside each NAME.py; python-sdk/tests/test_compat.py then runs each
+# script under tpuray only (through the `ray` shim in compat/shim) and compares.
+#
+#   scripts/record-compat.sh              # every script
+#   scripts/record-compat.sh queue_basics # one (or several) by name
+#
+# Ray runs from RAY_VENV (default bench/.ray-venv), made here with
+# `pip install ray==$RAY_VERSION numpy torch` (default 2.60.0) when it does not exist;
+# torch is what ray.util.collective's gloo backend runs on. Each script gets a HOME of
+# its own (Ray writes ~/.ray there) and a timeout. Only stdout is recorded, cleaned by
+# compat/clean_output.py (Ray's own diagnostics dropped); stderr is shown on failure.
+# Re-record only after checking the new output by eye: a recording is the contract.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RAY_VERSION="${RAY_VERSION:-2.60.0}"
+RAY_VENV="${RAY_VENV:-bench/.ray-venv}"
+compat=python-sdk/tests/compat
+if [ ! -x "$RAY_VENV/bin/python" ]; then
+    python3 -m venv "$RAY_VENV"
+    "$RAY_VENV/bin/python" -m pip install -q "ray==$RAY_VERSION" numpy torch
+fi
+have=$("$RAY_VENV/bin/python" -c 'import ray; print(ray.__version__)')
+if [ "$have" != "$RAY_VERSION" ]; then
+    echo "record-compat: $RAY_VENV has ray $have, not $RAY_VERSION (set RAY_VENV or RAY_VERSION)" >&2
+    exit 1
+fi
+"$RAY_VENV/bin/python" -c "import torch" 2>/dev/null ||
+    "$RAY_VENV/bin/python" -m pip install -q torch
+
+if [ $# -eq 0 ]; then
+    set -- $(ls "$compat"/*.py | xargs -n1 basename | sed 's/\.py$//' | grep -v '^clean_output$')
+fi
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+status=0
+for name in "$@"; do
+    script="$compat/$name.py"
+    [ -f "$script" ] || { echo "record-compat: no script $script" >&2; exit 1; }
+    mkdir -p "$work/$name/home"
+    if (cd "$compat" && env -u RAY_ADDRESS HOME="$work/$name/home" RAY_DEDUP_LOGS=0 \
+            RAY_USAGE_STATS_ENABLED=0 timeout 300 "$OLDPWD/$RAY_VENV/bin/python" "$name.py") \
+            >"$work/$name/out" 2>"$work/$name/err"; then
+        python3 "$compat/clean_output.py" <"$work/$name/out" >"$compat/$name.expected"
+        echo "recorded $name ($(wc -l <"$compat/$name.expected") lines)"
+    else
+        echo "FAILED   $name under Ray (exit $?); stdout and stderr tails:" >&2
+        tail -n 20 "$work/$name/out" "$work/$name/err" >&2
+        status=1
+    fi
+done
+exit $status
