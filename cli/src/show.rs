@@ -836,7 +836,8 @@ fn list_rows(address: &str, kind: ListKind) -> Result<Vec<serde_json::Value>> {
                     json!({
                         "task_id": t.task_id,
                         "name": t.name,
-                        "state": t.state,
+                        // Ray's name, as the state API says it.
+                        "state": tpuray_head::state_api::ray_task_state(&t.state),
                         "job_id": t.job_id,
                         "node_id": t.node_id,
                         "worker_id": t.worker_id,
@@ -1064,8 +1065,9 @@ fn render_table(rows: &[serde_json::Value], kind: ListKind) -> String {
         }
         ListKind::Objects => &["object_id", "size", "node_id", "location", "owner"],
     };
+    // A multi-line value (a `python -c` entrypoint) stays on its row.
     let cell = |r: &serde_json::Value, c: &str| match &r[c] {
-        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::String(s) => s.replace('\n', "\\n"),
         v => v.to_string(),
     };
     let widths: Vec<usize> = cols

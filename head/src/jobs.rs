@@ -262,20 +262,21 @@ impl Head {
         from: Option<NodeId>,
         change: StatusChange,
     ) -> Result<(), Status> {
-        let driver_actors = if change.status.is_terminal() {
+        let terminal = change.status.is_terminal();
+        let drivers: HashSet<_> = if terminal {
             let inner = self.lock();
-            let drivers: HashSet<_> = inner
+            inner
                 .sm
                 .jobs
                 .values()
                 .filter(|j| j.submission_id == submission_id)
                 .map(|j| j.job_id.clone())
-                .collect();
-            drop(inner);
-            self.alive_actor_agents(|a| drivers.contains(&a.job_id) && !a.detached)
+                .collect()
         } else {
-            Vec::new()
+            HashSet::new()
         };
+        let driver_actors = self.alive_actor_agents(|a| drivers.contains(&a.job_id) && !a.detached);
+        let ended = submission_id.clone();
         let cmd = SubmissionCommand::Status { submission_id, from, change };
         if let Outcome::Rejected(r) = self.commit(Command { request_id, kind: cmd.into() }).await? {
             return Err(rejection_status(r));
@@ -285,6 +286,12 @@ impl Head {
             tokio::spawn(async move {
                 let _ = head.kill_actor_worker(&addr, &actor_id).await;
             });
+        }
+        for job_id in drivers {
+            self.fail_unfinished_tasks(
+                job_id.as_str(),
+                &format!("the task's job (submission {ended}) ended before it did"),
+            );
         }
         Ok(())
     }

@@ -1246,6 +1246,7 @@ impl HeadService for HeadSvc {
         let req = req.into_inner();
         require_id("job_id", &req.job_id)?;
         let job_id = JobId::from_wire(req.job_id);
+        let finished = job_id.to_string();
         // Remember which actors die with the job, to stop their workers.
         let before: Vec<(ActorId, String)> =
             self.0.alive_actor_agents(|a| a.job_id == job_id && !a.detached);
@@ -1265,6 +1266,10 @@ impl HeadService for HeadSvc {
                 let _ = head.kill_actor_worker(&addr, &actor_id).await;
             });
         }
+        self.0.fail_unfinished_tasks(
+            &finished,
+            &format!("the task's job {finished} finished before it did"),
+        );
         Ok(Response::new(pb::FinishJobReply {}))
     }
 
@@ -1498,7 +1503,9 @@ impl HeadService for HeadSvc {
                 _ => None,
             }
         };
-        let cause = if req.no_restart {
+        let cause = if !req.reason.is_empty() {
+            req.reason.clone()
+        } else if req.no_restart {
             "killed by kill()".to_string()
         } else {
             "killed by kill(no_restart=False)".to_string()
@@ -1864,6 +1871,21 @@ impl HeadService for HeadSvc {
 }
 
 impl Head {
+    /// Marks the tasks of a job that ended which are not FINISHED or FAILED as FAILED,
+    /// naming why (Ray's GCS does the same when a job ends); an owner's late FINISHED
+    /// event still wins.
+    pub(crate) fn fail_unfinished_tasks(&self, job_id: &str, why: &str) {
+        let now = now_ms();
+        let mut inner = self.lock();
+        for t in inner.tasks.values_mut() {
+            if t.job_id == job_id && !matches!(t.state.as_str(), "FINISHED" | "FAILED") {
+                t.state = "FAILED".into();
+                t.error = why.to_string();
+                t.finished_ms = now;
+            }
+        }
+    }
+
     /// The live actors matching `pred`, with their node agent's address.
     pub(crate) fn alive_actor_agents(
         &self,

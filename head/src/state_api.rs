@@ -505,8 +505,9 @@ fn host(addr: &str) -> String {
     addr.rsplit_once(':').map(|(h, _)| h).unwrap_or(addr).to_string()
 }
 
-/// Ray's task states for tpuray's events.
-fn task_state(s: &str) -> &str {
+/// Ray's task state for a tpuray task event's state (`SUBMITTED` is Ray's
+/// `PENDING_NODE_ASSIGNMENT`; the others have Ray's names).
+pub fn ray_task_state(s: &str) -> &str {
     match s {
         "SUBMITTED" => "PENDING_NODE_ASSIGNMENT",
         other => other,
@@ -595,7 +596,7 @@ fn task_row(t: &pb::TaskSummary, class_of: &BTreeMap<String, String>) -> Value {
         let class = class_of.get(&t.actor_id).cloned().unwrap_or_default();
         ("ACTOR_TASK", if class.is_empty() { t.name.clone() } else { class })
     };
-    let state = task_state(&t.state);
+    let state = ray_task_state(&t.state);
     json!({
         "task_id": t.task_id,
         "attempt_number": t.attempt,

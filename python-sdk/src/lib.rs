@@ -693,8 +693,9 @@ fn list_actors(py: Python<'_>) -> PyResult<Vec<ActorRow>> {
 }
 
 #[pyfunction]
-fn kill_actor(py: Python<'_>, actor_id: String, no_restart: bool) -> PyResult<()> {
-    py.detach(|| tpuray::kill_actor(&actor_id, no_restart)).map_err(cluster_err)
+#[pyo3(signature = (actor_id, no_restart, reason=String::new()))]
+fn kill_actor(py: Python<'_>, actor_id: String, no_restart: bool, reason: String) -> PyResult<()> {
+    py.detach(|| tpuray::kill_actor_because(&actor_id, no_restart, &reason)).map_err(cluster_err)
 }
 
 /// `(actor_id, class, name)` of the live actor named `name`.

@@ -365,6 +365,10 @@ pub(crate) struct Core {
     actors: Mutex<HashMap<String, Arc<ActorConn>>>,
     running: Mutex<HashMap<String, Running>>,
     events: Mutex<Vec<pb::TaskEvent>>,
+    /// Held while a batch of task events is on its way, so a flush (the last one, at
+    /// shutdown) waits for the one in flight instead of finding the buffer empty and
+    /// letting the process exit under it.
+    events_sending: tokio::sync::Mutex<()>,
     clients: Mutex<Clients>,
     /// Objects this process borrows (owned elsewhere), by id. Lock order: `borrowed`,
     /// then `borrow_queues` and a queue's state.
@@ -783,6 +787,7 @@ impl Core {
             actors: Mutex::new(HashMap::new()),
             running: Mutex::new(HashMap::new()),
             events: Mutex::new(Vec::new()),
+            events_sending: tokio::sync::Mutex::new(()),
             clients: Mutex::new(Clients::default()),
             borrowed: Mutex::new(HashMap::new()),
             blocked_threads: AtomicUsize::new(0),
@@ -1025,6 +1030,7 @@ impl Core {
 
     /// Sends buffered task events to the head (lossy, batched).
     pub(crate) async fn flush_events(&self) {
+        let _sending = self.events_sending.lock().await;
         let batch = std::mem::take(&mut *self.events.lock().unwrap());
         if batch.is_empty() {
             return;

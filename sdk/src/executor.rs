@@ -415,6 +415,11 @@ impl Executor {
         // their owners before the reply unpins the arguments (CORE-2).
         crate::core::confirm_borrows(core);
         self.running.lock().unwrap().remove(&spec.task_id);
+        // The executor says FINISHED too (as Ray's does): the owner's own event can be
+        // lost when the owner exits right after `get` returned the value.
+        if reply.error.is_none() {
+            core.event(spec, "FINISHED", "");
+        }
         reply
     }
 

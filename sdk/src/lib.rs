@@ -169,6 +169,15 @@ pub fn cancel<T>(r: &ObjectRef<T>, force: bool) -> Result<(), Error> {
 /// # Errors
 /// The head cannot be reached or does not know the actor.
 pub fn kill_actor(actor_id: &str, no_restart: bool) -> Result<(), Error> {
+    kill_actor_because(actor_id, no_restart, "")
+}
+
+/// As [`kill_actor`], recording `reason` as the actor's death cause ("": killed by
+/// `kill()`), e.g. an actor ending itself with `exit_actor()`.
+///
+/// # Errors
+/// As [`kill_actor`].
+pub fn kill_actor_because(actor_id: &str, no_restart: bool, reason: &str) -> Result<(), Error> {
     let core = core::core()?;
     core.rt.block_on(async {
         let mut head = core.head_client()?;
@@ -176,6 +185,7 @@ pub fn kill_actor(actor_id: &str, no_restart: bool) -> Result<(), Error> {
             request_id: tpuray_proto::new_request_id(),
             actor_id: actor_id.to_string(),
             no_restart,
+            reason: reason.to_string(),
         })
         .await
         .map_err(|s| Error::Cluster(s.message().to_string()))?;

@@ -267,7 +267,14 @@ async fn build_pip_env(dir: &Path, pip: &PipSpec, log: &Path) -> Result<(), Stri
         .output()
         .await
         .map_err(|e| format!("cannot run {base}: {e}"))?;
-    let base_paths = String::from_utf8_lossy(&out.stdout).into_owned();
+    // `site.addsitedir` lines, not bare paths: the base's own .pth files (an editable
+    // install of tpuray, for one) are processed too, which a bare path line skips.
+    let base_paths: String = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| format!("import site; site.addsitedir({})\n", serde_json::Value::from(p)))
+        .collect();
     let venv_site = std::fs::read_dir(dir.join("lib"))
         .map_err(|e| format!("{}: {e}", dir.join("lib").display()))?
         .filter_map(Result::ok)

@@ -95,7 +95,7 @@ def kv_delete(namespace: str, key: bytes) -> bool:
 def list_actors() -> list[tuple[str, str, str, str, str]]:
     """Every actor the head knows: ``(actor_id, class_name, name, namespace, state)``, state
     one of ``PENDING_CREATION``, ``ALIVE``, ``RESTARTING``, ``DEAD``."""
-def kill_actor(actor_id: str, no_restart: bool) -> None: ...
+def kill_actor(actor_id: str, no_restart: bool, reason: str = "") -> None: ...
 def get_actor(name: str, namespace: Optional[str] = None) -> tuple[str, str, str]:
     """``(actor_id, class, name)``; RuntimeError when no live actor has the name."""
 def actor_state(actor_id: str, wait: float) -> tuple[str, str, str, int]:

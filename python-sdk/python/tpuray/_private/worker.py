@@ -132,6 +132,11 @@ def init(
     **_ignored,
 ):
     """Connects this process to a cluster as a driver (see :func:`tpuray.init`)."""
+    if isinstance(address, str) and address.startswith(("http://", "https://")):
+        raise ValueError(
+            f"{address} is an HTTP address (the dashboard's Jobs and state APIs); init() joins a "
+            "cluster through its head's HOST:PORT (tpuray start --head prints both)"
+        )
     if isinstance(address, str) and address.startswith("ray://"):
         raise ValueError(
             f"Ray Client addresses ({address}) are not supported by tpuray: pass the "
@@ -573,7 +578,10 @@ class WorkerRuntime:
         try:
             # The head marks the actor dead (intended: no restart) before its agent
             # stops this process, so no exit report can make it restart.
-            _tpuray.kill_actor(self.actor_id, True)
+            _tpuray.kill_actor(
+                self.actor_id, True,
+                "the actor ended itself with exit_actor() (Ray's INTENDED_USER_EXIT)",
+            )
         finally:
             os._exit(0)
 
