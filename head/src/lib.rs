@@ -31,6 +31,7 @@ pub mod jobs;
 pub mod placement_groups;
 pub mod replication;
 pub mod server;
+pub mod slices;
 pub mod state;
 pub mod submissions;
 
