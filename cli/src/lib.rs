@@ -2,7 +2,7 @@
 //! native binary and by the Python package's console script (DESIGN.md §1).
 //!
 //! Verbs follow Ray's CLI (DESIGN.md §6): `start`, `status`, `list`, `stop`,
-//! `memory`, `microbenchmark`, `serve status`.
+//! `memory`, `microbenchmark`, `serve status`, `timeline`.
 //! Hidden verbs `_head`, `_agent` and `_worker` are the long-running
 //! processes that `start` spawns; they are not for users.
 
@@ -11,6 +11,7 @@ mod microbench;
 mod procs;
 mod serve;
 mod show;
+pub mod timeline;
 
 use clap::Parser;
 

@@ -34,6 +34,7 @@ pub mod server;
 pub mod slices;
 pub mod state;
 pub mod submissions;
+pub mod timeline;
 
 pub use http::DashboardConfig;
 pub use server::{Head, HeadConfig, Ready, ServeError, serve};
