@@ -26,6 +26,7 @@
 //! and does the blocking `sled` I/O); no user code runs in the head process.
 
 pub mod convert;
+mod dashboard;
 pub mod http;
 pub mod jobs;
 pub mod placement_groups;
