@@ -13,8 +13,9 @@
 //! - DASH-2: every value from the cluster is escaped (`render::esc`, `render::enc`).
 //! - DASH-3 (HTTP-2 for pages): with token auth on, a page needs the cluster token, as the
 //!   Jobs API does: `Authorization: Bearer`, `X-Ray-Authorization`, or the cookie Ray's
-//!   dashboard uses, `ray-authentication-token`. A browser without it gets a small login
-//!   form (401; a wrong token 403) that posts to `/login`, which sets the cookie
+//!   dashboard uses, `ray-authentication-token`. A browser without it is sent (303) to a
+//!   small login form at `/login` (a wrong token gets the form with a 403), which posts
+//!   the token to `/login`; that sets the cookie
 //!   (`HttpOnly; SameSite=Strict`, so other sites' pages cannot use it) and goes back to
 //!   the page. A link may carry the token once as `?token=...`: the server sets the
 //!   cookie and redirects to the same address without it, so it does not stay in the
@@ -213,7 +214,9 @@ async fn page_auth(State(api): Shared, req: Request, next: Next) -> Response {
             text(StatusCode::UNAUTHORIZED, "Unauthorized: Missing authentication token")
         }
         Some(_) if is_api => text(StatusCode::FORBIDDEN, "Forbidden: Invalid authentication token"),
-        None => html(StatusCode::UNAUTHORIZED, render::login_page(&here, None)),
+        // To the form's own address (a 200 page), not a 401 answer here: a browser
+        // reports every 4xx page it loads as an error in its console.
+        None => redirect(&format!("/login?next={}", render::enc(safe_next(&here))), None),
         Some(_) => html(
             StatusCode::FORBIDDEN,
             render::login_page(&here, Some("That token is not this cluster's token.")),
@@ -422,6 +425,14 @@ async fn overview(State(api): Shared) -> Response {
         drivers(&api),
         groups(&api)
     );
+    let hosts: Vec<pb::NodeInfo> = match (&st, &g) {
+        (Ok(st), Ok(g)) => crate::slices::slices(&st.nodes, g)
+            .iter()
+            .flat_map(|s| s.hosts.iter().map(|h| h.node.clone()))
+            .collect(),
+        _ => Vec::new(),
+    };
+    let workers = workers_of(&api, &hosts.iter().collect::<Vec<_>>()).await;
     let main = st.map_err(|e| unreadable("The cluster's status", e)).map(|st| {
         render::overview(
             &st,
@@ -430,6 +441,7 @@ async fn overview(State(api): Shared) -> Response {
             s.as_deref().map_err(String::as_str),
             d.as_deref().map_err(String::as_str),
             g.as_deref().map_err(String::as_str),
+            &workers,
             now_ms(),
         )
     });

@@ -443,6 +443,7 @@ pub(crate) fn overview(
     subs: Result<&[pb::JobSubmission], &str>,
     drivers: Result<&[pb::JobInfo], &str>,
     groups: Result<&[pb::PlacementGroupInfo], &str>,
+    workers: &HashMap<String, Result<Vec<pb::WorkerInfo>, String>>,
     now_ms: u64,
 ) -> String {
     let mut out = String::new();
@@ -555,7 +556,7 @@ pub(crate) fn overview(
 
     if !tpu_hosts.is_empty() {
         out.push_str("<section><h2>TPU slices</h2>");
-        out.push_str(&slices_drawing(&tpu_hosts, &HashMap::new(), &[], true));
+        out.push_str(&slices_drawing(&tpu_hosts, workers, actors.unwrap_or_default(), true));
         out.push_str("</section>");
     }
     out.push_str("<section class=\"two\"><div><h2>Cluster resources</h2>");
@@ -788,7 +789,7 @@ pub(crate) fn slices_drawing(
             .max(1);
         let _ = write!(
             out,
-            "<div class=\"slice\" data-slice=\"{}\"><h3>{}</h3><div class=\"hosts\" style=\"grid-template-columns:repeat({grid_cols},minmax(0,1fr))\">",
+            "<div class=\"slice\" data-slice=\"{}\"><h3>{}</h3><div class=\"hosts\" style=\"grid-template-columns:repeat({grid_cols},minmax(15em,24em))\">",
             esc(v.name.unwrap_or("")),
             esc(&v.heading)
         );
@@ -866,7 +867,7 @@ pub(crate) fn slices_drawing(
                 let grouped = if c.placement_group_id.is_some() { " grouped" } else { "" };
                 let _ = write!(
                     out,
-                    "<div class=\"chip {}{grouped}\"{style} title=\"{}\" data-chip=\"{}\" data-state=\"{}\"><span class=\"ix\">{}</span>",
+                    "<div class=\"chip {}{grouped}\"{style} title=\"{}\" data-chip=\"{}\" data-state=\"{}\"><span class=\"ix\">chip {}</span>",
                     c.state.word(),
                     esc(&title),
                     c.index,
@@ -885,7 +886,7 @@ pub(crate) fn slices_drawing(
                 out.push_str("</div>");
             }
             out.push_str("</div>");
-            if !compact {
+            {
                 if !h.holders.is_empty() {
                     out.push_str("<ul class=\"holders\">");
                     for g in &h.holders {
@@ -905,15 +906,14 @@ pub(crate) fn slices_drawing(
                     out.push_str("</ul>");
                 }
                 match known {
-                    Some(Err(e)) => {
+                    Some(Err(e)) if !compact => {
                         let _ = write!(
                             out,
                             "<div class=\"why\">chip indices unknown (the agent did not list its workers: {}); counts from the head</div>",
                             esc(e)
                         );
                     }
-                    None => {}
-                    Some(Ok(_)) => {}
+                    _ => {}
                 }
             }
             out.push_str("</div>");
@@ -1086,7 +1086,8 @@ pub(crate) fn tasks(
             let error = if t.error.is_empty() {
                 String::new()
             } else {
-                let first = t.error.lines().next().unwrap_or("");
+                // A Python traceback ends with the exception: show that line.
+                let first = t.error.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
                 format!(
                     "<details class=\"err\"><summary>{}</summary><pre>{}</pre></details>",
                     esc(&first.chars().take(160).collect::<String>()),
@@ -1714,6 +1715,7 @@ mod tests {
                 Ok(std::slice::from_ref(&sub)),
                 Ok(&[]),
                 Ok(std::slice::from_ref(&group)),
+                &HashMap::new(),
                 0,
             ),
             nodes(&st, 0),
@@ -1751,7 +1753,8 @@ mod tests {
             ],
             ..Default::default()
         };
-        let page = overview(&st, Ok(&[]), Err("down"), Ok(&[]), Ok(&[]), Ok(&[]), 0);
+        let page =
+            overview(&st, Ok(&[]), Err("down"), Ok(&[]), Ok(&[]), Ok(&[]), &HashMap::new(), 0);
         for (id, addr) in [("n1aaaaaaaaaa", "10.0.0.1:7001"), ("n2bbbbbbbbbb", "10.0.0.2:7001")] {
             assert!(page.contains(&format!("<code>{id}</code>")), "{page}");
             assert!(page.contains(addr));
