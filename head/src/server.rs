@@ -1691,6 +1691,7 @@ impl HeadService for HeadSvc {
             // Events from owner and executor may arrive in any order: a final
             // state is never overwritten by an earlier one.
             let rank = |s: &str| match s {
+                "" => -1, // a summary no event has set yet
                 "SUBMITTED" => 0,
                 "RETRYING" => 1,
                 "RUNNING" => 2,

@@ -3,7 +3,7 @@
 One cluster for the module: a head serving the dashboard on a port of its own, four
 simulated v6e-16 hosts of slice ``sa`` (TPU.md's line: ``TPU_*`` env + ``{"TPU": 4}``),
 a driver that holds a slice gang (``SliceActorGroup``, one actor per host on all its
-chips), a named actor, finished and failed tasks, and a Jobs API job with output.
+chips), a named actor, finished, failed and running tasks, and a Jobs API job with output.
 
 - Tokens (DASH-3): a page without the token is a login form; a wrong one is refused;
   the form and ``?token=`` set the ``ray-authentication-token`` cookie.
@@ -81,6 +81,13 @@ try:
     ray.get(fails.remote(), timeout=60)
 except Exception:
     pass
+
+@ray.remote
+def sleepy():
+    import time
+    time.sleep(3600)
+
+running = sleepy.remote()  # still RUNNING while the pages are read
 print("JSON " + json.dumps({{"members": members, "job_id": ray.get_runtime_context().get_job_id()}}),
       flush=True)
 sys.stdin.read()  # holds the gang and the actor until the test closes stdin
@@ -291,6 +298,7 @@ def test_every_page_loads_in_a_browser_and_shows_the_real_cluster(dash):
 
         pages = {}
         for path in ("/", "/nodes", "/slices", "/actors", "/tasks", "/tasks?state=FAILED",
+                     "/tasks?state=RUNNING",
                      "/placement-groups", "/jobs", f"/jobs/{dash['submission']}",
                      f"/jobs/{dash['held']['job_id']}", "/serve", "/replicas", "/timeline",
                      f"/nodes/{dash['nodes'][0]['node_id']}"):
@@ -336,6 +344,7 @@ def test_every_page_loads_in_a_browser_and_shows_the_real_cluster(dash):
         assert "dash-counter" in pages["/actors"] and "Member" in pages["/actors"]
         assert "boom-for-the-dashboard <b>" in pages["/tasks?state=FAILED"]
         assert "square" in pages["/tasks"]
+        assert "sleepy" in pages["/tasks?state=RUNNING"], pages["/tasks?state=RUNNING"]
         assert "gang train (gen 0)" in pages["/placement-groups"]
         assert dash["submission"] in pages["/jobs"] and dash["held"]["job_id"] in pages["/jobs"]
         assert "hello-from-the-job" in pages[f"/jobs/{dash['submission']}"]

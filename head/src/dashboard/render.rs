@@ -107,16 +107,17 @@ pub(crate) fn time(ms: u64) -> String {
         return "-".into();
     }
     let (y, m, d, h, mi, s) = utc(ms / 1000);
-    format!("{y:04}-{m:02}-{d:02} {h:02}:{mi:02}:{s:02} UTC")
+    // No-break spaces: a time never wraps in a table cell.
+    format!("{y:04}-{m:02}-{d:02}\u{a0}{h:02}:{mi:02}:{s:02}\u{a0}UTC")
 }
 
 /// A duration in ms as `850 ms`, `12.3 s`, `4 min 2 s`, `3 h 20 min`.
 pub(crate) fn duration(ms: u64) -> String {
     match ms {
-        0..1_000 => format!("{ms} ms"),
-        1_000..60_000 => format!("{:.1} s", ms as f64 / 1000.0),
-        60_000..3_600_000 => format!("{} min {} s", ms / 60_000, ms % 60_000 / 1000),
-        _ => format!("{} h {} min", ms / 3_600_000, ms % 3_600_000 / 60_000),
+        0..1_000 => format!("{ms}\u{a0}ms"),
+        1_000..60_000 => format!("{:.1}\u{a0}s", ms as f64 / 1000.0),
+        60_000..3_600_000 => format!("{}\u{a0}min {}\u{a0}s", ms / 60_000, ms % 60_000 / 1000),
+        _ => format!("{}\u{a0}h {}\u{a0}min", ms / 3_600_000, ms % 3_600_000 / 60_000),
     }
 }
 
@@ -169,7 +170,7 @@ fn bar(name: &str, used: f64, total: f64) -> String {
 pub(crate) fn badge(state: &str) -> String {
     let class = match state {
         "ALIVE" | "RUNNING" | "CREATED" | "FINISHED" | "SUCCEEDED" | "HEALTHY" | "leader" => "ok",
-        "DEAD" | "FAILED" | "DEPLOY_FAILED" | "UNHEALTHY" | "unreachable" => "bad",
+        "DEAD" | "FAILED" | "DEPLOY_FAILED" | "UNHEALTHY" | "unreachable" | "INFEASIBLE" => "bad",
         "PENDING" | "PENDING_CREATION" | "RESTARTING" | "RESCHEDULING" | "SUBMITTED"
         | "DEPLOYING" | "RETRYING" | "STARTING" | "UPDATING" | "candidate" | "pre-candidate" => {
             "wait"
@@ -1644,13 +1645,14 @@ mod tests {
     #[test]
     fn times_and_durations_read_as_people_write_them() {
         assert_eq!(time(0), "-");
-        assert_eq!(time(951_782_400_000 + 3_723_000), "2000-02-29 01:02:03 UTC");
+        let sp = |s: &str| s.replace('\u{a0}', " ");
+        assert_eq!(sp(&time(951_782_400_000 + 3_723_000)), "2000-02-29 01:02:03 UTC");
         assert_eq!(utc(1_767_225_599), (2025, 12, 31, 23, 59, 59));
-        assert_eq!(duration(850), "850 ms");
-        assert_eq!(duration(12_345), "12.3 s");
-        assert_eq!(duration(242_000), "4 min 2 s");
-        assert_eq!(duration(12_000_000), "3 h 20 min");
-        assert_eq!(ago(1_000, 4_200), "3.2 s ago");
+        assert_eq!(sp(&duration(850)), "850 ms");
+        assert_eq!(sp(&duration(12_345)), "12.3 s");
+        assert_eq!(sp(&duration(242_000)), "4 min 2 s");
+        assert_eq!(sp(&duration(12_000_000)), "3 h 20 min");
+        assert_eq!(sp(&ago(1_000, 4_200)), "3.2 s ago");
     }
 
     fn mk_node(id: &str, address: &str) -> pb::NodeInfo {
