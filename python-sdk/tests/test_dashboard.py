@@ -301,7 +301,7 @@ def test_every_page_loads_in_a_browser_and_shows_the_real_cluster(dash):
                      "/tasks?state=RUNNING",
                      "/placement-groups", "/jobs", f"/jobs/{dash['submission']}",
                      f"/jobs/{dash['held']['job_id']}", "/serve", "/replicas", "/timeline",
-                     f"/nodes/{dash['nodes'][0]['node_id']}"):
+                     f"/nodes/{dash['held']['members'][0]['node']}"):
             driver.get(url + path)
             errors = console_errors(driver)
             assert not errors, (path, errors)
@@ -350,6 +350,11 @@ def test_every_page_loads_in_a_browser_and_shows_the_real_cluster(dash):
         assert "hello-from-the-job" in pages[f"/jobs/{dash['submission']}"]
         assert "<i>x</i>" in pages[f"/jobs/{dash['submission']}"], "log text shown as text"
         assert "started by hand" in pages[f"/jobs/{dash['held']['job_id']}"]
+        member = dash["held"]["members"][0]
+        node_page = pages[f"/nodes/{member['node']}"]
+        assert str(member["pid"]) in node_page and "ACTOR" in node_page, node_page
+        assert "0,1,2,3" in node_page, "the member's chips"
+        assert "Object store" in node_page and "Labels" in node_page
         assert "No serve application" in pages["/serve"]
         assert "leader" in pages["/replicas"]
 
