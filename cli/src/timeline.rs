@@ -38,19 +38,8 @@ pub fn trace_json(address: &str, job: Option<&str>) -> Result<String> {
 
 /// `YYYY-MM-DD_HH-MM-SS` (UTC) of Unix seconds `secs`, as Ray names its timeline files.
 fn stamp(secs: u64) -> String {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}_{:02}-{:02}-{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+    let (y, m, d, h, mi, s) = tpuray_head::timeline::utc(secs);
+    format!("{y:04}-{m:02}-{d:02}_{h:02}-{mi:02}-{s:02}")
 }
 
 /// Writes the trace to `output` (default: `<temp dir>/tpuray-timeline-<UTC time>.json`)

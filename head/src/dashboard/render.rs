@@ -84,22 +84,7 @@ pub(crate) fn param<'a>(pairs: &'a [(String, String)], key: &str) -> Option<&'a 
     pairs.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
 }
 
-/// `(year, month, day, hour, minute, second)` in UTC of Unix seconds (Howard Hinnant's
-/// `civil_from_days`).
-pub fn utc(secs: u64) -> (i64, u32, u32, u32, u32, u32) {
-    let days = (secs / 86_400) as i64;
-    let rem = (secs % 86_400) as u32;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d, rem / 3600, rem % 3600 / 60, rem % 60)
-}
+pub(crate) use crate::timeline::utc;
 
 /// Unix ms as `2026-11-01 12:00:05 UTC`; `-` for 0.
 pub(crate) fn time(ms: u64) -> String {
