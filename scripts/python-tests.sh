@@ -16,7 +16,16 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 # maturin's build hook runs `maturin` from PATH.
 export PATH="$PWD/$venv/bin:$PATH"
-"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow
+"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow selenium
+# The dashboard's browser tests (tests/test_dashboard.py) drive Debian's chromium through
+# its chromedriver (selenium never downloads a browser or a driver here).
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
+    else
+        echo "python-tests.sh: the dashboard's browser tests need chromium and chromium-driver (run as root, or apt-get install chromium chromium-driver)" >&2
+    fi
+fi
 "$venv/bin/python" -c "import torch" 2>/dev/null || "$venv/bin/python" -m pip install -q torch
 # Ray 2.60's own job client (`ray job ...`, `ray.job_submission`) for test_jobs.py, which
 # drives tpuray's Jobs REST API with it; in a venv of its own, so Ray never shadows

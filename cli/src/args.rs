@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::{job, microbench, procs, serve, show};
+use crate::{job, microbench, procs, serve, show, timeline};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -35,6 +35,8 @@ pub enum Command {
     Memory(MemoryArgs),
     /// Stop every tpuray process started on this machine.
     Stop(StopArgs),
+    /// Write the cluster's task events as Chrome trace JSON (open it in Perfetto).
+    Timeline(TimelineArgs),
     /// Ray's `ray microbenchmark` cases (Python SDK; `--rust`: Rust SDK), after the floor.
     Microbenchmark(MicrobenchmarkArgs),
     /// `tpuray.serve` applications: `serve status`.
@@ -259,6 +261,18 @@ pub struct MemoryArgs {
     /// How many of each node's largest objects to show (0: all).
     #[arg(long, default_value_t = 10)]
     pub top: u32,
+    #[command(flatten)]
+    pub address: AddressArg,
+}
+
+#[derive(Args, Debug)]
+pub struct TimelineArgs {
+    /// Where to write the trace (default: <temp dir>/tpuray-timeline-<UTC time>.json).
+    #[arg(long, short)]
+    pub output: Option<PathBuf>,
+    /// Only the tasks of this job id.
+    #[arg(long)]
+    pub job_id: Option<String>,
     #[command(flatten)]
     pub address: AddressArg,
 }
@@ -497,6 +511,9 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Memory(a) => show::memory(&resolve_address(a.address.address)?, a.format, a.top),
         Command::Stop(a) => procs::stop(a.force),
+        Command::Timeline(a) => {
+            timeline::run(&resolve_address(a.address.address)?, a.output, a.job_id.as_deref())
+        }
         Command::Serve(ServeCommand::Status(a)) => {
             serve::status(&resolve_address(a.address.address)?, a.json)
         }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow};
 use serde_json::json;
 use tonic::Request;
+use tpuray_head::slices::{self, node_accelerator_type, plural, short_id, tpu_label};
 use tpuray_proto::pb;
 
 use crate::args::{Format, ListKind};
@@ -140,50 +141,9 @@ fn node_state(n: &pb::NodeInfo) -> &'static str {
 }
 
 // ---------------------------------------------------------------------------------------
-// TPU slices: pure rendering, proto messages in, text out (unit-tested below).
+// TPU slices: text rendering of the head's slice model (`tpuray_head::slices`, which the
+// dashboard draws too), proto messages in, text out (unit-tested below).
 // ---------------------------------------------------------------------------------------
-
-/// A TPU label of TPU.md (`tpu-slice-name`, `tpu-worker-id`, ...) read under `tpuray.io/`,
-/// then under `ray.io/`; `None` when absent or empty.
-fn tpu_label<'a>(n: &'a pb::NodeInfo, key: &str) -> Option<&'a str> {
-    [tpuray_scheduler::labels::TPURAY_PREFIX, tpuray_scheduler::labels::RAY_PREFIX]
-        .iter()
-        .find_map(|p| n.labels.get(&format!("{p}{key}")).filter(|v| !v.is_empty()))
-        .map(String::as_str)
-}
-
-/// The first 8 characters of an id, as `NodeId::short` shows it.
-fn short_id(id: &str) -> &str {
-    id.char_indices().nth(8).map_or(id, |(i, _)| &id[..i])
-}
-
-/// Chips of the plain `TPU` resource the node advertises (bundle-renamed `TPU_group_*`
-/// resources are shares of these, not more).
-fn tpu_chips(n: &pb::NodeInfo) -> f64 {
-    n.total.get("TPU").copied().unwrap_or(0.0).max(0.0)
-}
-
-/// The accelerator type a node shows: its slice type label (`v6e-16`), else its
-/// generation label (`TPU-V6E`); empty for a node with neither (not a TPU host).
-fn node_accelerator_type(n: &pb::NodeInfo) -> &str {
-    tpu_label(n, "tpu-pod-type").or_else(|| tpu_label(n, "accelerator-type")).unwrap_or("")
-}
-
-/// How a placement group is named on screen. Gangs are placement groups named
-/// `gang:<name>:<generation>` and show as `gang <name> (gen <generation>)`
-/// (`gang:<name>` without a numeric generation shows as `gang <name>`); other groups show
-/// their name, or their short id when unnamed.
-pub(crate) fn group_display(pg: &pb::PlacementGroupInfo) -> String {
-    if let Some(rest) = pg.name.strip_prefix("gang:") {
-        return match rest.rsplit_once(':') {
-            Some((name, generation)) if generation.parse::<u64>().is_ok() => {
-                format!("gang {name} (gen {generation})")
-            }
-            _ => format!("gang {rest}"),
-        };
-    }
-    if pg.name.is_empty() { short_id(&pg.placement_group_id).to_string() } else { pg.name.clone() }
-}
 
 /// `[####....]`: one cell per chip, `#` used (by work or reserved by a placement group
 /// bundle), `.` free. Hosts of more than [`BAR_CELLS`] chips get that many cells, scaled.
@@ -198,17 +158,6 @@ fn chip_bar(used: u32, total: u32) -> String {
     format!("[{}{}]", "#".repeat(used as usize), ".".repeat((total - used) as usize))
 }
 
-fn plural(n: usize, one: &str, many: &str) -> String {
-    format!("{n} {}", if n == 1 { one } else { many })
-}
-
-/// One drawn slice: the alive hosts that share a `tpu-slice-name` label, or a single TPU
-/// host without one.
-struct SliceView<'a> {
-    heading: String,
-    hosts: Vec<&'a pb::NodeInfo>,
-}
-
 /// The `TPU slices` section of `tpuray status`: each slice as a heading (name, accelerator
 /// type, topology, hosts present of the hosts its type has) and one line per host in
 /// worker-id order: worker id, agent address, short node id, chips used and free, a chip
@@ -219,89 +168,27 @@ pub(crate) fn render_tpu_slices(
     nodes: &[pb::NodeInfo],
     groups: &[pb::PlacementGroupInfo],
 ) -> String {
-    let alive = nodes.iter().filter(|n| n.state == pb::NodeState::Alive as i32);
-    let mut named: BTreeMap<&str, Vec<&pb::NodeInfo>> = BTreeMap::new();
-    let mut single: Vec<&pb::NodeInfo> = Vec::new();
-    for n in alive {
-        match tpu_label(n, "tpu-slice-name") {
-            Some(slice) => named.entry(slice).or_default().push(n),
-            None if tpu_chips(n) > 0.0 => single.push(n),
-            None => {}
-        }
-    }
-    if named.is_empty() && single.is_empty() {
+    let views = slices::slices(nodes, groups);
+    if views.is_empty() {
         return String::new();
     }
-    let mut views: Vec<SliceView> = Vec::new();
-    for (slice, mut hosts) in named {
-        let worker = |n: &pb::NodeInfo| {
-            tpu_label(n, "tpu-worker-id").and_then(|w| w.parse::<u32>().ok()).unwrap_or(u32::MAX)
-        };
-        hosts.sort_by(|a, b| (worker(a), &a.node_id).cmp(&(worker(b), &b.node_id)));
-        let first = hosts[0];
-        let accel = node_accelerator_type(first);
-        let expected = tpuray_scheduler::tpu::AcceleratorType::parse(accel).ok().map(|t| t.hosts());
-        let count = match expected {
-            Some(e) if e as usize != hosts.len() => {
-                format!("{} of {e} hosts", hosts.len())
-            }
-            _ => plural(hosts.len(), "host", "hosts"),
-        };
-        let accel = if accel.is_empty() { "TPU" } else { accel };
-        let topology = tpu_label(first, "tpu-topology").unwrap_or("-");
-        views.push(SliceView {
-            heading: format!("slice {slice}: {accel}, topology {topology}, {count}"),
-            hosts,
-        });
-    }
-    single.sort_by(|a, b| (&a.hostname, &a.node_id).cmp(&(&b.hostname, &b.node_id)));
-    for n in single {
-        let name = if n.hostname.is_empty() { short_id(&n.node_id) } else { &n.hostname };
-        let accel = node_accelerator_type(n);
-        let accel = if accel.is_empty() { "TPU" } else { accel };
-        let topology = tpu_label(n, "tpu-topology").unwrap_or("-");
-        views.push(SliceView {
-            heading: format!("host {name} (no slice name): {accel}, topology {topology}, 1 host"),
-            hosts: vec![n],
-        });
-    }
-
     // Host lines as cells first, so the columns line up across every slice.
-    let live_groups: Vec<&pb::PlacementGroupInfo> =
-        groups.iter().filter(|g| g.state != pb::PlacementGroupState::Removed as i32).collect();
-    let host_cells = |n: &pb::NodeInfo, dup: bool| -> [String; 6] {
-        let worker = match tpu_label(n, "tpu-worker-id") {
-            Some(w) if dup => format!("worker {w}!"),
+    let host_cells = |h: &slices::Host| -> [String; 6] {
+        let worker = match h.worker_id {
+            Some(w) if h.duplicate_worker_id => format!("worker {w}!"),
             Some(w) => format!("worker {w}"),
             None => "worker -".to_string(),
         };
-        let total = tpu_chips(n);
-        let avail = n.available.get("TPU").copied().unwrap_or(0.0).clamp(0.0, total);
-        let total_chips = total.ceil() as u32;
-        let used = ((total - avail).ceil() as u32).min(total_chips);
-        let chips = format!("{used} used, {} free", total_chips - used);
-        let held: Vec<String> = live_groups
+        let chips = format!("{} used, {} free", h.used, h.chips - h.used);
+        let held: Vec<String> = h
+            .holders
             .iter()
-            .filter(|g| g.bundle_node_ids.contains(&n.node_id))
             .map(|g| {
-                let mut s = group_display(g);
-                let reserved = n
-                    .total
-                    .get(&tpuray_scheduler::bundles::wildcard_name("TPU", &g.placement_group_id))
-                    .copied()
-                    .unwrap_or(0.0);
-                if reserved > 0.0 {
-                    let chips = reserved.ceil() as usize;
-                    s.push_str(&format!(": {}", plural(chips, "chip", "chips")));
+                let mut s = g.display.clone();
+                if g.chips > 0 {
+                    s.push_str(&format!(": {}", plural(g.chips as usize, "chip", "chips")));
                 }
-                if g.state != pb::PlacementGroupState::Created as i32 {
-                    let state = pb::PlacementGroupState::try_from(g.state)
-                        .map(|s| {
-                            s.as_str_name()
-                                .trim_start_matches("PLACEMENT_GROUP_STATE_")
-                                .to_ascii_lowercase()
-                        })
-                        .unwrap_or_default();
+                if let Some(state) = &g.state {
                     s.push_str(&format!(" ({state})"));
                 }
                 s
@@ -309,20 +196,15 @@ pub(crate) fn render_tpu_slices(
             .collect();
         [
             worker,
-            n.address.clone(),
-            format!("node {}", short_id(&n.node_id)),
+            h.node.address.clone(),
+            format!("node {}", short_id(&h.node.node_id)),
             chips,
-            chip_bar(used, total_chips),
+            chip_bar(h.used, h.chips),
             held.join("; "),
         ]
     };
-    let mut rows: Vec<Vec<[String; 6]>> = Vec::new();
-    for v in &views {
-        let ids: Vec<Option<&str>> =
-            v.hosts.iter().map(|n| tpu_label(n, "tpu-worker-id")).collect();
-        let dup = |w: Option<&str>| w.is_some() && ids.iter().filter(|x| **x == w).count() > 1;
-        rows.push(v.hosts.iter().zip(&ids).map(|(n, w)| host_cells(n, dup(*w))).collect());
-    }
+    let rows: Vec<Vec<[String; 6]>> =
+        views.iter().map(|v| v.hosts.iter().map(host_cells).collect()).collect();
     let mut widths = [0usize; 6];
     for cells in rows.iter().flatten() {
         for (w, c) in widths.iter_mut().zip(cells) {
@@ -343,7 +225,7 @@ pub(crate) fn render_tpu_slices(
             out.push_str(&format!("  {}\n", parts.join("  ").trim_end()));
         }
     }
-    if rows.iter().flatten().any(|c| c[0].ends_with('!')) {
+    if views.iter().flat_map(|v| &v.hosts).any(|h| h.duplicate_worker_id) {
         out.push_str(" (! two alive hosts of one slice claim the same worker id)\n");
     }
     out
@@ -1241,16 +1123,6 @@ mod tests {
         ];
         assert_eq!(drawn.lines().collect::<Vec<_>>(), expected, "\n{drawn}");
         assert!(drawn.ends_with('\n'));
-    }
-
-    #[test]
-    fn gangs_show_their_name_and_generation_and_unnamed_groups_their_short_id() {
-        let g = |name: &str| group(&id("0f0f0f0f"), name, &[]);
-        assert_eq!(group_display(&g("gang:train:2")), "gang train (gen 2)");
-        assert_eq!(group_display(&g("gang:a:b:7")), "gang a:b (gen 7)");
-        assert_eq!(group_display(&g("gang:train")), "gang train");
-        assert_eq!(group_display(&g("eval")), "eval");
-        assert_eq!(group_display(&g("")), "0f0f0f0f");
     }
 
     #[test]

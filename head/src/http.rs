@@ -2,8 +2,8 @@
 //! axum. Routes now: health (`/healthz`, `/readyz`, Ray's `/api/gcs_healthz` and
 //! `/api/healthz`) and Ray
 //! 2.60's Jobs REST API (`ray/dashboard/modules/job/job_head.py`), so Ray's own
-//! `JobSubmissionClient` and `ray job ...` work against tpuray unchanged. Later routes
-//! (metrics, pages, Serve's REST API) join [`router`].
+//! `JobSubmissionClient` and `ray job ...` work against tpuray unchanged. The dashboard's
+//! pages (`dashboard.rs`) join [`router`]; later routes (metrics, Serve's REST API) too.
 //!
 //! - HTTP-1: every head serves it. The Jobs API calls the head cluster through a
 //!   leader-following gRPC client (CLIENT-1), so on a head that is not the serving
@@ -51,8 +51,8 @@ pub(crate) struct Api {
     pub(crate) head: Arc<Head>,
     /// Leader-following client of the head cluster (HTTP-1).
     pub(crate) grpc: HeadServiceClient<AuthChannel>,
-    token: Option<String>,
-    auth_required: bool,
+    pub(crate) token: Option<String>,
+    pub(crate) auth_required: bool,
 }
 
 type Shared = State<Arc<Api>>;
@@ -114,6 +114,7 @@ pub(crate) fn router(head: Arc<Head>, addresses: &str) -> Result<Router, String>
         .route("/api/healthz", get(|| async { "success" }))
         .route("/readyz", get(ready))
         .merge(jobs)
+        .merge(crate::dashboard::routes(Arc::clone(&api)))
         .with_state(api))
 }
 
@@ -139,7 +140,7 @@ async fn require_token(State(api): Shared, req: Request, next: Next) -> Response
     }
 }
 
-fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
+pub(crate) fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
     headers.get_all(header::COOKIE).iter().filter_map(|v| v.to_str().ok()).find_map(|v| {
         v.split(';').find_map(|kv| {
             let (k, val) = kv.trim().split_once('=')?;

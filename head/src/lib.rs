@@ -26,14 +26,17 @@
 //! and does the blocking `sled` I/O); no user code runs in the head process.
 
 pub mod convert;
+mod dashboard;
 pub mod http;
 pub mod jobs;
 pub mod placement_groups;
 pub mod replication;
 pub mod server;
+pub mod slices;
 pub mod state;
 pub mod state_api;
 pub mod submissions;
+pub mod timeline;
 
 pub use http::DashboardConfig;
 pub use server::{Head, HeadConfig, Ready, ServeError, serve};

@@ -1708,6 +1708,9 @@ impl HeadService for HeadSvc {
             if e.state == "SUBMITTED" {
                 t.submitted_ms = e.time_ms;
             }
+            if e.state == "RUNNING" && e.attempt >= t.attempt {
+                t.started_ms = e.time_ms;
+            }
             // Where it ran: the executor's RUNNING event, or the owner's
             // final event (the reply names the node) if that one was lost.
             if !e.node_id.is_empty() && (e.state == "RUNNING" || rank(&e.state) == 3) {

@@ -752,6 +752,17 @@ fn available_resources_per_node(
     py.detach(tpuray::available_resources_per_node).map_err(cluster_err)
 }
 
+/// The cluster's task events as Chrome trace JSON text (a JSON array of trace events,
+/// `tpuray_head::timeline`), read from the head this process is connected to; only job
+/// `job_id`'s tasks when given.
+#[pyfunction]
+#[pyo3(signature = (job_id=None))]
+fn timeline_json(py: Python<'_>, job_id: Option<String>) -> PyResult<String> {
+    let address = raw::process_info().map_err(cluster_err)?.head_address;
+    py.detach(|| tpuray_cli::timeline::trace_json(&address, job_id.as_deref()))
+        .map_err(|e| PyRuntimeError::new_err(format!("{e:#}")))
+}
+
 #[pyfunction]
 fn cluster_resources(py: Python<'_>) -> PyResult<BTreeMap<String, f64>> {
     py.detach(tpuray::cluster_resources).map_err(cluster_err)
@@ -1435,6 +1446,7 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(get_actor, m)?,
         wrap_pyfunction!(actor_state, m)?,
         wrap_pyfunction!(nodes, m)?,
+        wrap_pyfunction!(timeline_json, m)?,
         wrap_pyfunction!(cluster_resources, m)?,
         wrap_pyfunction!(available_resources, m)?,
         wrap_pyfunction!(create_placement_group, m)?,

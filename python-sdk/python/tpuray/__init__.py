@@ -170,6 +170,44 @@ def available_resources() -> dict:
     return _tpuray.available_resources()
 
 
+def timeline(filename=None):
+    """The cluster's tasks as a timeline, as Ray's ``ray.timeline``: Chrome trace events
+    (one complete ``"ph": "X"`` span per task that ran, ``pid`` a node, ``tid`` a worker
+    process on it, times in microseconds, Ray's ``args``), which Perfetto
+    (ui.perfetto.dev) and ``chrome://tracing`` open.
+
+    Like Ray, it first waits one second so that task events still being reported reach
+    the head (workers and drivers send them every 0.5 s).
+
+    Args:
+        filename: When given, the events are written there as a JSON array and ``None``
+            is returned.
+
+    Returns:
+        The list of trace events (dicts) when ``filename`` is ``None``.
+
+    Raises:
+        RuntimeError: When tpuray is not initialized (as Ray), or the head cannot be
+            reached.
+    """
+    import json
+    import time
+
+    from tpuray import _tpuray
+
+    if not is_initialized():
+        raise RuntimeError(
+            "tpuray has not been started yet. Timeline requires tpuray to be initialized first."
+        )
+    time.sleep(1)
+    text = _tpuray.timeline_json()
+    if filename is not None:
+        with open(filename, "w") as f:
+            f.write(text)
+        return None
+    return json.loads(text)
+
+
 __all__ = [
     "ActorClass",
     "ActorHandle",
@@ -194,6 +232,7 @@ __all__ = [
     "put",
     "remote",
     "shutdown",
+    "timeline",
     "util",
     "wait",
 ]

@@ -102,6 +102,8 @@ def actor_state(actor_id: str, wait: float) -> tuple[str, str, str, int]:
     """``(state, death_cause, node_id, pid)``."""
 def nodes() -> list[dict[str, Any]]:
     """Ray's keys: ``NodeID``, ``Alive``, ``NodeManagerAddress``, ``Resources``, ``Labels``."""
+def timeline_json(job_id: str | None = None) -> str:
+    """The cluster's task events as Chrome trace JSON text (a JSON array)."""
 def cluster_resources() -> dict[str, float]: ...
 def available_resources() -> dict[str, float]: ...
 def available_resources_per_node() -> dict[str, dict[str, float]]:
