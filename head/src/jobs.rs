@@ -60,12 +60,7 @@ pub fn new_submission_id() -> String {
 
 /// `RAY_JOB_START_TIMEOUT_SECONDS` (Ray's name), else 900 s.
 fn start_timeout() -> Duration {
-    std::env::var("RAY_JOB_START_TIMEOUT_SECONDS")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s >= 0.0)
-        .map(Duration::from_secs_f64)
-        .unwrap_or(DEFAULT_START_TIMEOUT)
+    tpuray_proto::runtime_env::env_seconds("RAY_JOB_START_TIMEOUT_SECONDS", DEFAULT_START_TIMEOUT)
 }
 
 /// A submitted job's record from the request, checked.

@@ -105,18 +105,12 @@ impl SubmissionRecord {
     /// The resources its entrypoint reserves on its node (Ray's `entrypoint_*`; `memory`
     /// in bytes, as Ray counts it).
     pub fn entrypoint_resource_map(&self) -> BTreeMap<String, f64> {
-        let mut m = self.entrypoint_resources.clone();
-        if let Some(c) = self.entrypoint_num_cpus.filter(|c| *c > 0.0) {
-            m.insert("CPU".into(), c);
-        }
-        if let Some(g) = self.entrypoint_num_gpus.filter(|g| *g > 0.0) {
-            m.insert("GPU".into(), g);
-        }
-        if let Some(b) = self.entrypoint_memory.filter(|b| *b > 0) {
-            m.insert("memory".into(), b as f64);
-        }
-        m.retain(|_, v| *v > 0.0);
-        m
+        tpuray_proto::runtime_env::entrypoint_resources(
+            self.entrypoint_num_cpus,
+            self.entrypoint_num_gpus,
+            self.entrypoint_memory,
+            &self.entrypoint_resources,
+        )
     }
 }
 

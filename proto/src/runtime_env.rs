@@ -19,6 +19,37 @@ pub const PACKAGE_SCHEME: &str = "gcs://";
 /// The fields [`JobRuntimeEnv::parse`] accepts.
 pub const SUPPORTED_FIELDS: &[&str] = &["working_dir", "pip", "env_vars", "config", "excludes"];
 
+/// The resources a job's entrypoint reserves on its node, by Ray's names (`CPU`, `GPU`,
+/// `memory` in bytes, and the custom ones), zero amounts left out (Ray's
+/// `entrypoint_num_cpus`, `entrypoint_num_gpus`, `entrypoint_memory`,
+/// `entrypoint_resources`).
+pub fn entrypoint_resources<'a>(
+    num_cpus: Option<f64>,
+    num_gpus: Option<f64>,
+    memory: Option<u64>,
+    custom: impl IntoIterator<Item = (&'a String, &'a f64)>,
+) -> BTreeMap<String, f64> {
+    let mut m: BTreeMap<String, f64> = custom.into_iter().map(|(k, v)| (k.clone(), *v)).collect();
+    for (name, v) in [("CPU", num_cpus), ("GPU", num_gpus), ("memory", memory.map(|b| b as f64))] {
+        if let Some(v) = v.filter(|v| *v > 0.0) {
+            m.insert(name.into(), v);
+        }
+    }
+    m.retain(|_, v| *v > 0.0);
+    m
+}
+
+/// A duration in seconds from environment variable `var` (a number >= 0, fractions
+/// allowed: Ray's `RAY_JOB_*_S` variables), else `default`.
+pub fn env_seconds(var: &str, default: Duration) -> Duration {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s >= 0.0)
+        .map(Duration::from_secs_f64)
+        .unwrap_or(default)
+}
+
 /// `pip` in Ray's dict form.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PipSpec {

@@ -1037,3 +1037,38 @@ pub async fn all_alive(head: &mut HeadServiceClient<AuthChannel>) -> Result<bool
     let st = head.get_cluster_status(pb::GetClusterStatusRequest {}).await?.into_inner();
     Ok(st.nodes.iter().all(|n| n.state == pb::NodeState::Alive as i32))
 }
+
+/// A plain HTTP/1.1 request to a head's HTTP server (no client crate needed), with the
+/// token as `Authorization: Bearer` when given; returns (status, body).
+pub fn http(url: &str, method: &str, path: &str, token: Option<&str>, body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let host = url.trim_start_matches("http://");
+    let mut s = std::net::TcpStream::connect(host).expect("connect to the dashboard");
+    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read the response");
+    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+impl Cluster {
+    /// Each head replica's HTTP server (`GetHeadInfo.dashboard_url`), by replica id.
+    pub async fn dashboards(&self) -> Vec<(u64, String)> {
+        let token = self.token();
+        let mut out = Vec::new();
+        for h in self.heads() {
+            let mut client = tpuray_proto::client::head_replica(&h.listen, Some(&token)).unwrap();
+            let info = client.get_head_info(pb::GetHeadInfoRequest {}).await.expect("head info");
+            out.push((h.id, info.into_inner().dashboard_url));
+        }
+        out
+    }
+}

@@ -3,27 +3,11 @@
 //! replica's Raft state, and after the leader dies the survivors' pages still show the
 //! cluster. Pages in a real browser are tested in python-sdk/tests/test_dashboard.py.
 
-use std::io::{Read, Write};
-use std::time::Duration;
-
-use tpuray_proto::pb;
 use tpuray_tests::*;
 
-/// A plain HTTP/1.1 GET; returns (status, body).
+/// A GET with the token.
 fn get(url: &str, path: &str, token: &str) -> (u16, String) {
-    let host = url.trim_start_matches("http://");
-    let mut s = std::net::TcpStream::connect(host).expect("connect to the dashboard");
-    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read the response");
-    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    (status, body)
+    http(url, "GET", path, Some(token), "")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -33,12 +17,7 @@ async fn dash_4_every_head_serves_the_leaders_data_before_and_after_the_leader_d
     let node = c.add_node(&["--num-cpus", "1"]);
     let leader = c.wait_leader(SOON).await;
     let token = c.token();
-    let mut urls = Vec::new();
-    for h in c.heads() {
-        let mut client = tpuray_proto::client::head_replica(&h.listen, Some(&token)).unwrap();
-        let info = client.get_head_info(pb::GetHeadInfoRequest {}).await.expect("head info");
-        urls.push((h.id, info.into_inner().dashboard_url));
-    }
+    let urls = c.dashboards().await;
     for (id, url) in &urls {
         let (code, body) = get(url, "/", &token);
         assert_eq!(code, 200, "head {id}: {body}");

@@ -4,7 +4,6 @@
 //! server answers the Jobs REST API, token first (HTTP-1, HTTP-2). The REST API's shapes
 //! against Ray's own client are tested in python-sdk/tests/test_jobs.py.
 
-use std::io::{Read, Write};
 use std::time::Duration;
 
 use tpuray_proto::client::AuthChannel;
@@ -41,37 +40,6 @@ async fn wait_status(
         async move { job(&mut h, id).await.filter(|j| done.contains(&j.status.as_str())) }
     })
     .await
-}
-
-/// A plain HTTP/1.1 request (the test needs no HTTP client crate); returns (status, body).
-fn http(url: &str, method: &str, path: &str, token: Option<&str>, body: &str) -> (u16, String) {
-    let host = url.trim_start_matches("http://");
-    let mut s = std::net::TcpStream::connect(host).expect("connect to the dashboard");
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read the response");
-    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    (status, body)
-}
-
-/// Each head's HTTP server address, from `GetHeadInfo`.
-async fn dashboards(c: &Cluster) -> Vec<String> {
-    let token = c.token();
-    let mut out = Vec::new();
-    for h in c.heads() {
-        let mut client = tpuray_proto::client::head_replica(&h.listen, Some(&token)).unwrap();
-        let info = client.get_head_info(pb::GetHeadInfoRequest {}).await.expect("head info");
-        out.push(info.into_inner().dashboard_url);
-    }
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -142,7 +110,7 @@ async fn every_head_serves_the_jobs_api_and_refuses_requests_without_the_token()
     c.add_node(&["--num-cpus", "1"]);
     let leader = c.wait_leader(SOON).await;
     let token = c.token();
-    let urls = dashboards(&c).await;
+    let urls: Vec<String> = c.dashboards().await.into_iter().map(|(_, u)| u).collect();
     assert!(urls.iter().all(|u| u.starts_with("http://127.0.0.1:")), "{urls:?}");
     let follower = c.heads().iter().position(|h| h.id != leader).unwrap();
     let url = &urls[follower];

@@ -72,12 +72,7 @@ pub fn log_path(session_dir: &std::path::Path, submission_id: &str) -> PathBuf {
 }
 
 fn stop_wait() -> Duration {
-    std::env::var("RAY_JOB_STOP_WAIT_TIME_S")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s >= 0.0)
-        .map(Duration::from_secs_f64)
-        .unwrap_or(DEFAULT_STOP_WAIT)
+    tpuray_proto::runtime_env::env_seconds("RAY_JOB_STOP_WAIT_TIME_S", DEFAULT_STOP_WAIT)
 }
 
 /// A submission id safe to use in a file name.
@@ -102,22 +97,14 @@ impl Agent {
     ) -> Result<(), Status> {
         check_id(&job.submission_id)?;
         let id = job.submission_id.clone();
-        let mut demand = ResourceSet::new();
-        let mut wanted: HashMap<String, f64> = job.entrypoint_resources.clone();
-        if let Some(c) = job.entrypoint_num_cpus.filter(|c| *c > 0.0) {
-            wanted.insert("CPU".into(), c);
-        }
-        if let Some(g) = job.entrypoint_num_gpus.filter(|g| *g > 0.0) {
-            wanted.insert("GPU".into(), g);
-        }
-        if let Some(m) = job.entrypoint_memory.filter(|m| *m > 0) {
-            wanted.insert("memory".into(), m as f64);
-        }
-        wanted.retain(|_, v| *v > 0.0);
-        if !wanted.is_empty() {
-            demand = tpuray_proto::convert::resources_from_proto(&wanted)
-                .map_err(|e| Status::invalid_argument(format!("entrypoint resources: {e}")))?;
-        }
+        let wanted = tpuray_proto::runtime_env::entrypoint_resources(
+            job.entrypoint_num_cpus,
+            job.entrypoint_num_gpus,
+            job.entrypoint_memory,
+            &job.entrypoint_resources,
+        );
+        let demand = ResourceSet::from_f64_map(&wanted)
+            .map_err(|e| Status::invalid_argument(format!("entrypoint resources: {e}")))?;
         let pid = Arc::new(std::sync::atomic::AtomicU32::new(0));
         let rx = {
             let mut jobs = self.supervisors.lock();
