@@ -113,6 +113,8 @@ pub(crate) fn router(head: Arc<Head>, addresses: &str) -> Result<Router, String>
         .route("/api/gcs_healthz", get(|| async { "success" }))
         .route("/api/healthz", get(|| async { "success" }))
         .route("/readyz", get(ready))
+        // METRICS-1: scraped without a token, as Ray's; read-only.
+        .route("/metrics", get(crate::metrics::scrape))
         .merge(jobs)
         .with_state(api))
 }
