@@ -16,7 +16,8 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 # maturin's build hook runs `maturin` from PATH.
 export PATH="$PWD/$venv/bin:$PATH"
-"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow
+# prometheus_client: its text parser reads /metrics in test_metrics.py.
+"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow prometheus_client
 "$venv/bin/python" -c "import torch" 2>/dev/null || "$venv/bin/python" -m pip install -q torch
 # No build isolation: use the maturin installed above rather than fetching a
 # fresh one into a throw-away environment on every run.

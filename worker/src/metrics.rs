@@ -77,6 +77,7 @@ pub struct AgentView {
 #[derive(Debug, Default)]
 struct Reporter {
     pid: u32,
+    job_id: String,
     running: Vec<pb::RunningTasks>,
     actor_class: String,
 }
@@ -116,6 +117,11 @@ impl Point {
 
 #[derive(Debug, Default)]
 struct Reports {
+    /// Every (job, task name, is retry) reported running and (job, actor class) reported
+    /// hosted on this node, so their series read 0 afterwards even when no scrape saw
+    /// them non-zero (METRICS-2; bounded by [`MAX_USER_SERIES`]).
+    running_seen: std::collections::BTreeSet<(String, String, bool)>,
+    actors_seen: std::collections::BTreeSet<(String, String)>,
     defs: HashMap<String, pb::MetricDef>,
     reporters: HashMap<String, Reporter>,
     series: BTreeMap<(String, Vec<String>), UserSeries>,
@@ -169,8 +175,17 @@ impl AgentMetrics {
         for d in req.defs {
             r.defs.entry(d.name.clone()).or_insert(d);
         }
+        for t in &req.running {
+            if r.running_seen.len() < MAX_USER_SERIES {
+                r.running_seen.insert((req.job_id.clone(), t.name.clone(), t.is_retry));
+            }
+        }
+        if !req.actor_class.is_empty() && r.actors_seen.len() < MAX_USER_SERIES {
+            r.actors_seen.insert((req.job_id.clone(), req.actor_class.clone()));
+        }
         let rep = r.reporters.entry(req.worker_id.clone()).or_default();
         rep.pid = req.pid;
+        rep.job_id = req.job_id;
         rep.running = req.running;
         rep.actor_class = req.actor_class;
         let mut known = true;
@@ -436,34 +451,44 @@ fn node(e: &mut Exposition, s: &Sample, ip: &str, head: bool) {
     g("ray_node_network_send_speed", "Network send speed (bytes/sec)", s.rates.net_send_speed);
 }
 
+fn task_labels(job: &str, name: &str, is_retry: bool) -> Labels {
+    labels(&[
+        ("State", "RUNNING"),
+        ("Name", name),
+        ("IsRetry", if is_retry { "1" } else { "0" }),
+        ("Source", "executor"),
+        ("JobId", job),
+    ])
+}
+
+fn actor_labels(job: &str, class: &str, state: &str) -> Labels {
+    labels(&[("State", state), ("Name", class), ("Source", "executor"), ("JobId", job)])
+}
+
 /// Running tasks and actors of this node's workers, as their processes reported them.
 fn executor(e: &mut Exposition, seen: &mut SeenSeries, v: &AgentView, r: &Reports) {
-    let job_of: HashMap<&str, &str> =
-        v.workers.iter().map(|w| (w.worker_id.as_str(), w.job_id.as_str())).collect();
-    let mut tasks: BTreeMap<Labels, f64> = BTreeMap::new();
+    let live: HashSet<&str> = v.workers.iter().map(|w| w.worker_id.as_str()).collect();
+    let mut tasks: BTreeMap<Labels, f64> =
+        r.running_seen.iter().map(|(j, n, retry)| (task_labels(j, n, *retry), 0.0)).collect();
     let mut actors: BTreeMap<Labels, f64> = BTreeMap::new();
+    for (j, class) in &r.actors_seen {
+        for st in ["IDLE", "RUNNING_TASK"] {
+            actors.insert(actor_labels(j, class, st), 0.0);
+        }
+    }
     for (id, rep) in &r.reporters {
-        let Some(job) = job_of.get(id.as_str()) else { continue }; // workers only
+        if !live.contains(id.as_str()) {
+            continue; // workers of this agent only
+        }
+        let job = rep.job_id.as_str();
         for t in &rep.running {
-            let l = labels(&[
-                ("State", "RUNNING"),
-                ("Name", &t.name),
-                ("IsRetry", if t.is_retry { "1" } else { "0" }),
-                ("Source", "executor"),
-                ("JobId", job),
-            ]);
-            *tasks.entry(l).or_default() += f64::from(t.count);
+            *tasks.entry(task_labels(job, &t.name, t.is_retry)).or_default() += f64::from(t.count);
         }
         if !rep.actor_class.is_empty() {
             let busy = !rep.running.is_empty();
             for (st, on) in [("IDLE", !busy), ("RUNNING_TASK", busy)] {
-                let l = labels(&[
-                    ("State", st),
-                    ("Name", &rep.actor_class),
-                    ("Source", "executor"),
-                    ("JobId", job),
-                ]);
-                *actors.entry(l).or_default() += f64::from(u8::from(on));
+                *actors.entry(actor_labels(job, &rep.actor_class, st)).or_default() +=
+                    f64::from(u8::from(on));
             }
         }
     }
@@ -768,6 +793,7 @@ mod tests {
         };
         let run = |n: u32| pb::ReportMetricsRequest {
             worker_id: "w".into(),
+            job_id: "j".into(),
             running: if n > 0 {
                 vec![pb::RunningTasks { name: "f".into(), is_retry: false, count: n }]
             } else {
@@ -782,7 +808,11 @@ mod tests {
             e.encode()
         };
         m.report(run(2));
+        m.report(run(0));
         let line = r#"ray_tasks{State="RUNNING",Name="f",IsRetry="0",Source="executor",JobId="j"}"#;
+        // Reported running once, never scraped while running: still a series, at 0.
+        assert!(scrape(&mut seen).contains(&format!("{line} 0")));
+        m.report(run(2));
         assert!(scrape(&mut seen).contains(&format!("{line} 2")));
         m.report(run(0));
         assert!(scrape(&mut seen).contains(&format!("{line} 0")), "METRICS-2");

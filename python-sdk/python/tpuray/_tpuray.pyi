@@ -96,8 +96,18 @@ def get_actor(name: str, namespace: Optional[str] = None) -> tuple[str, str, str
 def actor_state(actor_id: str, wait: float) -> tuple[str, str, str, int]:
     """``(state, death_cause, node_id, pid)``."""
 def nodes() -> list[dict[str, Any]]:
-    """Ray's keys: ``NodeID``, ``Alive``, ``NodeManagerAddress``, ``Resources``, ``Labels``."""
+    """Ray's keys: ``NodeID``, ``Alive``, ``NodeManagerAddress``, ``Resources``, ``Labels``,
+    ``MetricsExportPort``."""
 def cluster_resources() -> dict[str, float]: ...
+def metric_define(
+    kind: str, name: str, description: str, tag_keys: list[str], boundaries: list[float]
+) -> None:
+    """Defines a user metric (``counter``, ``gauge``, ``histogram``); ValueError on a bad
+    name or boundaries, or a name already defined differently."""
+def metric_record(name: str, tag_values: list[str], value: float) -> None:
+    """Records a value for one series; ValueError on bad values or tag counts."""
+def metric_destination() -> tuple[str, bool] | None:
+    """(node agent address, whether it is on another host), or None before init."""
 def available_resources() -> dict[str, float]: ...
 def create_placement_group(
     bundles: list[dict[str, float]],

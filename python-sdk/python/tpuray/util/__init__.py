@@ -1,5 +1,5 @@
-"""``tpuray.util``: placement groups, scheduling strategies and TPU helpers (Ray's
-``ray.util`` layout)."""
+"""``tpuray.util``: placement groups, scheduling strategies, metrics and TPU helpers
+(Ray's ``ray.util`` layout)."""
 
 from tpuray.util.actor_pool import ActorPool
 from tpuray.util.placement_group import (
@@ -33,4 +33,4 @@ def get_node_ip_address() -> str:
 
 
 # Ray's ``ray.util`` submodules are attributes once ``ray`` is imported.
-from tpuray.util import scheduling_strategies, tpu  # noqa: E402
+from tpuray.util import metrics, scheduling_strategies, tpu  # noqa: E402
