@@ -53,8 +53,8 @@ struct Recorder {
     defs: BTreeMap<String, pb::MetricDef>,
     /// Definitions the agent has (sent and acknowledged).
     sent: HashSet<String>,
-    series: HashMap<(String, Vec<String>), Point>,
-    dirty: HashSet<(String, Vec<String>)>,
+    series: HashMap<SeriesKey, Point>,
+    dirty: HashSet<SeriesKey>,
     /// Task name → tasks running now: [first attempts, retries].
     running: HashMap<String, [u32; 2]>,
     running_changed: bool,
@@ -110,7 +110,7 @@ pub fn define(
                 detail: "boundaries are required".into(),
             });
         }
-        if let Some(b) = boundaries.iter().find(|b| !(**b > 0.0) || !b.is_finite()) {
+        if let Some(b) = boundaries.iter().find(|b| b.is_nan() || **b <= 0.0 || b.is_infinite()) {
             return Err(MetricError::Boundaries {
                 name: name.into(),
                 detail: format!("boundary {b} is not a positive number"),
@@ -257,12 +257,15 @@ pub fn dropped_series() -> u64 {
 }
 
 /// The report of what changed since the last one (`None`: nothing did).
-fn take_report(core: &Core) -> Option<(pb::ReportMetricsRequest, Vec<(String, Vec<String>)>)> {
+/// A series: metric name and tag values.
+type SeriesKey = (String, Vec<String>);
+
+fn take_report(core: &Core) -> Option<(pb::ReportMetricsRequest, Vec<SeriesKey>)> {
     let mut r = recorder();
     if r.dirty.is_empty() && !r.running_changed {
         return None;
     }
-    let keys: Vec<(String, Vec<String>)> = r.dirty.drain().collect();
+    let keys: Vec<SeriesKey> = r.dirty.drain().collect();
     let mut defs = Vec::new();
     let mut named = HashSet::new();
     let points: Vec<pb::MetricPoint> = keys

@@ -516,6 +516,9 @@ fn component_name(w: &WorkerView, rep: Option<&Reporter>) -> String {
     }
 }
 
+/// One component family's value from (cpu %, rss, shared, fds).
+type ComponentValue = fn(&[f64; 4]) -> f64;
+
 fn components(
     e: &mut Exposition,
     seen: &mut SeenSeries,
@@ -540,7 +543,7 @@ fn components(
     for w in &v.workers {
         add(component_name(w, r.reporters.get(&w.worker_id)), String::new(), w.pid);
     }
-    let fams: [(&str, &str, fn(&[f64; 4]) -> f64); 7] = [
+    let fams: [(&str, &str, ComponentValue); 7] = [
         ("ray_component_cpu_percentage", "CPU use of the components (percent of one CPU)", |x| {
             x[0]
         }),
