@@ -430,3 +430,50 @@ def test_counts_that_fall_to_zero_are_exported_as_zero(workload):
         assert value(h, "tpuray_tpu_slice_busy", Slice="sa") == 0
         assert value(h, "tpuray_tpu_chips", AcceleratorType="v6e-16", State="USED") == 0
     eventually(settled, timeout=30)
+
+
+# ---- tpuray.util.metrics: Ray's API rules (no cluster needed) ----
+
+def test_util_metrics_checks_arguments_as_rays_does():
+    import pickle
+    import warnings
+
+    from tpuray.util.metrics import Counter, Gauge, Histogram
+
+    with pytest.raises(ValueError, match="Empty name"):
+        Counter("")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bad = Counter("1bad")
+        bad.inc()  # discarded, as Ray's
+    assert any("Invalid metric name" in str(c.message) for c in caught)
+    with pytest.raises(TypeError, match="tuple"):
+        Counter("t_api_list_keys", tag_keys=["a"])
+    c = Counter("t_api_counter", "d", tag_keys=("a", "b"))
+    with pytest.raises(ValueError, match=">0"):
+        c.inc(0, tags={"a": "x", "b": "y"})
+    with pytest.raises(TypeError, match="int or float"):
+        c.inc("1", tags={"a": "x", "b": "y"})
+    with pytest.raises(ValueError, match="Missing value for tag key"):
+        c.inc(1, tags={"a": "x"})
+    with pytest.raises(ValueError, match="Unrecognized tag key"):
+        c.set_default_tags({"z": "1"})
+    with pytest.raises(TypeError, match="Tag values must be str"):
+        c.inc(1, tags={"a": 1, "b": "y"})
+    assert c.set_default_tags({"a": "x"}) is c
+    c.inc(2, tags={"b": "y"})
+    assert c.info == {"name": "t_api_counter", "description": "d", "tag_keys": ("a", "b"),
+                      "default_tags": {"a": "x"}}
+    assert pickle.loads(pickle.dumps(c)).info["name"] == "t_api_counter"
+    with pytest.raises(ValueError, match="boundaries argument should be provided"):
+        Histogram("t_api_h")
+    with pytest.raises(ValueError, match="Use positive values"):
+        Histogram("t_api_h", boundaries=[1, 0])
+    h = Histogram("t_api_h", boundaries=[5, 1])  # Prometheus buckets ascend
+    h.observe(3)
+    assert h.info["boundaries"] == [5, 1]
+    Gauge("t_api_g").set(None)  # a no-op, as Ray's
+    # A name is one metric: defined again differently is refused, naming both.
+    with pytest.raises(ValueError, match="already defined as a Counter"):
+        Gauge("t_api_counter", tag_keys=("a", "b"))
+    Counter("t_api_counter", "another description", tag_keys=("a", "b")).inc(tags={"a": "1", "b": "2"})
