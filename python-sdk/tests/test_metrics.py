@@ -206,6 +206,7 @@ def workload(tmp_path_factory):
         assert status == 200, body
         ready["session"] = json.loads(body)["session_name"]
         ready["dashboard"] = c.dashboard.removeprefix("http://")
+        ready["head_address"] = c.address
         ready["discovery"] = tmp / "head" / "session_latest" / "prom_metrics_service_discovery.json"
         ready["run_dir"] = run_dir
         ready["tmp"] = tmp
@@ -285,7 +286,7 @@ def test_metrics_of_the_head_and_agents_agree_with_the_cluster(workload):
             cpus = 3 if role == "head" else 1
             assert value(s, "ray_resources", Name="CPU", State="USED") == used, (
                 role, [(n, l.get("Name"), l.get("State"), v) for n, l, v in s
-                       if n in ("ray_resources", "tpuray_workers") and "group" not in l.get("Name", "")])
+                       if n in ("ray_resources", "tpuray_workers")])
             assert value(s, "ray_resources", Name="CPU", State="AVAILABLE") == cpus - used, role
         assert value(hn, "ray_object_store_memory", Location="MMAP_SHM", ObjectState="SEALED") >= 2 << 20
         assert total(hn, "ray_actors", Source="executor", State="IDLE", Name=".*Holder") == 1
@@ -320,6 +321,18 @@ def test_metrics_of_the_head_and_agents_agree_with_the_cluster(workload):
         again = {(n, tuple(sorted(l.items()))) for n, l, _ in scrape(t)}
         missing = {(n, tuple(sorted(l.items()))) for n, l, _ in first} - again
         assert not missing, (t, sorted(missing)[:5])
+
+
+def test_a_taken_metrics_export_port_is_an_error_naming_the_flag(workload):
+    w = workload
+    taken = agent_target(w, "w3").rsplit(":", 1)[1]
+    env = dict(os.environ, HOME=str(w["tmp"] / "home"), TPURAY_REGISTRY_DIR=str(w["tmp"] / "registry"))
+    env.pop("TPURAY_ADDRESS", None)
+    r = subprocess.run([sys.executable, "-m", "tpuray", "start", "--address", w["head_address"],
+                        "--num-cpus", "1", "--metrics-export-port", taken,
+                        "--temp-dir", str(w["tmp"] / "taken")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--metrics-export-port" in r.stderr, r.stderr
 
 
 def prometheus_binary() -> str:
