@@ -63,7 +63,7 @@ import sys, time
 import tpuray as ray
 ray.init(sys.argv[1])
 
-@ray.remote(num_cpus=0.01)
+@ray.remote
 def noop(i):
     return i
 
@@ -114,7 +114,8 @@ def main() -> None:
                 break
             time.sleep(0.2)
         head_url = dashboard + "/metrics"
-        agent_url = f"http://{sorted(t for t in targets if t not in dashboard)[0]}/metrics"
+        agents = [f"http://{t}/metrics" for t in targets if t not in dashboard]
+        agent_url = agents[0]
         rows = [("head, idle", measure(head_url, a.scrapes)),
                 ("agent, idle", measure(agent_url, a.scrapes))]
         script = tmp / "driver.py"
@@ -134,9 +135,11 @@ def main() -> None:
                 break
             time.sleep(0.5)
         print(f"head reports {finished:.0f} finished tasks")
+        # The agent with the most series (the one whose workers ran the most kinds of work).
+        agent_url = max(agents, key=lambda u: len(fetch(u)[1]))
         rows += [(f"head, {a.tasks} finished tasks", measure(head_url, a.scrapes)),
                  (f"agent, {a.tasks} finished tasks", measure(agent_url, a.scrapes))]
-        print(f"\n{a.nodes} nodes, {a.scrapes} scrapes each ({agent_url} is one of the agents)")
+        print(f"\n{a.nodes} nodes, {a.scrapes} scrapes each (agent: {agent_url}, the largest after the tasks)")
         print(f"{'target':<32} {'median ms':>10} {'p90 ms':>8} {'bytes':>8} {'series':>7}")
         for name, m in rows:
             print(f"{name:<32} {m['median_ms']:>10.2f} {m['p90_ms']:>8.2f} {m['bytes']:>8} {m['series']:>7}")

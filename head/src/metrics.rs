@@ -14,7 +14,9 @@
 //!   finished, failed); running tasks are exported by the node agent whose worker runs
 //!   them (`Source="executor"`), as Ray splits them, so no task counts twice.
 //!
-//! Scrapes run on a blocking thread: they read the task table under the head's lock.
+//! Scrapes run on a blocking thread; under the head's lock they read the task tally
+//! ([`TaskTally`], kept as task events arrive: one entry per job and task name) and the
+//! state machine's actors, groups and nodes, never the whole task table.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -56,26 +58,71 @@ fn owner_state(s: &str) -> Option<&'static str> {
 /// (job id, name, is retry, Ray state) → tasks.
 type TaskKey = (String, String, bool, &'static str);
 
-/// Finished and failed tasks the bounded task table forgot (server.rs, `MAX_TASKS_KEPT`),
-/// so `ray_tasks{State="FINISHED"}` keeps counting past the table's size.
+/// `ray_tasks{Source="owner"}`, counted as task events change the task table
+/// (server.rs, `report_task_events`), so a scrape costs the number of (job, name) pairs,
+/// not the table's up to 100,000 tasks; finished and failed tasks the bounded table
+/// forgets stay counted, so FINISHED keeps counting past the table's size.
 #[derive(Debug, Default)]
 pub(crate) struct TaskTally {
-    counts: HashMap<TaskKey, u64>,
+    /// job → name → tasks per slot ([`TaskTally::slot`]: owner state × retry), and
+    /// whether a retry of the name was ever counted (its retry series exist from then).
+    counts: HashMap<String, HashMap<String, ([u64; 6], bool)>>,
+    pairs: usize,
 }
 
-/// At most this many (job, name, state) keys are tallied for forgotten tasks.
-const MAX_TALLY_KEYS: usize = 10_000;
+/// At most this many (job, name) pairs are counted; tasks of further pairs are not.
+const MAX_TALLY_PAIRS: usize = 10_000;
 
 impl TaskTally {
-    /// Counts a task leaving the table.
-    pub(crate) fn forget(&mut self, t: &pb::TaskSummary) {
-        let Some(state) = owner_state(&t.state).filter(|s| *s != "PENDING_NODE_ASSIGNMENT") else {
-            return;
+    /// Where a task counts: `OWNER_TASK_STATES[i / 2]`, a retry when `i` is odd; `None`
+    /// for states the owner does not report (running: its executor's agent does).
+    pub(crate) fn slot(t: &pb::TaskSummary) -> Option<usize> {
+        let state = owner_state(&t.state)?;
+        let i = OWNER_TASK_STATES.iter().position(|s| *s == state)?;
+        Some(2 * i + usize::from(t.attempt > 0))
+    }
+
+    /// A task of (`job`, `name`) moved from slot `from` to slot `to`.
+    pub(crate) fn moved(&mut self, job: &str, name: &str, from: Option<usize>, to: Option<usize>) {
+        let full = self.pairs >= MAX_TALLY_PAIRS;
+        let names = match self.counts.get_mut(job) {
+            Some(n) => n,
+            None if full || to.is_none() => return,
+            None => self.counts.entry(job.to_string()).or_default(),
         };
-        let key = (t.job_id.clone(), t.name.clone(), t.attempt > 0, state);
-        if self.counts.len() < MAX_TALLY_KEYS || self.counts.contains_key(&key) {
-            *self.counts.entry(key).or_default() += 1;
+        let c = match names.get_mut(name) {
+            Some(c) => c,
+            None if full || to.is_none() => return,
+            None => {
+                self.pairs += 1;
+                names.entry(name.to_string()).or_default()
+            }
+        };
+        if let Some(f) = from {
+            c.0[f] = c.0[f].saturating_sub(1);
         }
+        if let Some(t) = to {
+            c.0[t] += 1;
+            c.1 |= t % 2 == 1;
+        }
+    }
+
+    /// A task leaves the table: a pending one stops counting, a finished or failed one
+    /// stays counted.
+    pub(crate) fn forget(&mut self, t: &pb::TaskSummary) {
+        if let Some(s) = Self::slot(t).filter(|s| s / 2 == 0) {
+            self.moved(&t.job_id, &t.name, Some(s), None);
+        }
+    }
+
+    fn entries(&self) -> impl Iterator<Item = (TaskKey, u64)> + '_ {
+        self.counts.iter().flat_map(|(job, names)| {
+            names.iter().flat_map(move |(name, (c, retried))| {
+                (0..6).filter(move |i| i % 2 == 0 || *retried).map(move |i| {
+                    ((job.clone(), name.clone(), i % 2 == 1, OWNER_TASK_STATES[i / 2]), c[i])
+                })
+            })
+        })
     }
 }
 
@@ -210,22 +257,12 @@ fn snapshot(head: &Head) -> (String, Option<ClusterSnapshot>) {
     if !head.is_leader() {
         return (session, None); // METRICS-3
     }
-    let mut s = ClusterSnapshot::default();
-    let mut counts: HashMap<(&str, &str, bool, &'static str), u64> = HashMap::new();
-    for t in inner.tasks.values() {
-        if let Some(state) = owner_state(&t.state) {
-            *counts.entry((&t.job_id, &t.name, t.attempt > 0, state)).or_default() += 1;
-        }
-    }
-    s.tasks = counts
-        .into_iter()
-        .map(|((j, n, r, st), c)| ((j.to_string(), n.to_string(), r, st), c))
-        .collect();
-    for (k, c) in &inner.evicted_tasks.counts {
-        *s.tasks.entry(k.clone()).or_default() += c;
-    }
-    s.tasks_kept = inner.tasks.len();
-    s.tasks_dropped = inner.tasks_dropped;
+    let mut s = ClusterSnapshot {
+        tasks: inner.task_tally.entries().collect(),
+        tasks_kept: inner.tasks.len(),
+        tasks_dropped: inner.tasks_dropped,
+        ..Default::default()
+    };
     for a in inner.sm.actors.values() {
         let state = match a.status {
             ActorStatus::PendingCreation => "PENDING_CREATION",
@@ -655,12 +692,41 @@ mod tests {
     fn owner_states_are_rays() {
         assert_eq!(owner_state("SUBMITTED"), Some("PENDING_NODE_ASSIGNMENT"));
         assert_eq!(owner_state("RUNNING"), None, "the executor's agent exports running tasks");
-        let mut t = TaskTally::default();
-        let s =
-            pb::TaskSummary { name: "f".into(), state: "FINISHED".into(), ..Default::default() };
-        t.forget(&s);
-        t.forget(&pb::TaskSummary { state: "SUBMITTED".into(), ..s.clone() });
-        assert_eq!(t.counts.len(), 1);
+    }
+
+    #[test]
+    fn the_task_tally_follows_the_table_and_keeps_forgotten_finished_tasks() {
+        let mut tally = TaskTally::default();
+        let t = |state: &str, attempt| pb::TaskSummary {
+            job_id: "j".into(),
+            name: "f".into(),
+            state: state.into(),
+            attempt,
+            ..Default::default()
+        };
+        let count = |tally: &TaskTally, state: &str, retry: bool| {
+            tally
+                .entries()
+                .find(|((_, _, r, s), _)| *r == retry && *s == state)
+                .map_or(0, |(_, c)| c)
+        };
+        let step = |tally: &mut TaskTally, from: &pb::TaskSummary, to: &pb::TaskSummary| {
+            tally.moved("j", "f", TaskTally::slot(from), TaskTally::slot(to));
+        };
+        let none = pb::TaskSummary::default();
+        step(&mut tally, &none, &t("SUBMITTED", 0));
+        step(&mut tally, &none, &t("SUBMITTED", 0));
+        assert_eq!(count(&tally, "PENDING_NODE_ASSIGNMENT", false), 2);
+        step(&mut tally, &t("SUBMITTED", 0), &t("RUNNING", 0));
+        step(&mut tally, &t("RUNNING", 0), &t("FINISHED", 0));
+        step(&mut tally, &t("SUBMITTED", 0), &t("RETRYING", 1));
+        assert_eq!(count(&tally, "PENDING_NODE_ASSIGNMENT", false), 0);
+        assert_eq!(count(&tally, "PENDING_NODE_ASSIGNMENT", true), 1);
+        assert_eq!(count(&tally, "FINISHED", false), 1);
+        tally.forget(&t("FINISHED", 0));
+        assert_eq!(count(&tally, "FINISHED", false), 1, "a forgotten finished task still counts");
+        tally.forget(&t("RETRYING", 1));
+        assert_eq!(count(&tally, "PENDING_NODE_ASSIGNMENT", true), 0);
     }
 
     #[test]

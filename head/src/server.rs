@@ -166,8 +166,9 @@ pub(crate) struct Inner {
     pub(crate) tasks: HashMap<String, pb::TaskSummary>,
     task_order: VecDeque<String>,
     pub(crate) tasks_dropped: u64,
-    /// Finished and failed tasks the table forgot, for `ray_tasks` (`metrics.rs`).
-    pub(crate) evicted_tasks: crate::metrics::TaskTally,
+    /// Tasks by job, name and owner state, kept with the table, for `ray_tasks`
+    /// (`metrics.rs`; finished tasks the table forgets stay counted).
+    pub(crate) task_tally: crate::metrics::TaskTally,
     /// The job sweep's soft state (HEAD-11, `jobs.rs`).
     pub(crate) jobs_soft: crate::jobs::JobsSoft,
 }
@@ -235,7 +236,7 @@ impl Head {
                 tasks: HashMap::new(),
                 task_order: VecDeque::new(),
                 tasks_dropped: 0,
-                evicted_tasks: Default::default(),
+                task_tally: Default::default(),
                 jobs_soft: Default::default(),
             }),
             events,
@@ -1681,14 +1682,15 @@ impl HeadService for HeadSvc {
         &self,
         req: Request<pb::ReportTaskEventsRequest>,
     ) -> Result<Response<pb::ReportTaskEventsReply>, Status> {
-        let mut inner = self.0.lock();
+        let mut guard = self.0.lock();
+        let inner = &mut *guard;
         for e in req.into_inner().events {
             if !inner.tasks.contains_key(&e.task_id) {
                 inner.task_order.push_back(e.task_id.clone());
                 while inner.task_order.len() > MAX_TASKS_KEPT {
                     if let Some(old) = inner.task_order.pop_front() {
                         if let Some(t) = inner.tasks.remove(&old) {
-                            inner.evicted_tasks.forget(&t);
+                            inner.task_tally.forget(&t);
                         }
                         inner.tasks_dropped += 1;
                     }
@@ -1701,6 +1703,7 @@ impl HeadService for HeadSvc {
                 actor_id: e.actor_id.clone(),
                 ..Default::default()
             });
+            let counted = crate::metrics::TaskTally::slot(t);
             // Events from owner and executor may arrive in any order: a final
             // state is never overwritten by an earlier one.
             // A summary made from this very event has no state yet: any state wins.
@@ -1729,6 +1732,10 @@ impl HeadService for HeadSvc {
                     t.finished_ms = e.time_ms;
                     t.error = e.error.clone();
                 }
+            }
+            let now = crate::metrics::TaskTally::slot(t);
+            if now != counted {
+                inner.task_tally.moved(&t.job_id, &t.name, counted, now);
             }
         }
         Ok(Response::new(pb::ReportTaskEventsReply {}))
