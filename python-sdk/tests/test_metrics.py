@@ -492,3 +492,55 @@ def test_util_metrics_checks_arguments_as_rays_does():
     with pytest.raises(ValueError, match="already defined as a Counter"):
         Gauge("t_api_counter", tag_keys=("a", "b"))
     Counter("t_api_counter", "another description", tag_keys=("a", "b")).inc(tags={"a": "1", "b": "2"})
+
+
+def test_every_head_exports_its_raft_position_and_only_the_leader_the_cluster(tmp_path):
+    """METRICS-3 on three heads: each exports its own Raft term, indexes and apply lag;
+    only the serving leader exports cluster series (so sums over heads count once); the
+    discovery file lists every head's dashboard and the node."""
+    env = dict(os.environ, HOME=str(tmp_path / "home"), TPURAY_REGISTRY_DIR=str(tmp_path / "registry"))
+    env.pop("TPURAY_ADDRESS", None)
+    os.makedirs(env["HOME"])
+    ports = []
+    for _ in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    cli = [sys.executable, "-m", "tpuray"]
+    dashboards = []
+    try:
+        for i in (1, 2, 3):
+            r = subprocess.run(cli + ["start", "--head", "--head-only", "--head-peers", peers,
+                                      "--head-id", str(i), "--dashboard-port", "0",
+                                      "--temp-dir", str(tmp_path / f"h{i}")],
+                               env=env, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr
+            dashboards.append(re.search(r"Dashboard: http://(\S+)", r.stdout).group(1))
+        r = subprocess.run(cli + ["start", "--address", peers, "--num-cpus", "1",
+                                  "--temp-dir", str(tmp_path / "n1")],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+
+        def heads_ok():
+            scrapes = [scrape(d) for d in dashboards]
+            leaders = [i for i, s in enumerate(scrapes)
+                       if value(s, "tpuray_head_serving", HeadId=str(i + 1)) == 1]
+            assert len(leaders) == 1, leaders
+            terms = {value(s, "tpuray_raft_term", HeadId=str(i + 1)) for i, s in enumerate(scrapes)}
+            assert len(terms) == 1, terms
+            for i, s in enumerate(scrapes):
+                hid = str(i + 1)
+                assert value(s, "tpuray_raft_apply_lag", HeadId=hid) == 0
+                assert value(s, "tpuray_raft_is_leader", HeadId=hid) == int(i == leaders[0])
+                nodes = [v for n, l, v in s if n == "tpuray_nodes" and l["State"] == "ALIVE"]
+                assert nodes == ([1] if i == leaders[0] else []), (hid, nodes)
+        eventually(heads_ok, timeout=60)
+        sd = tmp_path / "h1" / "session_latest" / "prom_metrics_service_discovery.json"
+
+        def discovered():
+            targets = json.loads(sd.read_text())[0]["targets"]
+            assert set(dashboards) <= set(targets) and len(targets) == 4, (targets, dashboards)
+        eventually(discovered, timeout=30)
+    finally:
+        subprocess.run(cli + ["stop"], env=env, capture_output=True, timeout=120)
