@@ -1432,7 +1432,8 @@ impl Agent {
         let gpus = tpuray_scheduler::bundles::plain_amount(&demand, "GPU");
         let reused = {
             let mut st = self.lock();
-            st.available.saturating_sub(&demand);
+            // The demand was taken from `available` when the lease was decided (under the
+            // same lock as the decision: see `request_worker_lease`).
             st.leases.insert(
                 lease_id.clone(),
                 Lease {
@@ -1680,6 +1681,12 @@ impl NodeAgentService for AgentSvc {
                             agent.note_demand(&mut st, &demand, false, "", -1);
                         }
                         guard.waiting.set(false);
+                        // AGENT-2: take the demand now, under the lock the decision saw the
+                        // node under; taken later (at grant), two requests deciding at once
+                        // both fitted the same free CPU, the second subtraction saturated at
+                        // 0, and the node's available resources stayed above the truth after
+                        // both returned (phantom CPUs, seen in `ray_resources`).
+                        st.available.saturating_sub(&demand);
                     }
                     Decision::Infeasible { reason } => {
                         if guard.waiting.get() {
