@@ -285,8 +285,8 @@ def test_metrics_of_the_head_and_agents_agree_with_the_cluster(workload):
             used = want[role] * (role in ("head", "w0")) + 0.5 * (w["nodes"][role] == w["pg_node"])
             cpus = 3 if role == "head" else 1
             assert value(s, "ray_resources", Name="CPU", State="USED") == used, (
-                role, [(n, l.get("Name"), l.get("State"), v) for n, l, v in s
-                       if n in ("ray_resources", "tpuray_workers")])
+                role, [(l.get("Name"), l.get("State"), v) for n, l, v in s
+                       if n == "tpuray_workers" or l.get("Name") == "CPU"])
             assert value(s, "ray_resources", Name="CPU", State="AVAILABLE") == cpus - used, role
         assert value(hn, "ray_object_store_memory", Location="MMAP_SHM", ObjectState="SEALED") >= 2 << 20
         assert total(hn, "ray_actors", Source="executor", State="IDLE", Name=".*Holder") == 1
