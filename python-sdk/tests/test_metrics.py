@@ -4,8 +4,9 @@ parser, against the cluster's true state while a workload holds it (running task
 known nodes, chips busy on a simulated v6e-16 slice, an actor, a placement group, an
 object in the store, user metrics from ``tpuray.util.metrics``); a real Prometheus
 (Debian's ``prometheus``) that finds the targets through the service-discovery file and
-answers the PromQL of Ray 2.60's default dashboard (``ray_dashboard_panels.py``); and
-counts that fall to zero read 0 instead of vanishing."""
+answers the PromQL of Ray 2.60's default dashboard (``ray_dashboard_panels.py``);
+counts that fall to zero read 0 instead of vanishing; a slice gang's generation and
+restarts; three heads' Raft positions; and Ray's ``ray.util.metrics`` argument rules."""
 
 from __future__ import annotations
 
@@ -114,7 +115,24 @@ pg_node = placement_group_table(pg)["bundles_to_node_id"][0]
 out("READY", {"nodes": nodes, "running": running, "nodes_info": ray.nodes(), "pg_node": pg_node})
 assert sorted(ray.get(refs, timeout=120)) == sorted(tags)
 out("RELEASED", {})
+wait_for(os.path.join(run_dir, "gang"))
+# A slice gang whose member dies once: generation 0, then 1 (tpuray_gang_*).
+import signal
+from tpuray.util import tpu
+
+@ray.remote
+class Member:
+    def pid(self):
+        return os.getpid()
+
+group = tpu.SliceActorGroup(Member, topology="4x4", accelerator_version="v6e", name="metrics-gang",
+                            max_restarts=2)
+pids = group.call("pid")
+os.kill(pids[1], signal.SIGKILL)
+group.call("pid")
+out("GANG", {"restarts": group.restarts})
 wait_for(os.path.join(run_dir, "exit"))
+group.shutdown()
 del big
 """
 
@@ -445,6 +463,21 @@ def test_counts_that_fall_to_zero_are_exported_as_zero(workload):
         assert value(h, "tpuray_tpu_slice_busy", Slice="sa") == 0
         assert value(h, "tpuray_tpu_chips", AcceleratorType="v6e-16", State="USED") == 0
     eventually(settled, timeout=30)
+
+    # A gang on the slice, restarted once after a member died.
+    (w["run_dir"] / "gang").touch()
+    line = w["proc"].stdout.readline()
+    assert line.startswith("GANG ") and json.loads(line[5:])["restarts"] == 1, line
+
+    def gang():
+        h = scrape(w["dashboard"])
+        assert value(h, "tpuray_gang_generation", Gang="metrics-gang") == 1
+        assert value(h, "tpuray_gang_restarts_total", Gang="metrics-gang") == 1
+        assert value(h, "tpuray_gang_reserved", Gang="metrics-gang") == 1
+        assert value(h, "tpuray_tpu_slice_busy", Slice="sa") == 1
+        assert value(h, "tpuray_tpu_slice_chips", Slice="sa", State="USED") == 16
+        assert value(h, "ray_placement_groups", State="REMOVED") >= 1  # generation 0's group
+    eventually(gang, timeout=30)
 
 
 # ---- tpuray.util.metrics: Ray's API rules (no cluster needed) ----
