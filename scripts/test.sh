@@ -15,6 +15,16 @@ if ! command -v ip >/dev/null || ! command -v nsenter >/dev/null || ! command -v
     fi
 fi
 
+# test_metrics.py scrapes the cluster with a real Prometheus (Debian's package).
+if ! command -v prometheus >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
+            || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+    else
+        echo "test.sh: the metrics test needs Debian's prometheus (apt-get install prometheus)" >&2
+    fi
+fi
+
 cargo fmt --all -- --check
 # The Python extension is a workspace of its own (python-sdk/Cargo.toml).
 (cd python-sdk && cargo fmt -- --check)

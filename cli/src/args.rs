@@ -179,6 +179,11 @@ pub struct StartArgs {
     /// NET-3: its address when that is a loopback one, else every address).
     #[arg(long, requires = "head")]
     pub dashboard_host: Option<String>,
+    /// The port of this node's Prometheus endpoint (`/metrics`, and Ray's agent health
+    /// routes `/api/healthz`, `/api/local_raylet_healthz`; default: a free port). The
+    /// targets are listed in `<temp-dir>/session_latest/prom_metrics_service_discovery.json`.
+    #[arg(long)]
+    pub metrics_export_port: Option<u16>,
     #[command(flatten)]
     pub resources: ResourceFlags,
 }
@@ -491,6 +496,9 @@ pub struct AgentArgs {
     /// The object store's spill folder (default: `<session dir>/spill`).
     #[arg(long)]
     pub spill_dir: Option<PathBuf>,
+    /// The port of the node's Prometheus endpoint (0: a free port).
+    #[arg(long, default_value_t = 0)]
+    pub metrics_export_port: u16,
     #[command(flatten)]
     pub resources: ResourceFlags,
 }

@@ -366,6 +366,9 @@ pub fn start(a: StartArgs) -> Result<i32> {
         None => session.join("spill"),
     };
     args.extend(["--spill-dir".into(), spill.display().to_string()]);
+    if let Some(p) = a.metrics_export_port {
+        args.extend(["--metrics-export-port".into(), p.to_string()]);
+    }
     args.extend(a.resources.to_args());
     // The node agent of a replicated head joins in the background: a majority of the
     // heads must be up before any serves, and they are started one after another.
@@ -642,6 +645,7 @@ pub fn run_head(a: HeadArgs) -> Result<i32> {
             port: a.dashboard_port.unwrap_or(8265),
             explicit: a.dashboard_port.is_some(),
         }),
+        session_dir: Some(a.session_dir.clone()),
     };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let ready = a.ready_file.clone();
@@ -694,6 +698,7 @@ pub fn run_agent(a: AgentArgs) -> Result<i32> {
         token,
         worker_command,
         store,
+        a.metrics_export_port,
         move |addr, node_id| {
             write_ready(
                 &ready,

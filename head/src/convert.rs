@@ -28,6 +28,7 @@ pub fn node_to_proto(n: &NodeRecord) -> pb::NodeInfo {
         session_dir: n.session_dir.clone(),
         pid: n.pid,
         object_store_dir: n.object_store_dir.clone(),
+        metrics_export_port: u32::from(n.metrics_export_port),
     }
 }
 

@@ -1,6 +1,6 @@
 //! The head's HTTP server on the dashboard port (DESIGN.md §13, HTTP-1..3), built on
 //! axum. Routes now: health (`/healthz`, `/readyz`, Ray's `/api/gcs_healthz` and
-//! `/api/healthz`) and Ray
+//! `/api/healthz`), Prometheus's `/metrics` (`metrics.rs`) and Ray
 //! 2.60's Jobs REST API (`ray/dashboard/modules/job/job_head.py`), so Ray's own
 //! `JobSubmissionClient` and `ray job ...` work against tpuray unchanged. The dashboard's
 //! pages (`dashboard.rs`) join [`router`]; later routes (metrics, Serve's REST API) too.
@@ -8,10 +8,11 @@
 //! - HTTP-1: every head serves it. The Jobs API calls the head cluster through a
 //!   leader-following gRPC client (CLIENT-1), so on a head that is not the serving
 //!   leader it reaches the leader without a redirect the HTTP client would have to follow.
-//! - HTTP-2: with token auth on, every route except the health ones needs the cluster
-//!   token as `Authorization: Bearer <token>` (or Ray's `X-Ray-Authorization` header, or
-//!   its `ray-authentication-token` cookie); a missing token is 401, a wrong one 403, with
-//!   Ray's texts (`ray/_private/authentication/http_token_authentication.py`).
+//! - HTTP-2: with token auth on, every route except the health ones and `/metrics`
+//!   (METRICS-1) needs the cluster token as `Authorization: Bearer <token>` (or Ray's
+//!   `X-Ray-Authorization` header, or its `ray-authentication-token` cookie); a missing
+//!   token is 401, a wrong one 403, with Ray's texts
+//!   (`ray/_private/authentication/http_token_authentication.py`).
 //! - HTTP-3: a request the API cannot serve gets a status and a text body that names
 //!   what was wrong (Ray's client shows the body); no request stops the head.
 
@@ -113,6 +114,8 @@ pub(crate) fn router(head: Arc<Head>, addresses: &str) -> Result<Router, String>
         .route("/api/gcs_healthz", get(|| async { "success" }))
         .route("/api/healthz", get(|| async { "success" }))
         .route("/readyz", get(ready))
+        // METRICS-1: scraped without a token, as Ray's; read-only.
+        .route("/metrics", get(crate::metrics::scrape))
         .merge(jobs)
         .merge(crate::dashboard::routes(Arc::clone(&api)))
         .with_state(api))

@@ -18,6 +18,9 @@
 //! - HEAD-8: soft state belongs to one leadership term; a new leader restarts the
 //!   death clocks, waits for node reports before placing, and reconciles actor
 //!   workers and bundles with the agents.
+//! - METRICS-1..3 (`metrics.rs`): `/metrics` needs no token and only reads; a series
+//!   once exported is exported on every later scrape (0 when its count went away);
+//!   cluster series come from the serving leader only.
 //! - The head is never on the task hot path: it places actors and tracks
 //!   membership; tasks go through node-agent leases.
 //!
@@ -29,6 +32,7 @@ pub mod convert;
 mod dashboard;
 pub mod http;
 pub mod jobs;
+pub mod metrics;
 pub mod placement_groups;
 pub mod replication;
 pub mod server;

@@ -73,6 +73,9 @@ pub struct HeadConfig {
     pub snapshot_every: u64,
     /// The HTTP server (dashboard port); `None` serves none.
     pub dashboard: Option<crate::http::DashboardConfig>,
+    /// The session folder, where the head keeps Prometheus's service-discovery file
+    /// (`metrics.rs`); `None` writes none.
+    pub session_dir: Option<PathBuf>,
 }
 
 impl HeadConfig {
@@ -90,6 +93,7 @@ impl HeadConfig {
             raft_tick: Duration::from_millis(50),
             snapshot_every: 10_000,
             dashboard: None,
+            session_dir: None,
         }
     }
 
@@ -159,9 +163,12 @@ pub(crate) struct Inner {
     /// Bundles being given back because no record holds them (HEAD-8).
     pub(crate) returning: HashSet<(PlacementGroupId, NodeId)>,
     /// Task summaries from task events (soft, bounded, lossy).
-    tasks: HashMap<String, pb::TaskSummary>,
+    pub(crate) tasks: HashMap<String, pb::TaskSummary>,
     task_order: VecDeque<String>,
-    tasks_dropped: u64,
+    pub(crate) tasks_dropped: u64,
+    /// Tasks by job, name and owner state, kept with the table, for `ray_tasks`
+    /// (`metrics.rs`; finished tasks the table forgets stay counted).
+    pub(crate) task_tally: crate::metrics::TaskTally,
     /// The job sweep's soft state (HEAD-11, `jobs.rs`).
     pub(crate) jobs_soft: crate::jobs::JobsSoft,
 }
@@ -202,6 +209,8 @@ pub struct Head {
     agents: Mutex<HashMap<String, AgentClient>>,
     /// This head's HTTP server, `http://ADDRESS:PORT` (set once it listens).
     pub(crate) dashboard_url: OnceLock<String>,
+    /// What `/metrics` scrapes remember (`metrics.rs`).
+    pub(crate) metrics: crate::metrics::HeadMetrics,
 }
 
 /// A client of a node agent's `NodeAgentService`.
@@ -227,6 +236,7 @@ impl Head {
                 tasks: HashMap::new(),
                 task_order: VecDeque::new(),
                 tasks_dropped: 0,
+                task_tally: Default::default(),
                 jobs_soft: Default::default(),
             }),
             events,
@@ -240,6 +250,7 @@ impl Head {
             rt: tokio::runtime::Handle::current(),
             agents: Mutex::new(HashMap::new()),
             dashboard_url: OnceLock::new(),
+            metrics: Default::default(),
         })
     }
 
@@ -972,6 +983,7 @@ impl HeadService for HeadSvc {
             pid: node.pid,
             status: NodeLife::Alive,
             object_store_dir: node.object_store_dir,
+            metrics_export_port: u16::try_from(node.metrics_export_port).unwrap_or(0),
         };
         if let Outcome::Rejected(r) = self
             .0
@@ -1677,13 +1689,16 @@ impl HeadService for HeadSvc {
         &self,
         req: Request<pb::ReportTaskEventsRequest>,
     ) -> Result<Response<pb::ReportTaskEventsReply>, Status> {
-        let mut inner = self.0.lock();
+        let mut guard = self.0.lock();
+        let inner = &mut *guard;
         for e in req.into_inner().events {
             if !inner.tasks.contains_key(&e.task_id) {
                 inner.task_order.push_back(e.task_id.clone());
                 while inner.task_order.len() > MAX_TASKS_KEPT {
                     if let Some(old) = inner.task_order.pop_front() {
-                        inner.tasks.remove(&old);
+                        if let Some(t) = inner.tasks.remove(&old) {
+                            inner.task_tally.forget(&t);
+                        }
                         inner.tasks_dropped += 1;
                     }
                 }
@@ -1695,6 +1710,7 @@ impl HeadService for HeadSvc {
                 actor_id: e.actor_id.clone(),
                 ..Default::default()
             });
+            let counted = crate::metrics::TaskTally::slot(t);
             // Events from owner and executor may arrive in any order: a final
             // state is never overwritten by an earlier one.
             // A summary made from this very event has no state yet: any state wins.
@@ -1726,6 +1742,10 @@ impl HeadService for HeadSvc {
                     t.finished_ms = e.time_ms;
                     t.error = e.error.clone();
                 }
+            }
+            let now = crate::metrics::TaskTally::slot(t);
+            if now != counted {
+                inner.task_tally.moved(&t.job_id, &t.name, counted, now);
             }
         }
         Ok(Response::new(pb::ReportTaskEventsReply {}))
@@ -2099,6 +2119,9 @@ pub async fn serve(
         http_task =
             Some(tokio::spawn(crate::http::serve(listener, router, stopped(stop_rx.clone()))));
         dashboard_url = Some(url);
+    }
+    if let Some(dir) = &config.session_dir {
+        crate::metrics::spawn_discovery_writer(Arc::clone(&head), dir.clone());
     }
     ready(Ready { address: addr, dashboard_url });
     let served = tonic::transport::Server::builder()

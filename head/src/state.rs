@@ -50,6 +50,8 @@ pub struct NodeRecord {
     pub status: NodeStatus,
     /// The node's object store folder.
     pub object_store_dir: String,
+    /// The port of the node agent's `/metrics` (`--metrics-export-port`; 0: none).
+    pub metrics_export_port: u16,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -190,7 +192,8 @@ mod kv_map {
 }
 
 /// Version byte in front of every encoded command (log entries) and snapshot.
-const FORMAT: u8 = 2;
+/// 3: nodes record their `metrics_export_port`.
+const FORMAT: u8 = 3;
 
 /// A command as a Raft log entry: a version byte, then postcard.
 pub fn encode_command(cmd: &Command) -> Vec<u8> {
@@ -872,6 +875,7 @@ mod tests {
             pid: 1,
             status: NodeStatus::Alive,
             object_store_dir: String::new(),
+            metrics_export_port: 0,
         }
     }
 

@@ -9,6 +9,7 @@ pub mod client;
 pub mod convert;
 pub mod h2grpc;
 pub mod ids;
+pub mod metrics;
 pub mod net;
 pub mod packages;
 pub mod registry;

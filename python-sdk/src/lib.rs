@@ -739,6 +739,7 @@ fn nodes(py: Python<'_>) -> PyResult<Py<PyList>> {
         d.set_item("NodeManagerAddress", n.address)?;
         d.set_item("Resources", n.resources)?;
         d.set_item("Labels", n.labels)?;
+        d.set_item("MetricsExportPort", n.metrics_export_port)?;
         out.append(d)?;
     }
     Ok(out.unbind())
@@ -761,6 +762,48 @@ fn timeline_json(py: Python<'_>, job_id: Option<String>) -> PyResult<String> {
     let address = raw::process_info().map_err(cluster_err)?.head_address;
     py.detach(|| tpuray_cli::timeline::trace_json(&address, job_id.as_deref()))
         .map_err(|e| PyRuntimeError::new_err(format!("{e:#}")))
+}
+
+// ---- metrics (tpuray.util.metrics) ----
+
+fn metric_err(e: tpuray::metrics::MetricError) -> PyErr {
+    pyo3::exceptions::PyValueError::new_err(e.to_string())
+}
+
+/// Defines a user metric in this process (`kind`: counter, gauge or histogram).
+#[pyfunction]
+fn metric_define(
+    kind: &str,
+    name: &str,
+    description: &str,
+    tag_keys: Vec<String>,
+    boundaries: Vec<f64>,
+) -> PyResult<()> {
+    use tpuray_proto::pb::metric_def::Kind;
+    let kind = match kind {
+        "counter" => Kind::Counter,
+        "gauge" => Kind::Gauge,
+        "histogram" => Kind::Histogram,
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "unknown metric kind {other:?}"
+            )));
+        }
+    };
+    tpuray::metrics::define(kind, name, description, &tag_keys, &boundaries).map_err(metric_err)
+}
+
+/// Records a value for the series of `tag_values` (in the definition's key order).
+#[pyfunction]
+fn metric_record(name: &str, tag_values: Vec<String>, value: f64) -> PyResult<()> {
+    tpuray::metrics::record(name, tag_values, value).map_err(metric_err)
+}
+
+/// Where this process's metrics go: (node agent address, on another host), or None
+/// before `init`.
+#[pyfunction]
+fn metric_destination() -> Option<(String, bool)> {
+    tpuray::metrics::destination().map(|d| (d, tpuray::metrics::reports_to_another_host()))
 }
 
 #[pyfunction]
@@ -1426,6 +1469,9 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(process_info, m)?,
         wrap_pyfunction!(tpu_slice_shape, m)?,
         wrap_pyfunction!(is_initialized, m)?,
+        wrap_pyfunction!(metric_define, m)?,
+        wrap_pyfunction!(metric_record, m)?,
+        wrap_pyfunction!(metric_destination, m)?,
         wrap_pyfunction!(shutdown, m)?,
         wrap_pyfunction!(submit, m)?,
         wrap_pyfunction!(create_actor, m)?,

@@ -37,6 +37,9 @@ pub struct NodeSummary {
     pub resources: BTreeMap<String, f64>,
     #[serde(rename = "Labels")]
     pub labels: BTreeMap<String, String>,
+    /// The port of the node agent's `/metrics` (Ray's `MetricsExportPort`).
+    #[serde(rename = "MetricsExportPort")]
+    pub metrics_export_port: u32,
 }
 
 fn current_cluster_address() -> Option<String> {
@@ -275,6 +278,7 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
         loop {
             tokio::time::sleep(Duration::from_millis(500)).await;
             flusher.flush_events().await;
+            crate::metrics::flush(&flusher).await;
         }
     });
     Ok(())
@@ -335,6 +339,7 @@ pub fn shutdown() {
     core.rt.block_on(async {
         crate::placement_group::flush_removals().await;
         core.flush_events().await;
+        crate::metrics::flush(core).await;
         if let Ok(mut head) = tpuray_proto::client::head(&core.head_address, core.token.as_deref())
         {
             let mut req = Request::new(pb::FinishJobRequest {
@@ -379,6 +384,7 @@ pub fn nodes() -> Result<Vec<NodeSummary>, Error> {
             address: n.address.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or(n.address),
             resources: n.total.into_iter().collect(),
             labels: n.labels.into_iter().collect(),
+            metrics_export_port: n.metrics_export_port,
         })
         .collect())
 }

@@ -198,6 +198,9 @@ impl Executor {
     ) -> Result<Arc<Self>, String> {
         let mut threads = 1;
         let mut max_concurrency = 1;
+        if let Some(f) = creation.as_ref().and_then(|s| s.function.as_ref()) {
+            crate::metrics::set_actor_class(&f.class_name);
+        }
         let actor = match creation {
             Some(spec) if foreign_of(&spec).is_some() => {
                 let rt = foreign_of(&spec).expect("checked");
@@ -328,6 +331,7 @@ impl Executor {
     fn launch_on_loop(self: &Arc<Self>, rt: &'static dyn ForeignRuntime, job: Job) {
         let Job { spec, reply, .. } = job;
         self.running.lock().unwrap().insert(spec.task_id.clone(), ());
+        crate::metrics::task_started(&spec);
         self.core.event(&spec, "RUNNING", "");
         let args = inline_args(&spec);
         let info = task_info(&spec);
@@ -377,6 +381,7 @@ impl Executor {
         // Clients made here (generator reports, nested calls) need the runtime.
         let _guard = self.core.rt.enter();
         self.running.lock().unwrap().insert(spec.task_id.clone(), ());
+        crate::metrics::task_started(spec);
         self.core.event(spec, "RUNNING", "");
         self.finish(spec, self.invoke(spec))
     }
@@ -420,6 +425,7 @@ impl Executor {
         if reply.error.is_none() {
             core.event(spec, "FINISHED", "");
         }
+        crate::metrics::task_ended(spec);
         reply
     }
 

@@ -148,10 +148,14 @@ pub fn run_worker() -> Result<(), WorkerError> {
         loop {
             tokio::time::sleep(Duration::from_millis(500)).await;
             flusher.flush_events().await;
+            crate::metrics::flush(&flusher).await;
         }
     });
     let result = core.rt.block_on(server);
-    core.rt.block_on(core.flush_events());
+    core.rt.block_on(async {
+        core.flush_events().await;
+        crate::metrics::flush(core).await;
+    });
     result.map_err(|e| WorkerError::Serve(e.to_string()))
 }
 

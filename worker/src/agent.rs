@@ -182,6 +182,8 @@ pub struct Agent {
     pub auth_required: std::sync::atomic::AtomicBool,
     /// Jobs API jobs supervised here, and their runtime environments (AGENT-13).
     pub supervisors: crate::jobs::Supervisors,
+    /// `/metrics`: reports of this node's processes, samples, series exported (`metrics.rs`).
+    pub metrics: crate::metrics::AgentMetrics,
 }
 
 /// How long an infeasible shape stays listed after its last request.
@@ -213,6 +215,7 @@ impl Agent {
             stopping: std::sync::atomic::AtomicBool::new(false),
             auth_required: std::sync::atomic::AtomicBool::new(true),
             supervisors: Default::default(),
+            metrics: Default::default(),
         })
     }
 
@@ -240,6 +243,33 @@ impl Agent {
             session_dir: self.config.session_dir.display().to_string(),
             pid: std::process::id(),
             object_store_dir: self.config.store.dir().display().to_string(),
+            metrics_export_port: u32::from(self.metrics.port.get().copied().unwrap_or(0)),
+        }
+    }
+
+    /// What `/metrics` reads from the agent's state (`metrics.rs`).
+    pub fn metrics_view(&self) -> crate::metrics::AgentView {
+        let st = self.lock();
+        crate::metrics::AgentView {
+            total: st.total.clone(),
+            available: st.available.clone(),
+            workers: st
+                .workers
+                .iter()
+                .map(|(id, w)| crate::metrics::WorkerView {
+                    worker_id: id.to_string(),
+                    pid: w.pid,
+                    job_id: w.key.job_id.clone(),
+                    state: match w.state {
+                        WorkerState::Starting => "STARTING",
+                        WorkerState::Idle { .. } => "IDLE",
+                        WorkerState::Leased(_) => "LEASED",
+                        WorkerState::Actor(_) => "ACTOR",
+                    },
+                    tpu_chips: w.key.tpu_chips.clone(),
+                })
+                .collect(),
+            tpu_chips: st.chips.as_ref().map(ChipAllocator::chips),
         }
     }
 
@@ -1402,7 +1432,8 @@ impl Agent {
         let gpus = tpuray_scheduler::bundles::plain_amount(&demand, "GPU");
         let reused = {
             let mut st = self.lock();
-            st.available.saturating_sub(&demand);
+            // The demand was taken from `available` when the lease was decided (under the
+            // same lock as the decision: see `request_worker_lease`).
             st.leases.insert(
                 lease_id.clone(),
                 Lease {
@@ -1650,6 +1681,12 @@ impl NodeAgentService for AgentSvc {
                             agent.note_demand(&mut st, &demand, false, "", -1);
                         }
                         guard.waiting.set(false);
+                        // AGENT-2: take the demand now, under the lock the decision saw the
+                        // node under; taken later (at grant), two requests deciding at once
+                        // both fitted the same free CPU, the second subtraction saturated at
+                        // 0, and the node's available resources stayed above the truth after
+                        // both returned (phantom CPUs, seen in `ray_resources`).
+                        st.available.saturating_sub(&demand);
                     }
                     Decision::Infeasible { reason } => {
                         if guard.waiting.get() {
@@ -1747,6 +1784,14 @@ impl NodeAgentService for AgentSvc {
         let req = req.into_inner();
         self.0.return_lease(&LeaseId::from_wire(req.lease_id), req.disconnect_worker);
         Ok(Response::new(pb::ReturnWorkerLeaseReply {}))
+    }
+
+    async fn report_metrics(
+        &self,
+        req: Request<pb::ReportMetricsRequest>,
+    ) -> Result<Response<pb::ReportMetricsReply>, Status> {
+        let defs_known = self.0.metrics.report(req.into_inner());
+        Ok(Response::new(pb::ReportMetricsReply { defs_known }))
     }
 
     async fn register_worker(

@@ -324,6 +324,7 @@ pub async fn serve_agent(
     token: Option<String>,
     worker_command: Vec<String>,
     store: StoreOptions,
+    metrics_export_port: u16,
     ready: impl FnOnce(SocketAddr, &NodeId),
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
@@ -335,6 +336,20 @@ pub async fn serve_agent(
     let bound = listener
         .local_addr()
         .map_err(|e| StartError::Listen { addr: listen.to_string(), detail: e.to_string() })?;
+    // `/metrics` and the health routes (`metrics.rs`), on the node's address: bound before
+    // registering, so the port the node registers with is served (0: a free port).
+    let metrics_addr = SocketAddr::new(listen.ip(), metrics_export_port);
+    let metrics_listener =
+        tokio::net::TcpListener::bind(tpuray_proto::net::bind_address(metrics_addr))
+            .await
+            .map_err(|e| StartError::Listen {
+                addr: format!("{metrics_addr} (--metrics-export-port)"),
+                detail: e.to_string(),
+            })?;
+    let metrics_port = metrics_listener
+        .local_addr()
+        .map_err(|e| StartError::Listen { addr: metrics_addr.to_string(), detail: e.to_string() })?
+        .port();
     let node_id = NodeId::random();
     let max_idle = total.get("CPU").to_f64().ceil().max(1.0) as usize;
     // Drivers and workers of this node attach with `LocalStore::open` and
@@ -370,6 +385,19 @@ pub async fn serve_agent(
         store: store.clone(),
     };
     let agent = Agent::new(config);
+    let _ = agent.metrics.port.set(metrics_port);
+    let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
+    let metrics_router = crate::metrics::router(Arc::clone(&agent));
+    tokio::spawn(async move {
+        let stopped = async {
+            let _ = metrics_stopped.await;
+        };
+        if let Err(e) =
+            axum::serve(metrics_listener, metrics_router).with_graceful_shutdown(stopped).await
+        {
+            tracing::error!("the metrics HTTP server stopped: {e}");
+        }
+    });
     // Serve before registering so the head can call back at once.
     let auth = ServerAuth::new(token.as_deref().unwrap_or(""), token.is_some());
     let svc = NodeAgentServiceServer::new(AgentSvc(Arc::clone(&agent)))
@@ -402,6 +430,7 @@ pub async fn serve_agent(
         Ok(r) => r,
         Err(e) => {
             let _ = stop_tx.send(());
+            let _ = metrics_stop.send(());
             // A node that never joined leaves no store folder behind.
             store.destroy();
             return Err(e);
@@ -410,6 +439,8 @@ pub async fn serve_agent(
     // AUTH-1: follow the head's auth mode.
     auth.set_required(reply.auth_required && token.is_some());
     agent.auth_required.store(auth.required(), std::sync::atomic::Ordering::SeqCst);
+    agent.metrics.set_cluster_id(&reply.cluster_id);
+    crate::metrics::spawn_sampler(Arc::clone(&agent));
     let interval = Duration::from_millis(reply.heartbeat_interval_ms.max(10));
     spawn_heartbeat_thread(
         Arc::clone(&agent),
@@ -445,6 +476,7 @@ pub async fn serve_agent(
         let _ = head.unregister_node(req).await;
     }
     let _ = stop_tx.send(());
+    let _ = metrics_stop.send(());
     store.destroy();
     match tokio::time::timeout(Duration::from_secs(3), server).await {
         Ok(Ok(Err(e))) => Err(StartError::Serve(e.to_string())),

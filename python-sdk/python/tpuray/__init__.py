@@ -149,7 +149,7 @@ def get_gpu_ids() -> list:
 
 def nodes() -> list[dict]:
     """Every node, alive or dead, with Ray's keys (``NodeID``, ``Alive``,
-    ``NodeManagerAddress``, ``Resources``, ``Labels``)."""
+    ``NodeManagerAddress``, ``Resources``, ``Labels``, ``MetricsExportPort``)."""
     from tpuray import _tpuray
 
     _worker.check_connected()

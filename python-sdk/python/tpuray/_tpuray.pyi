@@ -101,10 +101,20 @@ def get_actor(name: str, namespace: Optional[str] = None) -> tuple[str, str, str
 def actor_state(actor_id: str, wait: float) -> tuple[str, str, str, int]:
     """``(state, death_cause, node_id, pid)``."""
 def nodes() -> list[dict[str, Any]]:
-    """Ray's keys: ``NodeID``, ``Alive``, ``NodeManagerAddress``, ``Resources``, ``Labels``."""
+    """Ray's keys: ``NodeID``, ``Alive``, ``NodeManagerAddress``, ``Resources``, ``Labels``,
+    ``MetricsExportPort``."""
 def timeline_json(job_id: str | None = None) -> str:
     """The cluster's task events as Chrome trace JSON text (a JSON array)."""
 def cluster_resources() -> dict[str, float]: ...
+def metric_define(
+    kind: str, name: str, description: str, tag_keys: list[str], boundaries: list[float]
+) -> None:
+    """Defines a user metric (``counter``, ``gauge``, ``histogram``); ValueError on a bad
+    name or boundaries, or a name already defined differently."""
+def metric_record(name: str, tag_values: list[str], value: float) -> None:
+    """Records a value for one series; ValueError on bad values or tag counts."""
+def metric_destination() -> tuple[str, bool] | None:
+    """(node agent address, whether it is on another host), or None before init."""
 def available_resources() -> dict[str, float]: ...
 def available_resources_per_node() -> dict[str, dict[str, float]]:
     """Free resources of each live node, by node id."""

@@ -1,6 +1,7 @@
-"""``tpuray.util``: placement groups, scheduling strategies, TPU helpers, ``ActorPool``
-and ``list_named_actors`` (Ray's ``ray.util`` layout). The libraries ``queue``,
-``multiprocessing`` and ``collective`` are submodules imported on demand, as Ray's."""
+"""``tpuray.util``: placement groups, scheduling strategies, metrics, TPU helpers,
+``ActorPool`` and ``list_named_actors`` (Ray's ``ray.util`` layout). The libraries
+``queue``, ``multiprocessing`` and ``collective`` are submodules imported on demand, as
+Ray's."""
 
 from tpuray.util.actor_pool import ActorPool
 from tpuray.util.placement_group import (
@@ -60,4 +61,4 @@ def list_named_actors(all_namespaces: bool = False) -> list:
 
 
 # Ray's ``ray.util`` submodules are attributes once ``ray`` is imported.
-from tpuray.util import scheduling_strategies, tpu  # noqa: E402
+from tpuray.util import metrics, scheduling_strategies, tpu  # noqa: E402
