@@ -1428,7 +1428,17 @@ impl Agent {
         owner: String,
     ) -> Result<pb::request_worker_lease_reply::Granted, Status> {
         let lease_id = LeaseId::random();
-        let chips = chips_wanted(&demand, self.lock().chips.as_ref().map(|c| c.chips()))?;
+        let chips = match chips_wanted(&demand, self.lock().chips.as_ref().map(|c| c.chips())) {
+            Ok(c) => c,
+            Err(e) => {
+                // The decision took the demand (AGENT-2): it goes back with the refusal.
+                let mut st = self.lock();
+                self.release(&mut st, &demand);
+                drop(st);
+                self.freed.notify_waiters();
+                return Err(e);
+            }
+        };
         let gpus = tpuray_scheduler::bundles::plain_amount(&demand, "GPU");
         let reused = {
             let mut st = self.lock();
