@@ -21,6 +21,7 @@
 //! - METRICS-1..3 (`metrics.rs`): `/metrics` needs no token and only reads; a series
 //!   once exported is exported on every later scrape (0 when its count went away);
 //!   cluster series come from the serving leader only.
+//! - HEAD-12: a driver job whose driver process is gone ends (`drivers.rs`).
 //! - The head is never on the task hot path: it places actors and tracks
 //!   membership; tasks go through node-agent leases.
 //!
@@ -30,6 +31,7 @@
 
 pub mod convert;
 mod dashboard;
+pub mod drivers;
 pub mod http;
 pub mod jobs;
 pub mod metrics;

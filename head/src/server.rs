@@ -207,6 +207,8 @@ pub struct Head {
     /// Node agent clients by address: one HTTP/2 channel per agent, reused by every call
     /// (a fresh connection per call cost more than the call).
     agents: Mutex<HashMap<String, AgentClient>>,
+    /// HEAD-12: when each watched driver was first found unreachable (soft).
+    pub(crate) driver_misses: Mutex<HashMap<JobId, (Instant, bool)>>,
     /// This head's HTTP server, `http://ADDRESS:PORT` (set once it listens).
     pub(crate) dashboard_url: OnceLock<String>,
     /// What `/metrics` scrapes remember (`metrics.rs`).
@@ -250,6 +252,7 @@ impl Head {
             rt: tokio::runtime::Handle::current(),
             agents: Mutex::new(HashMap::new()),
             dashboard_url: OnceLock::new(),
+            driver_misses: Mutex::new(HashMap::new()),
             metrics: Default::default(),
         })
     }
@@ -1258,30 +1261,7 @@ impl HeadService for HeadSvc {
         let req = req.into_inner();
         require_id("job_id", &req.job_id)?;
         let job_id = JobId::from_wire(req.job_id);
-        let finished = job_id.to_string();
-        // Remember which actors die with the job, to stop their workers.
-        let before: Vec<(ActorId, String)> =
-            self.0.alive_actor_agents(|a| a.job_id == job_id && !a.detached);
-        if let Outcome::Rejected(r) = self
-            .0
-            .commit(Command {
-                request_id: req.request_id,
-                kind: CommandKind::FinishJob { job_id, end_time_ms: now_ms() },
-            })
-            .await?
-        {
-            return Err(rejection_status(r));
-        }
-        for (actor_id, addr) in before {
-            let head = Arc::clone(&self.0);
-            tokio::spawn(async move {
-                let _ = head.kill_actor_worker(&addr, &actor_id).await;
-            });
-        }
-        self.0.fail_unfinished_tasks(
-            &finished,
-            &format!("the task's job {finished} finished before it did"),
-        );
+        self.0.finish_job(req.request_id, job_id, "finished").await?;
         Ok(Response::new(pb::FinishJobReply {}))
     }
 
@@ -1894,6 +1874,44 @@ impl HeadService for HeadSvc {
 }
 
 impl Head {
+    /// Ends driver job `job_id` (its non-detached actors' workers are stopped, its
+    /// groups removed, its unfinished tasks failed); `how` says why in the tasks' error
+    /// ("finished", "lost its driver ...").
+    ///
+    /// # Errors
+    /// As [`Head::commit`]; `NOT_FOUND` for an unknown job.
+    pub(crate) async fn finish_job(
+        self: &Arc<Self>,
+        request_id: String,
+        job_id: JobId,
+        how: &str,
+    ) -> Result<(), Status> {
+        let finished = job_id.to_string();
+        // Remember which actors die with the job, to stop their workers.
+        let before: Vec<(ActorId, String)> =
+            self.alive_actor_agents(|a| a.job_id == job_id && !a.detached);
+        if let Outcome::Rejected(r) = self
+            .commit(Command {
+                request_id,
+                kind: CommandKind::FinishJob { job_id, end_time_ms: now_ms() },
+            })
+            .await?
+        {
+            return Err(rejection_status(r));
+        }
+        for (actor_id, addr) in before {
+            let head = Arc::clone(self);
+            tokio::spawn(async move {
+                let _ = head.kill_actor_worker(&addr, &actor_id).await;
+            });
+        }
+        self.fail_unfinished_tasks(
+            &finished,
+            &format!("the task's job {finished} {how} before the task ended"),
+        );
+        Ok(())
+    }
+
     /// Marks the tasks of a job that ended which are not FINISHED or FAILED as FAILED,
     /// naming why (Ray's GCS does the same when a job ends); an owner's late FINISHED
     /// event still wins.
@@ -2069,6 +2087,16 @@ pub async fn serve(
         loop {
             iv.tick().await;
             monitor.check_node_deaths().await;
+        }
+    });
+    // HEAD-12: driver jobs whose driver process is gone end.
+    let watcher = Arc::clone(&head);
+    tokio::spawn(async move {
+        let mut iv = tokio::time::interval(crate::drivers::CHECK_EVERY);
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            iv.tick().await;
+            watcher.check_drivers().await;
         }
     });
     let placer = Arc::clone(&head);

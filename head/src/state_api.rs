@@ -588,13 +588,17 @@ async fn fetch(api: &Api, resource: &str) -> Result<Fetched, String> {
 }
 
 fn task_row(t: &pb::TaskSummary, class_of: &BTreeMap<String, String>) -> Value {
-    let (ty, func) = if t.actor_id.is_empty() {
-        ("NORMAL_TASK", t.name.clone())
-    } else if t.name.ends_with(".__init__") || t.name.ends_with("__init__") {
-        ("ACTOR_CREATION_TASK", t.name.clone())
+    // Ray names an actor task `Class.method` in func_or_class_name too.
+    let ty = if t.actor_id.is_empty() {
+        "NORMAL_TASK"
+    } else if t.name.ends_with("__init__") {
+        "ACTOR_CREATION_TASK"
     } else {
-        let class = class_of.get(&t.actor_id).cloned().unwrap_or_default();
-        ("ACTOR_TASK", if class.is_empty() { t.name.clone() } else { class })
+        "ACTOR_TASK"
+    };
+    let func = match class_of.get(&t.actor_id) {
+        Some(class) if ty == "ACTOR_TASK" && !t.name.contains('.') => format!("{class}.{}", t.name),
+        _ => t.name.clone(),
     };
     let state = ray_task_state(&t.state);
     json!({

@@ -223,3 +223,55 @@ def test_start_status_list_stop(cluster_env):
     assert not [p for p in pids if _alive(p)]
     for e in _registry_entries(registry):
         assert not _alive(e["pid"]), e
+
+
+def test_a_killed_driver_s_job_ends_with_its_actor_and_placement_group(cluster_env, tmp_path):
+    """HEAD-12: a driver killed with SIGKILL (no FinishJob) is noticed by the head: its job
+    ends, its actor dies and its placement group goes, so a rerun can take the names."""
+    env, _, temp_dir = cluster_env
+    port = _free_port()
+    r = _run(["start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+              "--dashboard-port", "0", "--num-cpus", "2", "--temp-dir", str(temp_dir)], env=env)
+    assert r.returncode == 0, r.stderr
+    script = tmp_path / "held.py"
+    script.write_text(
+        "import time, tpuray as ray\n"
+        "from tpuray.util.placement_group import placement_group\n"
+        "ray.init()\n"
+        "@ray.remote\n"
+        "class Holder:\n"
+        "    def ping(self):\n"
+        "        return 'pong'\n"
+        "h = Holder.options(name='holder').remote()\n"
+        "pg = placement_group([{'CPU': 0.5}], name='held-pg')\n"
+        "ray.get(pg.ready())\n"
+        "print(ray.get(h.ping.remote()), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    p = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "pong"
+        p.kill()
+        p.wait(timeout=30)
+
+        def state():
+            jobs = json.loads(_run(["list", "jobs", "--format", "json"], env=env).stdout)
+            actors = json.loads(_run(["list", "actors", "--format", "json"], env=env).stdout)
+            groups = json.loads(_run(["list", "placement-groups", "--format", "json"], env=env).stdout)
+            return jobs, actors, groups
+
+        deadline = time.time() + 30
+        while True:
+            jobs, actors, groups = state()
+            done = (
+                [j["state"] for j in jobs if "held.py" in j["entrypoint"]] == ["FINISHED"]
+                and [a["state"] for a in actors if a["name"] == "holder"] == ["DEAD"]
+                and [g["state"] for g in groups if g["name"] == "held-pg"] == ["REMOVED"]
+            )
+            if done or time.time() > deadline:
+                break
+            time.sleep(0.5)
+        assert done, (jobs, actors, groups)
+    finally:
+        if p.poll() is None:
+            p.kill()
