@@ -271,23 +271,15 @@ impl Head {
             HashSet::new()
         };
         let driver_actors = self.alive_actor_agents(|a| drivers.contains(&a.job_id) && !a.detached);
-        let ended = submission_id.clone();
+        let why = format!("the task's job (submission {submission_id}) ended before it did");
+        let ended: HashMap<String, String> =
+            drivers.into_iter().map(|j| (j.to_string(), why.clone())).collect();
         let cmd = SubmissionCommand::Status { submission_id, from, change };
         if let Outcome::Rejected(r) = self.commit(Command { request_id, kind: cmd.into() }).await? {
             return Err(rejection_status(r));
         }
-        for (actor_id, addr) in driver_actors {
-            let head = Arc::clone(self);
-            tokio::spawn(async move {
-                let _ = head.kill_actor_worker(&addr, &actor_id).await;
-            });
-        }
-        for job_id in drivers {
-            self.fail_unfinished_tasks(
-                job_id.as_str(),
-                &format!("the task's job (submission {ended}) ended before it did"),
-            );
-        }
+        // The command finished the drivers' jobs too.
+        self.after_jobs_ended(driver_actors, &ended);
         Ok(())
     }
 

@@ -1899,29 +1899,38 @@ impl Head {
         {
             return Err(rejection_status(r));
         }
-        for (actor_id, addr) in before {
+        let why = format!("the task's job {finished} {how} before the task ended");
+        self.after_jobs_ended(before, &HashMap::from([(finished, why)]));
+        Ok(())
+    }
+
+    /// What the end of driver jobs does beyond their durable records (which ended their
+    /// actors and groups): stops the workers of the actors that were alive (`actors`,
+    /// read before the commit), and marks the jobs' tasks that are not FINISHED or FAILED
+    /// as FAILED with the job's reason from `ended` (Ray's GCS does the same when a job
+    /// ends); an owner's late FINISHED event still wins.
+    pub(crate) fn after_jobs_ended(
+        self: &Arc<Self>,
+        actors: Vec<(ActorId, String)>,
+        ended: &HashMap<String, String>,
+    ) {
+        for (actor_id, addr) in actors {
             let head = Arc::clone(self);
             tokio::spawn(async move {
                 let _ = head.kill_actor_worker(&addr, &actor_id).await;
             });
         }
-        self.fail_unfinished_tasks(
-            &finished,
-            &format!("the task's job {finished} {how} before the task ended"),
-        );
-        Ok(())
-    }
-
-    /// Marks the tasks of a job that ended which are not FINISHED or FAILED as FAILED,
-    /// naming why (Ray's GCS does the same when a job ends); an owner's late FINISHED
-    /// event still wins.
-    pub(crate) fn fail_unfinished_tasks(&self, job_id: &str, why: &str) {
+        if ended.is_empty() {
+            return;
+        }
         let now = now_ms();
         let mut inner = self.lock();
         for t in inner.tasks.values_mut() {
-            if t.job_id == job_id && !matches!(t.state.as_str(), "FINISHED" | "FAILED") {
+            if let Some(why) = ended.get(&t.job_id)
+                && !matches!(t.state.as_str(), "FINISHED" | "FAILED")
+            {
                 t.state = "FAILED".into();
-                t.error = why.to_string();
+                t.error = why.clone();
                 t.finished_ms = now;
             }
         }
