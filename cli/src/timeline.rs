@@ -17,7 +17,7 @@ use tpuray_proto::pb;
 /// When the head cannot be reached or answers an error.
 pub fn trace_json(address: &str, job: Option<&str>) -> Result<String> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (tasks, nodes) = rt.block_on(async {
+    let (tasks, nodes, job) = rt.block_on(async {
         let token = tpuray_proto::auth::load_token()?;
         let mut head = tpuray_proto::client::head(address, token.as_deref())?;
         let err = |s: tonic::Status| {
@@ -29,11 +29,39 @@ pub fn trace_json(address: &str, job: Option<&str>) -> Result<String> {
         let mut req = Request::new(pb::GetClusterStatusRequest {});
         req.set_timeout(Duration::from_secs(10));
         let nodes = head.get_cluster_status(req).await.map_err(err)?.into_inner().nodes;
-        Ok::<_, anyhow::Error>((tasks, nodes))
+        let job = match job {
+            None => None,
+            Some(want) => {
+                let mut req = Request::new(pb::ListJobsRequest {});
+                req.set_timeout(Duration::from_secs(10));
+                let jobs = head.list_jobs(req).await.map_err(err)?.into_inner().jobs;
+                Some(job_named(&jobs, want)?)
+            }
+        };
+        Ok::<_, anyhow::Error>((tasks, nodes, job))
     })?;
     let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64)?;
-    let events = tpuray_head::timeline::chrome_trace(&tasks, &nodes, job, now);
+    let events = tpuray_head::timeline::chrome_trace(&tasks, &nodes, job.as_deref(), now);
     Ok(serde_json::Value::Array(events).to_string())
+}
+
+/// The job id of the job that `want` names, by its job id or its Jobs API submission id.
+///
+/// # Errors
+/// When no job of the cluster has that id, naming it and the known ones (an unknown id would
+/// otherwise write an empty trace without a word).
+fn job_named(jobs: &[pb::JobInfo], want: &str) -> Result<String> {
+    if let Some(j) = jobs
+        .iter()
+        .find(|j| j.job_id == want || (!j.submission_id.is_empty() && j.submission_id == want))
+    {
+        return Ok(j.job_id.clone());
+    }
+    let known: Vec<&str> = jobs.iter().map(|j| j.job_id.as_str()).collect();
+    Err(anyhow!(
+        "no job {want:?} in this cluster (expected a job id or submission id; known job ids: {})",
+        if known.is_empty() { "none".to_string() } else { known.join(", ") }
+    ))
 }
 
 /// `YYYY-MM-DD_HH-MM-SS` (UTC) of Unix seconds `secs`, as Ray names its timeline files.
@@ -66,5 +94,22 @@ mod tests {
         assert_eq!(stamp(0), "1970-01-01_00-00-00");
         assert_eq!(stamp(951_782_400 + 3_723), "2000-02-29_01-02-03");
         assert_eq!(stamp(1_767_225_599), "2025-12-31_23-59-59");
+    }
+
+    #[test]
+    fn a_job_is_named_by_its_id_or_submission_id_and_an_unknown_one_is_refused() {
+        let jobs = vec![
+            pb::JobInfo { job_id: "01000000".into(), ..Default::default() },
+            pb::JobInfo {
+                job_id: "02000000".into(),
+                submission_id: "raysubmit_abc".into(),
+                ..Default::default()
+            },
+        ];
+        assert_eq!(job_named(&jobs, "01000000").unwrap(), "01000000");
+        assert_eq!(job_named(&jobs, "raysubmit_abc").unwrap(), "02000000");
+        let e = job_named(&jobs, "ffff").unwrap_err().to_string();
+        assert!(e.contains("\"ffff\"") && e.contains("01000000, 02000000"), "{e}");
+        assert!(job_named(&[], "").unwrap_err().to_string().contains("none"));
     }
 }

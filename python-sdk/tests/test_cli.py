@@ -225,6 +225,43 @@ def test_start_status_list_stop(cluster_env):
         assert not _alive(e["pid"]), e
 
 
+def test_a_killed_driver_takes_its_private_cluster_with_it(cluster_env, tmp_path):
+    """A driver whose init() started a private cluster (no address, no cluster here) and
+    that dies by SIGKILL leaves no head or node agent behind (Ray's fate sharing)."""
+    env, registry, _ = cluster_env
+    script = tmp_path / "private.py"
+    script.write_text(
+        "import os, signal, tpuray as ray\n"
+        "from tpuray._private import worker\n"
+        "ray.init(num_cpus=1)\n"
+        "print(worker.state.local_cluster['dir'], flush=True)\n"
+        "print(ray.get(ray.remote(lambda: 'ran').remote()), flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    private_dir, ran = p.stdout.split()
+    assert ran == "ran"
+
+    def left() -> list[int]:
+        return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()
+                and _alive(int(d.name)) and private_dir in " ".join(_cmdline_or_empty(int(d.name)))]
+
+    deadline = time.time() + 30
+    while (left() or Path(private_dir).exists()) and time.time() < deadline:
+        time.sleep(0.5)
+    assert left() == [], f"processes of the killed driver's cluster still run: {left()}"
+    assert not Path(private_dir).exists()
+
+
+def _cmdline_or_empty(pid: int) -> list[str]:
+    try:
+        return _cmdline(pid)
+    except OSError:
+        return []
+
+
 def test_a_killed_driver_s_job_ends_with_its_actor_and_placement_group(cluster_env, tmp_path):
     """HEAD-12: a driver killed with SIGKILL (no FinishJob) is noticed by the head: its job
     ends, its actor dies and its placement group goes, so a rerun can take the names."""

@@ -89,14 +89,49 @@ def _start_local_cluster(num_cpus, num_gpus, resources) -> str:
         raise exceptions.RaySystemError(
             f"could not start a local tpuray cluster (tpuray {' '.join(args)}):\n{out.stderr}"
         )
-    state.local_cluster = {"env": env, "dir": tmp}
+    state.local_cluster = {"env": env, "dir": tmp, "watchdog": _fate_share(env, tmp)}
     return f"127.0.0.1:{port}"
+
+
+# The watchdog of a private cluster: it blocks on a pipe whose only write end the driver
+# holds, so it reads EOF when the driver is gone however it went (SIGKILL included), then
+# stops the cluster and removes its directory.
+_WATCHDOG = """
+import shutil, subprocess, sys
+sys.stdin.buffer.read()
+subprocess.run([sys.executable, "-m", "tpuray", "stop"], capture_output=True, check=False)
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
+
+
+def _fate_share(env: dict, tmp: str):
+    """Ties the private cluster's life to this process, as Ray's processes started by
+    ``ray.init()`` share the driver's fate (``ray._private.services``, ``fate_share``): a
+    driver that dies without ``shutdown()`` (killed, crashed, ``os._exit``) leaves no head
+    or node agent running. Returns ``(watchdog process, write end of its pipe)``."""
+    r, w = os.pipe()  # both ends non-inheritable (PEP 446): no other child holds ``w``
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, tmp],
+            stdin=r,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # a Ctrl-C to the driver's group must not reach it first
+        )
+    finally:
+        os.close(r)
+    return proc, w
 
 
 def _stop_local_cluster() -> None:
     lc = state.local_cluster
     state.local_cluster = None
     if lc:
+        proc, w = lc["watchdog"]
+        proc.kill()
+        proc.wait()
+        os.close(w)
         _tpuray_cli(["stop"], lc["env"])
         import shutil
 
