@@ -115,9 +115,9 @@ pub struct UvSpec {
 impl UvSpec {
     /// The options `uv pip install` gets (Ray's default when none were given).
     pub fn options(&self) -> Vec<String> {
-        self.install_options.clone().unwrap_or_else(|| {
-            UV_DEFAULT_INSTALL_OPTIONS.iter().map(|s| s.to_string()).collect()
-        })
+        self.install_options
+            .clone()
+            .unwrap_or_else(|| UV_DEFAULT_INSTALL_OPTIONS.iter().map(|s| s.to_string()).collect())
     }
 
     /// The content hash naming the environment built for it (as [`PipSpec::hash`]).
@@ -216,9 +216,11 @@ impl JobRuntimeEnv {
             }
         }
         if env.pip.is_some() && env.uv.is_some() {
-            return Err("the 'pip' field and the 'uv' field of runtime_env cannot be specified at \
+            return Err(
+                "the 'pip' field and the 'uv' field of runtime_env cannot be specified at \
                         the same time (Ray's rule); give one of them"
-                .into());
+                    .into(),
+            );
         }
         Ok(env)
     }
@@ -258,7 +260,9 @@ fn parse_py_modules(v: &Value) -> Result<Vec<String>, String> {
                 )
             });
         };
-        if name.is_empty() || name.contains('/') || !(name.ends_with(".zip") || name.ends_with(".whl"))
+        if name.is_empty()
+            || name.contains('/')
+            || !(name.ends_with(".zip") || name.ends_with(".whl"))
         {
             return Err(format!(
                 "runtime_env['py_modules'] entry {u:?} is not a package URI tpuray unpacks \
@@ -273,9 +277,9 @@ fn opt_version(what: &str, v: &Value, example: &str) -> Result<Option<String>, S
     match v {
         Value::Null => Ok(None),
         Value::String(s) if !s.trim().is_empty() => Ok(Some(s.trim().to_string())),
-        other => Err(format!(
-            "{what} must be a version specifier such as \"{example}\" (got {other})"
-        )),
+        other => {
+            Err(format!("{what} must be a version specifier such as \"{example}\" (got {other})"))
+        }
     }
 }
 
@@ -303,7 +307,9 @@ fn parse_uv(v: &Value) -> Result<Option<UvSpec>, String> {
                     }
                     "uv_check" => {
                         spec.uv_check = val.as_bool().ok_or_else(|| {
-                            format!("runtime_env['uv']['uv_check'] must be true or false (got {val})")
+                            format!(
+                                "runtime_env['uv']['uv_check'] must be true or false (got {val})"
+                            )
                         })?
                     }
                     "uv_version" => {
@@ -311,10 +317,8 @@ fn parse_uv(v: &Value) -> Result<Option<UvSpec>, String> {
                             opt_version("runtime_env['uv']['uv_version']", val, "==0.4.0")?
                     }
                     "uv_pip_install_options" => {
-                        spec.install_options = Some(string_list(
-                            "runtime_env['uv']['uv_pip_install_options']",
-                            val,
-                        )?)
+                        spec.install_options =
+                            Some(string_list("runtime_env['uv']['uv_pip_install_options']", val)?)
                     }
                     other => {
                         return Err(format!(

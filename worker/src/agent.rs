@@ -983,7 +983,10 @@ impl Agent {
             v["cwd"].as_str().filter(|d| std::path::Path::new(d).is_dir()).map(PathBuf::from)
         });
         let uses = built.uses.take();
-        Ok((WorkerCommand { argv: vec![python, "-m".into(), "tpuray._worker".into()], env, cwd }, uses))
+        Ok((
+            WorkerCommand { argv: vec![python, "-m".into(), "tpuray._worker".into()], env, cwd },
+            uses,
+        ))
     }
 
     /// What `runtime_env` (a job's record, or a task's merged one) needs built on this

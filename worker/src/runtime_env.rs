@@ -719,7 +719,13 @@ async fn build_uv_env(dir: &Path, uv: &UvSpec, log: &Path) -> Result<(), String>
         (Some(u), _) => u.display().to_string(),
         (None, Some(version)) => {
             run_logged(
-                &[python.clone(), "-m".into(), "pip".into(), "install".into(), format!("uv{version}")],
+                &[
+                    python.clone(),
+                    "-m".into(),
+                    "pip".into(),
+                    "install".into(),
+                    format!("uv{version}"),
+                ],
                 log,
             )
             .await?;
@@ -749,7 +755,8 @@ mod tests {
     #[test]
     fn agent_15_an_environment_in_use_is_never_removed_and_unused_ones_go_oldest_first() {
         let mut c = cache(100);
-        let (a, b, d) = (PathBuf::from("/r/pip/a"), PathBuf::from("/r/pip/b"), PathBuf::from("/r/pip/d"));
+        let (a, b, d) =
+            (PathBuf::from("/r/pip/a"), PathBuf::from("/r/pip/b"), PathBuf::from("/r/pip/d"));
         c.add(a.clone(), Kind::Pip, 60);
         c.add(b.clone(), Kind::Pip, 60);
         assert!(c.use_existing(&a));
