@@ -162,7 +162,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--installer", choices=["pip", "uv", "both"], default="both")
     ap.add_argument("--tpuray-python", default=str(ROOT / ".venv" / "bin" / "python"))
-    ap.add_argument("--ray-venv", default=str(RAY_VENV), help="a venv with ray[default]==2.60.0")
+    ap.add_argument("--ray-venv", default=str(ROOT / "bench" / ".ray-jobs-venv"),
+                    help="a venv with ray[default]==2.60.0")
     a = ap.parse_args()
     global RAY_VENV
     RAY_VENV = Path(a.ray_venv)
