@@ -11,7 +11,9 @@ from PyPI into this venv, scripts/python-tests.sh); a task with its own ``pip`` 
 folder out of the upload (the upload's size is printed); a package that does not exist
 gives ``RuntimeEnvSetupError`` with pip's message at ``get`` and at an actor's first
 call, within ``setup_timeout_seconds``; an index that never answers runs into
-``setup_timeout_seconds`` and says so; ``RuntimeEnv``/``RuntimeEnvConfig`` keep Ray's
+``setup_timeout_seconds`` and says so; on a node whose pip cache limit is 0 GB
+(``RAY_RUNTIME_ENV_PIP_CACHE_SIZE_GB``) an environment stays while a worker uses it and
+is removed once none does (AGENT-15); ``RuntimeEnv``/``RuntimeEnvConfig`` keep Ray's
 shapes and checks.
 """
 
@@ -57,6 +59,8 @@ def cluster(tmp_path_factory):
               "--resources", '{"node_a": 10}', "--dashboard-port", str(c.dashboard_port),
               "--temp-dir", str(tmp / "head")])
     c.node("--num-cpus", "2", "--resources", '{"node_b": 10}')
+    # A node keeping no unused pip environment (Ray's cache limit variable at 0 GB).
+    c.node("--num-cpus", "2", "--resources", '{"node_c": 10}', env={"RAY_RUNTIME_ENV_PIP_CACHE_SIZE_GB": "0"})
     try:
         yield c
     except BaseException:
@@ -276,6 +280,34 @@ def test_a_setup_past_setup_timeout_seconds_fails_with_the_timeout_named(cluster
         silent.close()
     assert "setup_timeout_seconds = 3" in got["msg"], got
     assert got["s"] < 30, got
+
+
+def test_agent_15_an_environment_is_kept_while_a_worker_uses_it_and_removed_unused_past_the_limit(cluster, tmp_path):
+    got = _driver(cluster, tmp_path, f"""
+        @ray.remote(resources={{"node_c": 1}}, runtime_env={{"pip": ["{REQUIREMENT}"]}})
+        class Holder:
+            def prefix(self):
+                import sys
+                import {PACKAGE}
+                return sys.prefix
+
+        ray.init()
+        a, b = Holder.remote(), Holder.remote()
+        pa, pb = ray.get([a.prefix.remote(), b.prefix.remote()])
+        out = {{"same": pa == pb, "prefix": pa, "exists": os.path.isdir(pa)}}
+        ray.kill(a)
+        time.sleep(3)
+        out["kept_while_b_uses_it"] = os.path.isdir(pa)
+        ray.kill(b)
+        deadline = time.time() + 30
+        while os.path.isdir(pa) and time.time() < deadline:
+            time.sleep(0.2)
+        out["removed_when_unused"] = not os.path.isdir(pa)
+        print("RESULT", json.dumps(out))
+    """)
+    assert got["same"] and got["exists"] and "/runtime_resources/pip/" in got["prefix"], got
+    assert got["kept_while_b_uses_it"], got
+    assert got["removed_when_unused"], got
 
 
 def test_runtime_env_classes_have_rays_shapes_and_checks(tmp_path):
