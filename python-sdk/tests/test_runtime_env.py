@@ -93,32 +93,41 @@ def test_the_package_is_absent_here():
 
 
 def test_a_job_with_uv_and_a_package_the_base_lacks_succeeds(cluster, tmp_path):
-    (tmp_path / "job.py").write_text(textwrap.dedent(f"""
+    # Through the Jobs API, with py_modules too: the entrypoint and its tasks on both
+    # nodes import the uv-installed package and the uploaded module.
+    wd, mod = tmp_path / "wd", tmp_path / "jobmod_rt"
+    wd.mkdir()
+    mod.mkdir()
+    (mod / "__init__.py").write_text("VALUE = 'jobmod'\n")
+    (wd / "job.py").write_text(textwrap.dedent(f"""
         import importlib.metadata, os, sys
         import tpuray as ray
         import {PACKAGE}
+        import jobmod_rt
 
         ray.init()
 
         @ray.remote
         def where():
             import {PACKAGE}
-            return ray.get_runtime_context().get_node_id(), importlib.metadata.version("{PACKAGE}"), sys.prefix
+            import jobmod_rt
+            return (ray.get_runtime_context().get_node_id(), importlib.metadata.version("{PACKAGE}"), sys.prefix,
+                    jobmod_rt.VALUE)
 
         a = ray.get(where.options(resources={{"node_a": 1}}).remote())
         b = ray.get(where.options(resources={{"node_b": 1}}).remote())
-        print("RESULT", a[0] != b[0], a[1], b[1], "/uv/" in a[2] and "/uv/" in b[2], flush=True)
+        print("RESULT", a[0] != b[0], a[1], b[1], "/uv/" in a[2] and "/uv/" in b[2], a[3], b[3], flush=True)
     """))
     env = dict(cluster.env)
     t0 = time.time()
     r = subprocess.run(
         [sys.executable, "-m", "tpuray", "job", "submit", "--address", f"http://127.0.0.1:{cluster.dashboard_port}",
-         "--working-dir", str(tmp_path), "--runtime-env-json", json.dumps({"uv": [REQUIREMENT]}),
+         "--working-dir", str(wd), "--runtime-env-json", json.dumps({"uv": [REQUIREMENT], "py_modules": [str(mod)]}),
          "--", "python", "job.py"],
         env=env, capture_output=True, text=True, timeout=DRIVER_TIMEOUT)
     print(r.stdout[-3000:], r.stderr[-3000:], f"({time.time() - t0:.1f} s)")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "RESULT True 2.4.0 2.4.0 True" in r.stdout, r.stdout
+    assert "RESULT True 2.4.0 2.4.0 True jobmod jobmod" in r.stdout, r.stdout
 
 
 def test_a_task_with_its_own_pip_and_env_vars_merged_over_the_jobs_sees_both(cluster, tmp_path):

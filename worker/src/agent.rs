@@ -46,6 +46,7 @@ use tonic::{Request, Response, Status};
 use tpuray_proto::convert::{labels_from_proto, resources_from_proto, resources_to_proto};
 use tpuray_proto::ids::{ActorId, JobId, LeaseId, NodeId, WorkerId};
 use tpuray_proto::pb::node_agent_service_server::NodeAgentService;
+use tpuray_proto::runtime_env::SETUP_FAILED_PREFIX;
 use tpuray_proto::{check_protocol_version, now_ms, pb};
 use tpuray_scheduler::{Amount, ChipAllocator, ChipError, Decision, Labels, NodeView, ResourceSet};
 
@@ -80,7 +81,6 @@ pub struct AgentConfig {
 pub const JOB_RUNTIME_NAMESPACE: &str = "job_runtime";
 /// KV namespace of runtime environments (JSON), keyed by their hash.
 pub const RUNTIME_ENV_NAMESPACE: &str = "runtime_env";
-use tpuray_proto::runtime_env::SETUP_FAILED_PREFIX;
 
 /// The environment of a worker started for a task's runtime environment record: its
 /// `env_vars`, and the whole record as `TPURAY_RUNTIME_ENV` for the worker's language
