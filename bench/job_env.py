@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
-"""Time to a job's first task in a new pip environment and in a cached one, tpuray
+"""Time to a job's first task in a new pip or uv environment and in a cached one, tpuray
 against Ray, through the same Jobs REST API (Ray 2.60's, which tpuray serves).
 
-Each system gets a fresh one-node cluster. The same job is submitted ``--runs`` times
-with a ``working_dir`` (uploaded once, as Ray's client does) and ``pip: [PACKAGE]``: the
+Each system gets a fresh one-node cluster. For each installer (``--installer``: ``pip``,
+``uv`` or both), the same job is submitted ``--runs`` times with a ``working_dir``
+(uploaded once, as Ray's client does) and ``pip: [PACKAGE]`` or ``uv: [PACKAGE]``: the
 first run builds the environment, the later ones find it cached. The job's script runs
 one task that imports the package and prints when its result is back. Reported per
-run: submit → first task result, and submit → SUCCEEDED, in seconds.
+run: submit → first task result, and submit → SUCCEEDED, in seconds. ``uv`` keeps Ray's
+default ``uv_pip_install_options`` (``--no-cache``) on both systems; tpuray uses the
+``uv`` beside its Python (``pip install uv``), Ray pip-installs uv into each new
+environment unless the environment's Python already has it (Ray 2.60's ``uv.py``).
 
-    python3 bench/job_env.py                       # both systems
-    python3 bench/job_env.py --system tpuray --package tinydb
+    python3 bench/job_env.py                       # both systems, pip and uv
+    python3 bench/job_env.py --system tpuray --installer uv --package tinydb
 
 tpuray: the ``tpuray`` of ``--tpuray-python`` (default: .venv, as scripts/test.sh makes
-it); Ray: ``ray[default]==2.60.0`` in bench/.ray-jobs-venv (made when missing; Ray's job
-server needs the dashboard's extras).
+it); Ray: ``ray[default]==2.60.0`` in ``--ray-venv`` (default bench/.ray-jobs-venv, made
+when missing; Ray's job server needs the dashboard's extras).
 """
 
 from __future__ import annotations
@@ -67,8 +71,11 @@ def request(base, method, path, headers, body=None, raw=False):
     return out if raw else (json.loads(out) if out else None)
 
 
+RAY_VENV = ROOT / "bench" / ".ray-jobs-venv"
+
+
 def ray_python() -> str:
-    venv = ROOT / "bench" / ".ray-jobs-venv"
+    venv = RAY_VENV
     py = venv / "bin" / "python"
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -100,7 +107,8 @@ def start(system: str, tmp: Path, tpuray_python: str):
     return f"http://127.0.0.1:{port}", {}, [ray, "stop", "--force"], env
 
 
-def run(system: str, package: str, runs: int, tpuray_python: str) -> list[tuple[float, float]]:
+def run(system: str, package: str, runs: int, tpuray_python: str,
+        installers: list[str]) -> dict[str, list[tuple[float, float]]]:
     tmp = Path(tempfile.mkdtemp(prefix=f"job-env-{system}-"))
     url, headers, stop, env = start(system, tmp, tpuray_python)
     try:
@@ -118,27 +126,29 @@ def run(system: str, package: str, runs: int, tpuray_python: str) -> list[tuple[
             z.writestr("job.py", JOB.format(module=package.replace("-", "_")))
         pkg = f"_ray_pkg_{hashlib.sha256(buf.getvalue()).hexdigest()[:16]}.zip"
         request(url, "PUT", f"/api/packages/gcs/{pkg}", headers, buf.getvalue(), raw=True)
-        out = []
-        for i in range(runs):
-            t0 = time.time()
-            sid = request(url, "POST", "/api/jobs/", {**headers, "Content-Type": "application/json"}, {
-                "entrypoint": "python job.py",
-                "runtime_env": {"working_dir": f"gcs://{pkg}", "pip": [package],
-                                "env_vars": {"BENCH_SYSTEM": system}},
-            })["submission_id"]
-            while True:
-                info = request(url, "GET", f"/api/jobs/{sid}", headers)
-                if info["status"] in ("SUCCEEDED", "FAILED", "STOPPED"):
-                    break
-                time.sleep(0.05)
-            t_end = time.time() - t0
-            logs = request(url, "GET", f"/api/jobs/{sid}/logs", headers)["logs"]
-            if info["status"] != "SUCCEEDED":
-                raise RuntimeError(f"{system} run {i}: {info['status']}: {info['message']}\n{logs}")
-            first = float(re.search(r"FIRST_TASK (\S+)", logs).group(1)) - t0
-            out.append((first, t_end))
-            print(f"{system} run {i} ({'new' if i == 0 else 'cached'} env): first task {first:.2f} s, "
-                  f"job done {t_end:.2f} s", flush=True)
+        out = {}
+        for installer in installers:
+            out[installer] = []
+            for i in range(runs):
+                t0 = time.time()
+                sid = request(url, "POST", "/api/jobs/", {**headers, "Content-Type": "application/json"}, {
+                    "entrypoint": "python job.py",
+                    "runtime_env": {"working_dir": f"gcs://{pkg}", installer: [package],
+                                    "env_vars": {"BENCH_SYSTEM": system}},
+                })["submission_id"]
+                while True:
+                    info = request(url, "GET", f"/api/jobs/{sid}", headers)
+                    if info["status"] in ("SUCCEEDED", "FAILED", "STOPPED"):
+                        break
+                    time.sleep(0.05)
+                t_end = time.time() - t0
+                logs = request(url, "GET", f"/api/jobs/{sid}/logs", headers)["logs"]
+                if info["status"] != "SUCCEEDED":
+                    raise RuntimeError(f"{system} {installer} run {i}: {info['status']}: {info['message']}\n{logs}")
+                first = float(re.search(r"FIRST_TASK (\S+)", logs).group(1)) - t0
+                out[installer].append((first, t_end))
+                print(f"{system} {installer} run {i} ({'new' if i == 0 else 'cached'} env): first task {first:.2f} s, "
+                      f"job done {t_end:.2f} s", flush=True)
         return out
     finally:
         subprocess.run(stop, env=env, capture_output=True)
@@ -150,14 +160,23 @@ def main() -> None:
     ap.add_argument("--system", choices=["tpuray", "ray", "both"], default="both")
     ap.add_argument("--package", default="tinydb", help="a small pure-Python package from PyPI")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--installer", choices=["pip", "uv", "both"], default="both")
     ap.add_argument("--tpuray-python", default=str(ROOT / ".venv" / "bin" / "python"))
+    ap.add_argument("--ray-venv", default=str(ROOT / "bench" / ".ray-jobs-venv"),
+                    help="a venv with ray[default]==2.60.0")
     a = ap.parse_args()
+    global RAY_VENV
+    RAY_VENV = Path(a.ray_venv)
     systems = ["tpuray", "ray"] if a.system == "both" else [a.system]
-    res = {s: run(s, a.package, a.runs, a.tpuray_python) for s in systems}
-    if len(res) == 2:
+    installers = ["pip", "uv"] if a.installer == "both" else [a.installer]
+    res = {s: run(s, a.package, a.runs, a.tpuray_python, installers) for s in systems}
+    for inst in installers:
         for label, i in (("new env", 0), ("cached env", a.runs - 1)):
-            t, r = res["tpuray"][i][0], res["ray"][i][0]
-            print(f"first task, {label}: tpuray {t:.2f} s, Ray {r:.2f} s ({r / t:.1f}x)")
+            figures = {s: res[s][inst][i][0] for s in systems}
+            line = ", ".join(f"{s} {v:.2f} s" for s, v in figures.items())
+            if len(figures) == 2:
+                line += f" (Ray/tpuray {figures['ray'] / figures['tpuray']:.1f}x)"
+            print(f"first task, {inst}, {label}: {line}")
 
 
 if __name__ == "__main__":

@@ -162,9 +162,33 @@ impl PyLogTail {
     }
 }
 
+/// Packs a local `working_dir` (`field="working_dir"`) or `py_modules` entry
+/// (`field="py_modules"`) as Ray's client does (`tpuray_cli::job::runtime_env::package_local`:
+/// `excludes` are gitignore patterns relative to the folder; a working_dir also leaves
+/// out Ray's default excludes), for a driver to upload itself. Returns `(uri, bytes)`,
+/// or `None` when `path` is a URI. Runs without the GIL.
+///
+/// Raises:
+///     ValueError: not a folder or supported file, a bad pattern, too large.
+#[pyfunction]
+#[pyo3(signature = (field, path, excludes, cwd))]
+fn package_local(
+    py: Python<'_>,
+    field: &str,
+    path: &str,
+    excludes: Vec<String>,
+    cwd: &str,
+) -> PyResult<Option<(String, Py<pyo3::types::PyBytes>)>> {
+    let pkg = py
+        .detach(|| runtime_env::package_local(field, path, std::path::Path::new(cwd), &excludes))
+        .map_err(|e| job_err(py, e))?;
+    Ok(pkg.map(|p| (p.uri, pyo3::types::PyBytes::new(py, &p.bytes).unbind())))
+}
+
 /// Registers the classes in the extension module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyJobClient>()?;
     m.add_class::<PyLogTail>()?;
+    m.add_function(wrap_pyfunction!(package_local, m)?)?;
     Ok(())
 }

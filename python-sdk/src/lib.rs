@@ -388,6 +388,9 @@ fn error_tuple(py: Python<'_>, e: Error) -> PyResult<Py<PyAny>> {
         ),
         Error::ObjectLost { id, message } => ("object_lost", message, vec![], id, String::new(), 0),
         Error::Infeasible(m) => ("infeasible", m, vec![], String::new(), String::new(), 0),
+        Error::RuntimeEnvSetup { function, message } => {
+            ("runtime_env_setup", message, vec![], function, String::new(), 0)
+        }
         Error::Decode(m) => ("decode", m, vec![], String::new(), String::new(), 0),
         Error::Cluster(m) => ("cluster", m, vec![], String::new(), String::new(), 0),
     };

@@ -88,7 +88,7 @@ def test_runtime_env_vars_and_working_dir_travel_through_the_cluster(tmp_path, e
         print(ray.get(read_env.options(**opts).remote()))
         print(ray.get(use_working_dir.options(runtime_env={{"working_dir": {str(wd)!r}}}).remote()))
         try:
-            read_env.options(runtime_env={{"pip": ["x"]}}).remote()
+            read_env.options(runtime_env={{"conda": "myenv"}}).remote()
         except ValueError as e:
             print("refused:", e)
         ray.shutdown()
@@ -98,7 +98,7 @@ def test_runtime_env_vars_and_working_dir_travel_through_the_cluster(tmp_path, e
     assert "('job', None)" in out, r.stdout
     assert "('job', 'task')" in out, r.stdout
     assert "('from the working dir', 'shipped file', True)" in out, r.stdout
-    assert any(l.startswith("refused:") and "'pip'" in l and "whole job only" in l for l in out), r.stdout
+    assert any(l.startswith("refused:") and "'conda' is not supported" in l for l in out), r.stdout
 
 
 def test_a_jobs_pip_environment_is_built_for_its_workers(tmp_path, env):

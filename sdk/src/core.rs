@@ -2234,6 +2234,19 @@ impl Core {
                     }
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
+                Ok(Some(Outcome::SetupFailed(f))) => {
+                    // AGENT-14: the environment could not be built on that node; what
+                    // waits for it fails with the installer's message (Ray fails them
+                    // with RuntimeEnvSetupError), and later submissions try again.
+                    let drained: Vec<Queued> = class.queue.lock().unwrap().drain(..).collect();
+                    for q in drained {
+                        self.finish_failed(
+                            &q.spec,
+                            err(Kind::RuntimeEnvSetupFailed, f.message.clone(), &q.spec.name),
+                        );
+                    }
+                    return;
+                }
                 Ok(Some(Outcome::Busy(_))) | Ok(Some(Outcome::Spillback(_))) | Ok(None) => {}
                 Err(s) => {
                     failures += 1;

@@ -67,6 +67,10 @@ pub enum Error {
     /// No live node could ever run the request, and fail-on-infeasible is on.
     #[error("infeasible: {0}")]
     Infeasible(String),
+    /// The task's or actor's runtime environment could not be set up; the message is
+    /// the installer's output (Ray's `RuntimeEnvSetupError`).
+    #[error("task {function}: its runtime environment could not be set up: {message}")]
+    RuntimeEnvSetup { function: String, message: String },
     /// The SDK is not initialised or the cluster cannot be reached.
     #[error("{0}")]
     Cluster(String),
@@ -82,6 +86,9 @@ impl Error {
             Kind::Cancelled => Error::Cancelled { function },
             Kind::ObjectLost => Error::ObjectLost { id: function, message: e.message.clone() },
             Kind::Infeasible => Error::Infeasible(format!("task {function}: {}", e.message)),
+            Kind::RuntimeEnvSetupFailed => {
+                Error::RuntimeEnvSetup { function, message: e.message.clone() }
+            }
             _ => Error::Task {
                 function,
                 message: e.message.clone(),

@@ -872,3 +872,42 @@ fn simulated_tpu_hosts_advertise_slice_resources_and_labels() {
     let status = c.status();
     assert!(status.contains("TPU"), "{status}");
 }
+
+/// AGENT-14: a lease whose runtime environment cannot be set up is answered
+/// `SetupFailed` naming what is wrong (not an RPC error, which owners retry forever),
+/// its CPU comes back, and the agent grants the next plain lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_14_a_lease_whose_environment_cannot_be_built_is_answered_setup_failed() {
+    let mut c = Cluster::new();
+    let head = c.start_head(&["--num-cpus", "1"]);
+    for (key, env, says) in [
+        ("bad-pip", r#"{"pip": "requirements.txt"}"#, "requirements file"),
+        (
+            "missing-module",
+            r#"{"py_modules": ["gcs://_ray_pkg_0000000000000000.zip"]}"#,
+            "gcs://_ray_pkg_0000000000000000.zip is not in the cluster",
+        ),
+    ] {
+        c.head_client()
+            .kv_put(pb::KvPutRequest {
+                request_id: tpuray_proto::new_request_id(),
+                namespace: "runtime_env".into(),
+                key: key.as_bytes().to_vec(),
+                value: env.as_bytes().to_vec(),
+                overwrite: true,
+                ..Default::default()
+            })
+            .await
+            .expect("KvPut");
+        let mut req = lease_request("job-env", &[("CPU", 1.0)]);
+        req.language = "python".into();
+        req.runtime_env_hash = key.into();
+        match lease(&c, &head.address, req).await {
+            Outcome::SetupFailed(f) => assert_mentions(&f.message, &[says], "setup failure"),
+            o => panic!("{key}: expected SetupFailed, got {o:?}"),
+        }
+    }
+    let g =
+        granted(lease(&c, &head.address, lease_request("job-env", &[("CPU", 1.0)])).await, "plain");
+    return_lease(&c, &head.address, &g.lease_id).await;
+}

@@ -46,6 +46,7 @@ use tonic::{Request, Response, Status};
 use tpuray_proto::convert::{labels_from_proto, resources_from_proto, resources_to_proto};
 use tpuray_proto::ids::{ActorId, JobId, LeaseId, NodeId, WorkerId};
 use tpuray_proto::pb::node_agent_service_server::NodeAgentService;
+use tpuray_proto::runtime_env::SETUP_FAILED_PREFIX;
 use tpuray_proto::{check_protocol_version, now_ms, pb};
 use tpuray_scheduler::{Amount, ChipAllocator, ChipError, Decision, Labels, NodeView, ResourceSet};
 
@@ -81,6 +82,24 @@ pub const JOB_RUNTIME_NAMESPACE: &str = "job_runtime";
 /// KV namespace of runtime environments (JSON), keyed by their hash.
 pub const RUNTIME_ENV_NAMESPACE: &str = "runtime_env";
 
+/// The environment of a worker started for a task's runtime environment record: its
+/// `env_vars`, and the whole record as `TPURAY_RUNTIME_ENV` for the worker's language
+/// runtime.
+fn runtime_env_vars(v: &serde_json::Value) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    if let Some(vars) = v.get("env_vars").and_then(|e| e.as_object()) {
+        for (k, val) in vars {
+            let val = match val {
+                serde_json::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            out.push((k.clone(), val));
+        }
+    }
+    out.push(("TPURAY_RUNTIME_ENV".to_string(), v.to_string()));
+    out
+}
+
 /// How to start a worker process.
 #[derive(Clone, Debug, Default)]
 struct WorkerCommand {
@@ -115,6 +134,9 @@ struct WorkerEntry {
     state: WorkerState,
     /// Set when the agent itself stops the process (kill, idle reaping).
     exit_intended: bool,
+    /// AGENT-15: the cached environment directories it runs in, released when the
+    /// entry goes (the process exited).
+    _env_uses: Option<crate::runtime_env::EnvUses>,
 }
 
 struct Lease {
@@ -692,13 +714,22 @@ impl Agent {
             })
         };
         let (out, err) = (open(&out_path)?, open(&err_path)?);
-        let command = if key.language == "python" {
-            self.python_worker_command(&key.job_id).await?
+        // The task's or actor's environment (already merged with its job's by the SDK).
+        let task_env = if key.runtime_env_hash.is_empty() {
+            None
         } else {
-            WorkerCommand {
-                argv: self.worker_command_for(&key.job_id).await?,
-                ..Default::default()
-            }
+            Some(self.runtime_env_record(&key.runtime_env_hash).await?)
+        };
+        let (command, env_uses) = if key.language == "python" {
+            self.python_worker_command(&key.job_id, task_env.as_ref()).await?
+        } else {
+            (
+                WorkerCommand {
+                    argv: self.worker_command_for(&key.job_id).await?,
+                    ..Default::default()
+                },
+                None,
+            )
         };
         let (prog, args) = command
             .argv
@@ -715,11 +746,7 @@ impl Agent {
             cmd.current_dir(dir);
         }
         cmd.envs(command.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-        let runtime_vars = if key.runtime_env_hash.is_empty() {
-            Vec::new()
-        } else {
-            self.runtime_env_vars(&key.runtime_env_hash).await?
-        };
+        let runtime_vars = task_env.as_ref().map(runtime_env_vars).unwrap_or_default();
         for (k, v) in &runtime_vars {
             cmd.env(k, v);
         }
@@ -823,6 +850,7 @@ impl Agent {
                 address: String::new(),
                 state: WorkerState::Starting,
                 exit_intended: false,
+                _env_uses: env_uses,
             },
         );
         // Wait for registration, or for the process to die first.
@@ -888,7 +916,14 @@ impl Agent {
     /// (from the job's runtime record in the KV, `job_runtime/<job id>`, written by the
     /// Python driver at `init`) with `-m tpuray._worker`, in the driver's working directory
     /// with its `sys.path`, when they exist on this node; `python3` otherwise.
-    async fn python_worker_command(&self, job_id: &str) -> Result<WorkerCommand, Status> {
+    ///
+    /// `task_env`: the task's or actor's runtime environment record (merged with the
+    /// job's); it is built instead of the job's when given.
+    async fn python_worker_command(
+        &self,
+        job_id: &str,
+        task_env: Option<&serde_json::Value>,
+    ) -> Result<(WorkerCommand, Option<crate::runtime_env::EnvUses>), Status> {
         let mut head =
             tpuray_proto::client::head(&self.head_leader(), self.config.token.as_deref())
                 .map_err(|e| Status::internal(e.to_string()))?;
@@ -908,9 +943,10 @@ impl Agent {
         } else {
             serde_json::Value::Null
         };
-        // AGENT-13: a job submitted with `pip` or an uploaded `working_dir` runs its
-        // workers in the same environment, built on this node on first use.
-        let built = self.job_environment(&v["runtime_env"]).await?;
+        // AGENT-13: a job submitted with `pip`, `uv`, `py_modules` or an uploaded
+        // `working_dir` runs its workers in the same environment, built on this node on
+        // first use; a task's or actor's own environment replaces it.
+        let mut built = self.build_environment(task_env.unwrap_or(&v["runtime_env"])).await?;
         let python = built
             .python()
             .map(|p| p.display().to_string())
@@ -919,8 +955,7 @@ impl Agent {
             })
             .unwrap_or_else(|| "python3".into());
         let mut env = built.env();
-        let mut paths: Vec<String> =
-            built.working_dir.iter().map(|d| d.display().to_string()).collect();
+        let mut paths: Vec<String> = built.python_path();
         if let Some(sys_path) = v["sys_path"].as_array() {
             paths.extend(
                 sys_path
@@ -947,56 +982,52 @@ impl Agent {
         let cwd = built.working_dir.clone().or_else(|| {
             v["cwd"].as_str().filter(|d| std::path::Path::new(d).is_dir()).map(PathBuf::from)
         });
-        Ok(WorkerCommand { argv: vec![python, "-m".into(), "tpuray._worker".into()], env, cwd })
+        let uses = built.uses.take();
+        Ok((
+            WorkerCommand { argv: vec![python, "-m".into(), "tpuray._worker".into()], env, cwd },
+            uses,
+        ))
     }
 
-    /// The Jobs API parts of a job's runtime environment (`pip`, a `gcs://` `working_dir`),
-    /// built on this node (cached).
+    /// What `runtime_env` (a job's record, or a task's merged one) needs built on this
+    /// node (cached, AGENT-15), within its `setup_timeout_seconds` (AGENT-14).
     ///
     /// # Errors
-    /// `FAILED_PRECONDITION` with the setup error (pip's output, a missing package).
-    async fn job_environment(
+    /// `FAILED_PRECONDITION` starting with [`SETUP_FAILED_PREFIX`] and carrying the setup
+    /// error (the installer's output, a missing package, a malformed environment).
+    async fn build_environment(
         &self,
         runtime_env: &serde_json::Value,
     ) -> Result<crate::runtime_env::Prepared, Status> {
-        let mut parts = serde_json::Map::new();
-        if let Some(p) = runtime_env.get("pip") {
-            parts.insert("pip".into(), p.clone());
-        }
-        if let Some(wd) = runtime_env.get("working_dir").filter(|w| {
-            w.as_str().is_some_and(|w| w.starts_with(tpuray_proto::runtime_env::PACKAGE_SCHEME))
-        }) {
-            parts.insert("working_dir".into(), wd.clone());
-        }
-        if parts.is_empty() {
+        let failed = |e: String| Status::failed_precondition(format!("{SETUP_FAILED_PREFIX}{e}"));
+        if !runtime_env.is_object() {
             return Ok(Default::default());
         }
-        let env =
-            tpuray_proto::runtime_env::JobRuntimeEnv::parse(&serde_json::Value::Object(parts))
-                .map_err(Status::failed_precondition)?;
+        let env = tpuray_proto::runtime_env::JobRuntimeEnv::parse(runtime_env).map_err(failed)?;
+        if !env.needs_build() {
+            return Ok(Default::default());
+        }
         let logs = self.config.session_dir.join("logs");
         let _ = std::fs::create_dir_all(&logs);
         self.supervisors
             .envs
             .prepare(
-                &self.config.head_address,
+                &self.head_leader(),
                 self.config.token.as_deref(),
                 &self.config.session_dir.join("runtime_resources"),
                 &env,
                 &logs.join("runtime_env_setup-workers.log"),
             )
             .await
-            .map_err(|e| Status::failed_precondition(format!("runtime_env setup failed: {e}")))
+            .map_err(failed)
     }
 
-    /// The environment of a worker started for runtime environment `hash` (KV namespace
-    /// `runtime_env`, JSON written by the submitting SDK): its `env_vars`, and the whole
-    /// record as `TPURAY_RUNTIME_ENV` for the worker's language runtime (Python unpacks
-    /// `working_dir` from it before the first task).
+    /// The record of runtime environment `hash` (KV namespace `runtime_env`, JSON written
+    /// by the submitting SDK: the task's environment merged with its job's).
     ///
     /// # Errors
     /// `FAILED_PRECONDITION` when the record is missing or not a JSON object.
-    async fn runtime_env_vars(&self, hash: &str) -> Result<Vec<(String, String)>, Status> {
+    async fn runtime_env_record(&self, hash: &str) -> Result<serde_json::Value, Status> {
         let mut head =
             tpuray_proto::client::head(&self.head_leader(), self.config.token.as_deref())
                 .map_err(|e| Status::internal(e.to_string()))?;
@@ -1012,21 +1043,9 @@ impl Agent {
                 "runtime environment {hash} is not in the cluster's KV (namespace {RUNTIME_ENV_NAMESPACE:?})"
             )));
         }
-        let v: serde_json::Value = serde_json::from_slice(&rec.value).map_err(|e| {
+        serde_json::from_slice(&rec.value).map_err(|e| {
             Status::failed_precondition(format!("runtime environment {hash} is not JSON: {e}"))
-        })?;
-        let mut out = Vec::new();
-        if let Some(vars) = v.get("env_vars").and_then(|e| e.as_object()) {
-            for (k, val) in vars {
-                let val = match val {
-                    serde_json::Value::String(s) => s.clone(),
-                    other => other.to_string(),
-                };
-                out.push((k.clone(), val));
-            }
-        }
-        out.push(("TPURAY_RUNTIME_ENV".to_string(), v.to_string()));
-        Ok(out)
+        })
     }
 
     /// The command that starts a worker of `job_id`: the job's own binary
@@ -1639,7 +1658,7 @@ impl NodeAgentService for AgentSvc {
         &self,
         req: Request<pb::RequestWorkerLeaseRequest>,
     ) -> Result<Response<pb::RequestWorkerLeaseReply>, Status> {
-        use pb::request_worker_lease_reply::{Busy, Infeasible, Outcome, Spillback};
+        use pb::request_worker_lease_reply::{Busy, Infeasible, Outcome, SetupFailed, Spillback};
         let req = req.into_inner();
         let agent = &self.0;
         let demand = resources_from_proto(&req.resources)
@@ -1750,11 +1769,23 @@ impl NodeAgentService for AgentSvc {
             };
             match decision {
                 (Decision::Place(n), _) if n == local_id => {
-                    break Outcome::Granted(
-                        agent
-                            .grant_lease(key.clone(), demand.clone(), req.owner_address.clone())
-                            .await?,
-                    );
+                    match agent
+                        .grant_lease(key.clone(), demand.clone(), req.owner_address.clone())
+                        .await
+                    {
+                        Ok(g) => break Outcome::Granted(g),
+                        // AGENT-14: a failed environment is an answer, not an RPC error
+                        // (which the owner would retry forever).
+                        Err(e)
+                            if e.code() == tonic::Code::FailedPrecondition
+                                && e.message().starts_with(SETUP_FAILED_PREFIX) =>
+                        {
+                            break Outcome::SetupFailed(SetupFailed {
+                                message: e.message()[SETUP_FAILED_PREFIX.len()..].to_string(),
+                            });
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
                 (Decision::Place(n), addrs) => {
                     let address = addrs.get(&n).cloned().unwrap_or_default();

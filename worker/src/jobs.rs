@@ -234,14 +234,10 @@ impl Agent {
         for (k, v) in prepared.env() {
             cmd.env(k, v);
         }
-        if let Some(wd) = &prepared.working_dir {
-            let py = std::env::var("PYTHONPATH").unwrap_or_default();
-            let joined = if py.is_empty() {
-                wd.display().to_string()
-            } else {
-                format!("{}:{py}", wd.display())
-            };
-            cmd.env("PYTHONPATH", joined);
+        let mut paths = prepared.python_path();
+        if !paths.is_empty() {
+            paths.extend(std::env::var("PYTHONPATH").ok().filter(|p| !p.is_empty()));
+            cmd.env("PYTHONPATH", paths.join(":"));
         }
         cmd.env("TPURAY_ADDRESS", &self.config.head_address)
             .env("RAY_ADDRESS", &self.config.head_address)

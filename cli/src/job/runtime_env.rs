@@ -257,6 +257,30 @@ pub fn prepare(
     Ok(Value::Object(env))
 }
 
+/// The package of a local `working_dir` (`field` = `"working_dir"`) or `py_modules`
+/// entry (`"py_modules"`) `s`, as Ray's client packs it: `excludes` (gitignore patterns)
+/// and, for a `working_dir`, Ray's default excludes, left out; `None` when `s` is a URI
+/// (sent as it is).
+///
+/// # Errors
+/// `Invalid` for a path that is neither a folder nor a supported file, a URI of a
+/// protocol Ray does not know, a bad pattern, a package over the size limit.
+pub fn package_local(
+    field: &str,
+    s: &str,
+    cwd: &Path,
+    user_excludes: &[String],
+) -> Result<Option<Package>, JobError> {
+    let gitignore = package::include_gitignore();
+    match field {
+        "working_dir" => working_dir_package(s, cwd, user_excludes, gitignore, &mut |_| {}),
+        "py_modules" => py_module_package(s, cwd, user_excludes, gitignore, &mut |_| {}),
+        other => Err(JobError::Invalid(format!(
+            "cannot package runtime_env field {other:?} (expected working_dir or py_modules)"
+        ))),
+    }
+}
+
 /// The URI to send for `working_dir` `s`, uploading a local one; `None`: leave it.
 fn working_dir_uri(
     client: &JobClient,
@@ -266,6 +290,19 @@ fn working_dir_uri(
     gitignore: bool,
     log: &mut dyn FnMut(String),
 ) -> Result<Option<String>, JobError> {
+    match working_dir_package(s, cwd, user_excludes, gitignore, log)? {
+        Some(pkg) => upload_if_needed(client, pkg, log).map(Some),
+        None => Ok(None),
+    }
+}
+
+fn working_dir_package(
+    s: &str,
+    cwd: &Path,
+    user_excludes: &[String],
+    gitignore: bool,
+    log: &mut dyn FnMut(String),
+) -> Result<Option<Package>, JobError> {
     if let Some(protocol) = uri_protocol(s) {
         if (protocol == "gcs" || REMOTE_PROTOCOLS.contains(&protocol.as_str()))
             && !has_suffix(s, &package::WORKING_DIR_ARCHIVES)
@@ -296,7 +333,7 @@ fn working_dir_uri(
             package::WORKING_DIR_ARCHIVES.join(", ")
         )));
     };
-    upload_if_needed(client, pkg, log).map(Some)
+    Ok(Some(pkg))
 }
 
 /// The URI to send for a `py_modules` entry, uploading a local one.
@@ -308,8 +345,21 @@ fn py_module_uri(
     gitignore: bool,
     log: &mut dyn FnMut(String),
 ) -> Result<String, JobError> {
+    match py_module_package(m, cwd, user_excludes, gitignore, log)? {
+        Some(pkg) => upload_if_needed(client, pkg, log),
+        None => Ok(m.to_string()),
+    }
+}
+
+fn py_module_package(
+    m: &str,
+    cwd: &Path,
+    user_excludes: &[String],
+    gitignore: bool,
+    log: &mut dyn FnMut(String),
+) -> Result<Option<Package>, JobError> {
     if uri_protocol(m).is_some() {
-        return Ok(m.to_string());
+        return Ok(None);
     }
     let path = local(cwd, m);
     let pkg = if path.is_dir() {
@@ -326,7 +376,7 @@ fn py_module_uri(
             package::PY_MODULES_ARCHIVES.join(", ")
         )));
     };
-    upload_if_needed(client, pkg, log)
+    Ok(Some(pkg))
 }
 
 #[cfg(test)]

@@ -31,7 +31,8 @@ def init(address=None, **kwargs):
     ``tpuray start --head`` left on this machine, else a new local cluster private to this
     driver (stopped at ``shutdown`` or exit). Keyword arguments: ``num_cpus``,
     ``num_gpus``, ``resources`` (for a new local cluster), ``namespace``,
-    ``runtime_env`` (``env_vars`` are set in every worker of the job),
+    ``runtime_env`` (the job's environment: ``working_dir``, ``py_modules``, ``pip``,
+    ``uv``, ``env_vars``, ``excludes``, ``config``, as Ray's; see ``tpuray.runtime_env``),
     ``ignore_reinit_error``.
 
     Returns:

@@ -6,7 +6,7 @@ pickles itself; blocking calls release the GIL; ``get`` and ``wait`` check for s
 every 100 ms, so Ctrl-C interrupts them.
 """
 
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 __version__: str
 """The version of the tpuray Rust crates this module was built from."""
@@ -89,6 +89,7 @@ def deserialize_ref(id: str, owner: str) -> RefCore:
     """A ref rebuilt while unpickling; registers this process as a borrower."""
 def cancel(ref: RefCore, force: bool) -> None: ...
 def kv_get(namespace: str, key: bytes) -> Optional[bytes]: ...
+def package_local(field: str, path: str, excludes: List[str], cwd: str) -> Optional[Tuple[str, bytes]]: ...
 def kv_put(namespace: str, key: bytes, value: bytes, overwrite: bool) -> bool: ...
 def kv_delete(namespace: str, key: bytes) -> bool:
     """Deletes a key; returns whether it existed."""

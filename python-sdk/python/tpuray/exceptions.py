@@ -119,7 +119,23 @@ class OutOfMemoryError(RayError):
 
 
 class RuntimeEnvSetupError(RayError):
-    """The task's runtime environment could not be set up."""
+    """A task's, actor's or job's runtime environment could not be set up (Ray's
+    ``RuntimeEnvSetupError``): raised at the task's ``get`` and at the actor's calls.
+
+    Args:
+        error_message: why, with the installer's output (pip's or uv's) when an install
+            failed, or the ``setup_timeout_seconds`` that ran out.
+    """
+
+    def __init__(self, error_message: str = None):
+        super().__init__(error_message)
+        self.error_message = error_message
+
+    def __str__(self):
+        msgs = ["Failed to set up runtime environment."]
+        if self.error_message:
+            msgs.append(self.error_message)
+        return "\n".join(msgs)
 
 
 class PendingCallsLimitExceeded(RayError):

@@ -311,6 +311,7 @@ fn kind(e: &Error) -> &'static str {
         Error::ObjectLost { .. } => "ObjectLost",
         Error::Decode(_) => "Decode",
         Error::Infeasible(_) => "Infeasible",
+        Error::RuntimeEnvSetup { .. } => "RuntimeEnvSetup",
         Error::Cluster(_) => "Cluster",
     }
 }

@@ -234,10 +234,13 @@ def init(
             JOB_RUNTIME_NAMESPACE, info["job_id"].encode(), json.dumps(record).encode(), True
         )
         # A pre-started pool (as Ray's): the first tasks find interpreters already up.
-        try:
-            _tpuray.prestart_workers(os.cpu_count() or 1)
-        except RuntimeError:
-            pass
+        # With an environment to build, that starts building it on this node now (Ray's
+        # eager_install, default True); eager_install=False leaves it to the first task.
+        if not _rt.needs_build(job_env) or _rt.eager_install(job_env):
+            try:
+                _tpuray.prestart_workers(os.cpu_count() or 1)
+            except RuntimeError:
+                pass
         atexit.register(shutdown)
         return state.info
 
@@ -366,7 +369,14 @@ def _raise(err) -> None:
         raise e.as_instanceof_cause()
     if kind == "worker_died":
         raise exceptions.WorkerCrashedError(f"task {function}: the worker running it died: {message}")
+    if kind == "runtime_env_setup":
+        raise exceptions.RuntimeEnvSetupError(message)
     if kind == "actor_died":
+        # An actor whose environment could not be set up (the agent's message carries
+        # SETUP_FAILED_PREFIX, tpuray_proto::runtime_env): Ray raises RuntimeEnvSetupError.
+        marker = "runtime_env setup failed: "
+        if marker in message:
+            raise exceptions.RuntimeEnvSetupError(message.split(marker, 1)[1])
         raise exceptions.ActorDiedError(f"The actor died: {message}")
     if kind == "cancelled":
         raise exceptions.TaskCancelledError(f"task {function} was cancelled")
@@ -659,9 +669,6 @@ class WorkerRuntime:
 
     def run_task(self, info, raw_args):
         try:
-            from tpuray._private import runtime_env as _rt
-
-            _rt.apply_in_worker()
             fn = load_function(info["function"])
         except BaseException as e:  # noqa: BLE001
             return self._failure(info, e)
@@ -672,9 +679,6 @@ class WorkerRuntime:
         _task_context.label = info["class_name"]
         _ActorLabel.name = info["class_name"]
         try:
-            from tpuray._private import runtime_env as _rt
-
-            _rt.apply_in_worker()
             cls = load_function(info["function"])
             args, kwargs = decode_args(raw_args)
             self.actor = cls.__new__(cls)
@@ -704,9 +708,6 @@ class WorkerRuntime:
         """Starts a streaming task or method: ``("ok", stream)`` whose ``next_item()``
         answers ``("item", bytes)``, ``("done",)`` or ``("err", message, payload)``."""
         try:
-            from tpuray._private import runtime_env as _rt
-
-            _rt.apply_in_worker()
             if info["actor_id"]:
                 fn = getattr(self.actor, info["function"])
             else:
@@ -843,6 +844,14 @@ def worker_main() -> int:
     state.mode = "worker"
     state.connected = True
     state.namespace = os.environ.get("TPURAY_NAMESPACE") or None
+    # The environment this worker runs in (its task's, else its job's): what tasks it
+    # submits merge theirs over, as Ray's nested tasks inherit their parent's.
+    raw = os.environ.get("TPURAY_RUNTIME_ENV") or os.environ.get("TPURAY_JOB_RUNTIME_ENV")
+    if raw:
+        try:
+            state.runtime_env = json.loads(raw)
+        except ValueError:
+            state.runtime_env = None
     _forward_output()
     global runtime
     runtime = WorkerRuntime()
