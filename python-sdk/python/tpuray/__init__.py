@@ -208,6 +208,17 @@ def timeline(filename=None):
     return json.loads(text)
 
 
+def __getattr__(name):
+    """``tpuray.data`` on first use after ``import tpuray`` (as ``ray.data`` after
+    ``import ray``), without importing numpy/pandas/pyarrow for programs that never
+    touch it."""
+    if name == "data":
+        import importlib
+
+        return importlib.import_module("tpuray.data")
+    raise AttributeError(f"module 'tpuray' has no attribute {name!r}")
+
+
 __all__ = [
     "ActorClass",
     "ActorHandle",
