@@ -30,7 +30,8 @@ def init(address=None, **kwargs):
     With no address: ``TPURAY_ADDRESS`` (or ``RAY_ADDRESS``), else the cluster that
     ``tpuray start --head`` left on this machine, else a new local cluster private to this
     driver (stopped at ``shutdown`` or exit). Keyword arguments: ``num_cpus``,
-    ``num_gpus``, ``resources`` (for a new local cluster), ``namespace``,
+    ``num_gpus``, ``resources``, ``object_store_memory`` (bytes; for a new local
+    cluster), ``namespace``,
     ``runtime_env`` (``env_vars`` are set in every worker of the job),
     ``ignore_reinit_error``.
 

@@ -566,6 +566,10 @@ class StreamingExecutor:
             if op.max_concurrency is not None and op.kind != "actors":
                 cap = min(cap, op.max_concurrency)
             while len(s.running) < cap:
+                if s.running and s.blocks_out == 0 and not s.pending_blocks:
+                    # The size of this operator's blocks is unknown until its first one is
+                    # made: one task probes it, so a burst at the start cannot pass the bound.
+                    break
                 held = self._bytes_held(states)
                 anything_running = any(t.running for t in states)
                 est = s.expected_output_bytes() + (s.inqueue[0][1].size_bytes if s.inqueue else 0)
