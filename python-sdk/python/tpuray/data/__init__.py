@@ -22,7 +22,7 @@ import random as _random
 from typing import Optional
 
 from tpuray.data import block as B
-from tpuray.data._executor import BlockMeta, PhysicalOp
+from tpuray.data._executor import BlockMeta, PhysicalOp  # noqa: F401 - BlockMeta: public
 from tpuray.data.context import DataContext, ExecutionOptions, ExecutionResources
 from tpuray.data.dataset import Dataset, MaterializedDataset, Schema
 from tpuray.data.grouped_data import GroupedData
@@ -76,6 +76,8 @@ class TaskPoolStrategy:
     """Runs a function as tasks, at most ``size`` at once (Ray's ``TaskPoolStrategy``)."""
 
     def __init__(self, size: Optional[int] = None):
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise ValueError(f"TaskPoolStrategy size must be an int >= 1, got {size!r}")
         self.size = size
 
 
@@ -342,7 +344,7 @@ def read_images(paths, *, size: Optional[tuple] = None, mode: Optional[str] = No
         ValueError: a ``size`` that is not two positive ints.
     """
     try:
-        import PIL  # noqa: F401
+        import PIL  # noqa: F401 - checked here, used in the read tasks
     except ImportError as e:
         raise ImportError("read_images needs Pillow: pip install pillow") from e
     if size is not None and (len(size) != 2 or any(not isinstance(s, int) or s < 1 for s in size)):
@@ -364,10 +366,7 @@ def read_images(paths, *, size: Optional[tuple] = None, mode: Optional[str] = No
         arr = np.asarray(img)
         return {"image": arr[None, ...]}
 
-    def read_many(fs, path):
-        return read_one(fs, path)
-
-    return _file_source("ReadImage", paths, read_many, extensions=file_extensions,
+    return _file_source("ReadImage", paths, read_one, extensions=file_extensions,
                         **_reader_kwargs(kwargs))
 
 

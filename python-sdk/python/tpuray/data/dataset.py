@@ -17,7 +17,6 @@ of numpy arrays, aggregate columns are named ``sum(x)``, ``count()``, ...
 from __future__ import annotations
 
 import inspect
-import math
 import queue
 import threading
 import uuid
@@ -25,7 +24,7 @@ from typing import Any, Callable, Iterator, List, Optional, Union
 
 import tpuray
 from tpuray.data import block as B
-from tpuray.data._executor import BlockMeta, PhysicalOp, StreamingExecutor
+from tpuray.data._executor import PhysicalOp, StreamingExecutor
 from tpuray.data.context import DataContext
 
 #: Ray Data's ``iter_batches`` default batch size.
@@ -48,7 +47,7 @@ def _compose(first: Optional[Callable], second: Callable) -> Callable:
     return both
 
 
-def _user_error(e: BaseException):
+def _user_error():
     from tpuray.exceptions import UserCodeException
 
     return UserCodeException("UDF failed to process a data block.")
@@ -60,7 +59,7 @@ def _call_udf(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except Exception as e:
-        raise _user_error(e) from e
+        raise _user_error() from e
 
 
 def _batch_outputs(out) -> list:
@@ -74,7 +73,7 @@ def _batch_outputs(out) -> list:
             except StopIteration:
                 break
             except Exception as e:
-                raise _user_error(e) from e
+                raise _user_error() from e
             blocks.append(B.from_batch(item))
         return blocks
     return [B.from_batch(out)]
@@ -218,6 +217,12 @@ class Dataset:
     def _with(self, op: _Logical) -> "Dataset":
         return Dataset(self._source, self._ops + [op])
 
+    def __getstate__(self):
+        # The last execution's stats stay with this process (they hold live state).
+        state = dict(self.__dict__)
+        state.pop("_last_executor", None)
+        return state
+
     def _udf_op(self, where: str, fn, make: Callable, *, compute, concurrency,
                 fn_args, fn_kwargs, fn_constructor_args, fn_constructor_kwargs,
                 remote_args: dict) -> "Dataset":
@@ -238,9 +243,15 @@ class Dataset:
             ))
         if not callable(fn):
             raise TypeError(f"{where} needs a function or a callable class, got {fn!r}")
-        if compute is not None and compute != "tasks":
+        from tpuray.data import TaskPoolStrategy
+
+        if isinstance(compute, TaskPoolStrategy):
+            if concurrency is not None:
+                raise ValueError(f"{where}: pass either compute= or concurrency=, not both")
+            concurrency = compute.size
+        elif compute is not None and compute != "tasks":
             raise ValueError(f"{where}: compute={compute!r} needs a callable class (actors); "
-                             f"a function runs as tasks")
+                             f"a function runs as tasks (compute=TaskPoolStrategy(size=n))")
         if fn_constructor_args or fn_constructor_kwargs:
             raise ValueError(f"{where}: fn_constructor_args/kwargs apply to callable classes only")
         max_conc = None
@@ -306,7 +317,7 @@ class Dataset:
                     concurrency=None, udf_modifying_row_count: bool = True,
                     **ray_remote_args) -> "Dataset":
         """Applies ``fn`` to batches of ``batch_size`` rows (Ray 2.60's default ``None``:
-        one batch per block) in ``batch_format`` (``"default"``/``"numpy"``: dict of
+        one batch per block; ``"auto"``: also whole blocks here) in ``batch_format`` (``"default"``/``"numpy"``: dict of
         numpy arrays, ``"pandas"``: DataFrame, ``"pyarrow"``/``None``: Table). ``fn``
         returns a batch (dict of arrays, DataFrame or Table) or is a generator yielding
         batches.
@@ -322,12 +333,13 @@ class Dataset:
         Raises:
             ValueError: an unknown batch format, a bad batch size or option (named).
         """
-        if batch_size == "default":
-            batch_size = 1024  # Ray's former default, still accepted
+        if num_gpus is not None and num_gpus > 0 and (batch_size is None or batch_size == "auto"):
+            raise ValueError("You must provide `batch_size` to `map_batches` when requesting GPUs.")
         if batch_size == "auto":
-            batch_size = None
-        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-            raise ValueError(f"batch_size must be a positive int, None or 'default', got {batch_size!r}")
+            batch_size = None  # whole blocks (Ray sizes "auto" batches from the row size)
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                       or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive int, None or 'auto', got {batch_size!r}")
         B.check_batch_format(batch_format)
         remote = _remote_args("map_batches", num_cpus, num_gpus, memory, ray_remote_args)
 
