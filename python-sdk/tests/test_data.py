@@ -320,3 +320,30 @@ def test_local_shuffle_buffer_and_repartition_by_rows():
     assert sorted(rows) == list(range(200)) and rows != list(range(200))
     sizes = [len(b["id"]) for b in data.range(100).repartition(target_num_rows_per_block=30).iter_batches(batch_size=None)]
     assert sum(sizes) == 100 and len(sizes) == 4
+
+
+def test_groupby_fast_path_agrees_with_the_per_group_path(monkeypatch):
+    from tpuray.data import aggregate as A
+    from tpuray.data import grouped_data as G
+
+    rng = np.random.default_rng(0)
+    blk = {"k": rng.integers(0, 5, 200), "j": rng.integers(0, 2, 200),
+           "s": np.array([f"s{i % 3}" for i in range(200)], dtype=object),
+           "v": rng.random(200), "i": rng.integers(0, 50, 200)}
+    aggs = [A.Count(), A.Sum("i"), A.Sum("v"), A.Min("i"), A.Max("v"), A.Mean("i"),
+            A.Std("v"), A.Std("i", ddof=0), A.Count("v")]
+    for keys in (["k"], ["k", "j"], ["s"]):
+        fast = G._vectorized(blk, keys, aggs)
+        assert fast is not None
+        with monkeypatch.context() as m:
+            m.setattr(G, "_vectorized", lambda *a: None)
+            slow = G._aggregate_groups(keys, aggs)(blk)
+        assert list(fast) == list(slow)
+        for c in slow:
+            if slow[c].dtype.kind == "f":
+                assert np.allclose(fast[c], slow[c]), c
+            else:
+                assert fast[c].tolist() == slow[c].tolist(), c
+                assert fast[c].dtype == slow[c].dtype, c
+    assert G._vectorized(blk, ["k"], [A.Unique("i")]) is None
+    assert G._vectorized(blk, ["k"], [A.Sum("v", ignore_nulls=False)]) is None

@@ -39,10 +39,73 @@ def _group_indices(block: dict, keys: list) -> list:
     return out
 
 
+_VECTORIZED = (A.Count, A.Sum, A.Min, A.Max, A.Mean, A.Std)
+
+
+def _vectorized(block: dict, keys: list, aggs: list) -> Optional[dict]:
+    """``GroupedData.aggregate``'s result computed by one pandas ``groupby`` (no Python
+    loop over groups), or ``None`` when an aggregation needs the general path: a
+    user-defined one, ``ignore_nulls=False`` on a value aggregation, or a column of
+    objects or tensors."""
+    import numpy as np
+    import pandas as pd
+
+    if not keys:
+        return None
+    for a in aggs:
+        if type(a) not in _VECTORIZED:
+            return None
+        if a.on is not None:
+            col = block[a.on]
+            if col.dtype == object or col.ndim > 1 or col.dtype.kind not in "biuf":
+                return None
+            if type(a) is not A.Count and not a.ignore_nulls:
+                return None
+    kcols = [f"k{i}" for i in range(len(keys))]
+    frame = {c: block[k] for c, k in zip(kcols, keys)}
+    for j, a in enumerate(aggs):
+        if a.on is not None:
+            frame[f"v{j}"] = block[a.on]
+    g = pd.DataFrame(frame).groupby(kcols, sort=True, dropna=False)
+    results = []
+    for j, a in enumerate(aggs):
+        v = f"v{j}"
+        t = type(a)
+        if t is A.Count:
+            r = g.size() if a.on is None or not a.ignore_nulls else g[v].count()
+        elif t is A.Sum:
+            r = g[v].sum(min_count=1)
+        elif t is A.Min:
+            r = g[v].min()
+        elif t is A.Max:
+            r = g[v].max()
+        elif t is A.Mean:
+            r = g[v].mean()
+        else:
+            r = g[v].std(ddof=a.ddof)
+        results.append(r)
+    index = results[0].index
+    out = {}
+    for i, k in enumerate(keys):
+        level = index.get_level_values(i) if len(keys) > 1 else index
+        out[k] = B._as_column(level.to_numpy())
+    for a, r in zip(aggs, results):
+        col = r.to_numpy()
+        if col.dtype == object:
+            col = np.asarray(col.tolist())
+        out[a.name] = col
+    return out
+
+
 def _aggregate_groups(keys: list, aggs: list) -> Callable:
     """The reduce step of ``GroupedData.aggregate``: a block -> one row per group."""
 
     def finish(block):
+        if B.num_rows(block) == 0:
+            return {}
+        fast = _vectorized(block, keys, aggs)
+        if fast is not None:
+            return fast
         groups = _group_indices(block, keys)
         if not groups:
             return {}
