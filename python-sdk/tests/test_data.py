@@ -347,3 +347,18 @@ def test_groupby_fast_path_agrees_with_the_per_group_path(monkeypatch):
                 assert fast[c].dtype == slow[c].dtype, c
     assert G._vectorized(blk, ["k"], [A.Unique("i")]) is None
     assert G._vectorized(blk, ["k"], [A.Sum("v", ignore_nulls=False)]) is None
+
+
+def test_init_object_store_memory_sizes_a_new_local_clusters_store(tmp_path):
+    # Ray's init(object_store_memory=) for the private cluster init() starts (bench/data.py
+    # --shuffles limits the store this way); in a process of its own.
+    env = {k: v for k, v in os.environ.items() if k not in ("TPURAY_ADDRESS", "RAY_ADDRESS")}
+    env["TPURAY_REGISTRY_DIR"] = str(tmp_path / "registry")
+    code = ("import tpuray; tpuray.init(num_cpus=1, object_store_memory=300 * 2**20); "
+            "print(int(tpuray.cluster_resources()['object_store_memory'])); tpuray.shutdown()")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-1] == str(300 * 2**20)
+    limits = data.ExecutionResources.for_limits(object_store_memory=5)
+    assert limits.object_store_memory == 5 and limits.cpu is None

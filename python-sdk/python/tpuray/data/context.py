@@ -58,6 +58,12 @@ class ExecutionResources(_Strict):
         self.gpu = gpu
         self.object_store_memory = object_store_memory
 
+    @classmethod
+    def for_limits(cls, cpu: Optional[float] = None, gpu: Optional[float] = None,
+                   object_store_memory: Optional[float] = None) -> "ExecutionResources":
+        """Ray's constructor for limits (``None``: no limit)."""
+        return cls(cpu=cpu, gpu=gpu, object_store_memory=object_store_memory)
+
     def __setattr__(self, name, value):
         if name == "gpu" and value is not None:
             raise ValueError("ExecutionResources(gpu=...) limits are not supported by tpuray.data")
