@@ -29,6 +29,10 @@ if [ "$have" != "$RAY_VERSION" ]; then
 fi
 "$RAY_VENV/bin/python" -c "import torch" 2>/dev/null ||
     "$RAY_VENV/bin/python" -m pip install -q torch
+# The data_* scripts: Ray Data's extra (pandas, pyarrow), Pillow for read_images,
+# pydantic for iter_torch_batches (it imports ray.train).
+"$RAY_VENV/bin/python" -c "import ray.data, pandas, pyarrow, PIL, pydantic" 2>/dev/null ||
+    "$RAY_VENV/bin/python" -m pip install -q "ray[data]==$RAY_VERSION" pillow pydantic
 
 if [ $# -eq 0 ]; then
     set -- $(ls "$compat"/*.py | xargs -n1 basename | sed 's/\.py$//' | grep -v '^clean_output$')
