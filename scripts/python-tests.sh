@@ -17,8 +17,9 @@ fi
 # maturin's build hook runs `maturin` from PATH.
 export PATH="$PWD/$venv/bin:$PATH"
 # prometheus_client: its text parser reads /metrics in test_metrics.py. uv: the installer
-# of runtime_env['uv'], found beside the interpreter (tests/test_runtime_env.py).
-"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow selenium prometheus_client uv
+# of runtime_env['uv'], found beside the interpreter (tests/test_runtime_env.py). pandas,
+# pyarrow, tqdm, pillow: tpuray.data (its `data` extra; pillow for read_images).
+"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow pandas tqdm pillow selenium prometheus_client uv
 # The dashboard's browser tests (tests/test_dashboard.py) drive Debian's chromium through
 # its chromedriver (selenium never downloads a browser or a driver here).
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then

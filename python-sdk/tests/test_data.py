@@ -78,7 +78,7 @@ def test_callable_class_runs_on_an_actor_pool_constructed_once_per_actor():
     pids = {r["pid"] for r in rows}
     assert 1 <= len(pids) <= 2 and os.getpid() not in pids
     with pytest.raises(ValueError, match="concurrency"):
-        data.range(4).map_batches(lambda b: b, concurrency=2)
+        data.range(4).map_batches(lambda b: b, concurrency=(1, 2))
 
 
 def test_actor_pool_asking_for_every_cpu_still_gets_its_input():
@@ -191,3 +191,174 @@ def test_streaming_split_feeds_each_consumer_a_share_once_per_epoch():
     equal = data.range(101, override_num_blocks=5).streaming_split(2, equal=True)
     counts = ray.get([consume.remote(it, 1) for it in equal], timeout=120)
     assert len(counts[0][0]) == len(counts[1][0]) == 50
+
+
+def test_ray_data_is_an_attribute_of_the_package():
+    import importlib
+
+    import tpuray
+
+    assert tpuray.data is importlib.import_module("tpuray.data")
+    assert tpuray.data.range is data.range
+
+
+def test_limit_stops_the_reads_upstream(tmp_path):
+    # 40 read tasks, each leaving a file behind: a limit of 5 rows needs only the first.
+    marks = str(tmp_path)
+
+    def mark(batch):
+        with open(os.path.join(marks, f"{int(batch['id'][0])}"), "w"):
+            pass
+        return batch
+
+    ctx = DataContext.get_current()
+    old = ctx.max_tasks_in_flight_per_op
+    ctx.max_tasks_in_flight_per_op = 1
+    try:
+        rows = data.range(400, override_num_blocks=40).map_batches(mark).limit(5).take_all()
+    finally:
+        ctx.max_tasks_in_flight_per_op = old
+    assert rows == [{"id": i} for i in range(5)]
+    assert 1 <= len(os.listdir(marks)) < 40
+
+
+def test_iter_batches_prefetches_on_a_thread():
+    seen_threads = []
+
+    def consume():
+        out = []
+        for b in data.range(100, override_num_blocks=5).iter_batches(batch_size=20, prefetch_batches=2):
+            seen_threads.append({t.name for t in threading.enumerate()})
+            out.append(len(b["id"]))
+        return out
+
+    assert run_with_timeout(consume) == [20] * 5
+    assert any("tpuray-data-prefetch" in names for names in seen_threads)
+    # Stopping early ends the prefetching thread instead of leaving it blocked.
+    it = iter(data.range(100, override_num_blocks=10).iter_batches(batch_size=10, prefetch_batches=1))
+    next(it)
+    it.close()
+    deadline = time.time() + 10
+    while any(t.name == "tpuray-data-prefetch" for t in threading.enumerate()) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "tpuray-data-prefetch" for t in threading.enumerate())
+
+
+def test_udf_errors_fail_the_dataset_with_the_udf_traceback():
+    def bad(batch):
+        raise ZeroDivisionError("no dividing here")
+
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        run_with_timeout(lambda: data.range(10).map_batches(bad).take_all())
+    e = info.value
+    assert isinstance(e, ray.exceptions.UserCodeException)
+    assert "no dividing here" in str(e) and "ZeroDivisionError" in str(e)
+    assert "in bad" in str(e), "the UDF's own frame is in the traceback"
+
+
+def test_data_context_refuses_settings_it_does_not_implement_by_name():
+    ctx = DataContext.get_current()
+    with pytest.raises(AttributeError, match="shuffle_strategy"):
+        ctx.shuffle_strategy = "hash_shuffle"
+    with pytest.raises(AttributeError, match="max_errored_blocks"):
+        ctx.max_errored_blocks = 3
+    with pytest.raises(ValueError, match="gpu"):
+        ctx.execution_options.resource_limits.gpu = 1
+    with pytest.raises(ValueError, match="max_calls"):
+        data.range(3).map_batches(lambda b: b, max_calls=2)
+    with pytest.raises(ValueError, match="unknown option 'bogus'"):
+        data.range(3).map(lambda r: r, bogus=1)
+
+
+def test_resource_limits_bound_the_bytes_in_flight():
+    ctx = DataContext.get_current()
+    old = ctx.execution_options.resource_limits.object_store_memory
+    ctx.execution_options.resource_limits.object_store_memory = 3 * 1024 * 1024
+    try:
+        assert ctx.resolved().max_bytes_in_flight == 3 * 1024 * 1024
+        ds = data.range(40, override_num_blocks=40).map_batches(
+            lambda b: {"x": np.zeros((len(b["id"]), 1024 * 1024 // 8))})
+        assert ds.count() == 40
+        assert ds._last_executor.peak_bytes <= 3 * 1024 * 1024 + 2 * 1024 * 1024
+    finally:
+        ctx.execution_options.resource_limits.object_store_memory = old
+
+
+def test_sort_and_groupby_run_as_shuffles_with_many_output_blocks():
+    ds = data.from_items([{"k": i % 13, "v": (i * 7) % 101} for i in range(500)], override_num_blocks=10)
+    s = ds.sort("v", descending=True).materialize()
+    assert s.num_blocks() >= 2
+    vals = [r["v"] for r in s.take_all()]
+    assert vals == sorted(vals, reverse=True)
+    fixed = ds.sort("v", boundaries=[20, 50]).materialize()
+    assert fixed.num_blocks() == 3
+    assert [r["v"] for r in fixed.take_all()] == sorted(vals)
+    g = ds.groupby("k", num_partitions=4).count().materialize()
+    assert g.num_blocks() == 4
+    assert sorted((r["k"], r["count()"]) for r in g.take_all()) == [
+        (k, sum(1 for i in range(500) if i % 13 == k)) for k in range(13)]
+    with pytest.raises(ValueError, match="zzz"):
+        ds.groupby("zzz").sum("v").take_all()
+
+
+def test_readers_and_writers_through_file_uris(tmp_path):
+    ds = data.from_items([{"a": i, "s": f"x{i}"} for i in range(20)], override_num_blocks=4)
+    ds.write_parquet(f"file://{tmp_path}/pq")
+    assert len(os.listdir(tmp_path / "pq")) == 4
+    back = data.read_parquet(f"file://{tmp_path}/pq", override_num_blocks=2)
+    assert sorted(r["a"] for r in back.take_all()) == list(range(20))
+    assert back.num_blocks() == 2
+    ds.write_json(str(tmp_path / "js"))
+    assert sorted(r["s"] for r in data.read_json(str(tmp_path / "js")).take_all()) == sorted(f"x{i}" for i in range(20))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        data.read_text(f"file://{tmp_path}/missing")
+
+
+def test_local_shuffle_buffer_and_repartition_by_rows():
+    rows = [int(x) for b in data.range(200, override_num_blocks=4).iter_batches(
+        batch_size=50, local_shuffle_buffer_size=100, local_shuffle_seed=1) for x in b["id"]]
+    assert sorted(rows) == list(range(200)) and rows != list(range(200))
+    sizes = [len(b["id"]) for b in data.range(100).repartition(target_num_rows_per_block=30).iter_batches(batch_size=None)]
+    assert sum(sizes) == 100 and len(sizes) == 4
+
+
+def test_groupby_fast_path_agrees_with_the_per_group_path(monkeypatch):
+    from tpuray.data import aggregate as A
+    from tpuray.data import grouped_data as G
+
+    rng = np.random.default_rng(0)
+    blk = {"k": rng.integers(0, 5, 200), "j": rng.integers(0, 2, 200),
+           "s": np.array([f"s{i % 3}" for i in range(200)], dtype=object),
+           "v": rng.random(200), "i": rng.integers(0, 50, 200)}
+    aggs = [A.Count(), A.Sum("i"), A.Sum("v"), A.Min("i"), A.Max("v"), A.Mean("i"),
+            A.Std("v"), A.Std("i", ddof=0), A.Count("v")]
+    for keys in (["k"], ["k", "j"], ["s"]):
+        fast = G._vectorized(blk, keys, aggs)
+        assert fast is not None
+        with monkeypatch.context() as m:
+            m.setattr(G, "_vectorized", lambda *a: None)
+            slow = G._aggregate_groups(keys, aggs)(blk)
+        assert list(fast) == list(slow)
+        for c in slow:
+            if slow[c].dtype.kind == "f":
+                assert np.allclose(fast[c], slow[c]), c
+            else:
+                assert fast[c].tolist() == slow[c].tolist(), c
+                assert fast[c].dtype == slow[c].dtype, c
+    assert G._vectorized(blk, ["k"], [A.Unique("i")]) is None
+    assert G._vectorized(blk, ["k"], [A.Sum("v", ignore_nulls=False)]) is None
+
+
+def test_init_object_store_memory_sizes_a_new_local_clusters_store(tmp_path):
+    # Ray's init(object_store_memory=) for the private cluster init() starts (bench/data.py
+    # --shuffles limits the store this way); in a process of its own.
+    env = {k: v for k, v in os.environ.items() if k not in ("TPURAY_ADDRESS", "RAY_ADDRESS")}
+    env["TPURAY_REGISTRY_DIR"] = str(tmp_path / "registry")
+    code = ("import tpuray; tpuray.init(num_cpus=1, object_store_memory=300 * 2**20); "
+            "print(int(tpuray.cluster_resources()['object_store_memory'])); tpuray.shutdown()")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-1] == str(300 * 2**20)
+    limits = data.ExecutionResources.for_limits(object_store_memory=5)
+    assert limits.object_store_memory == 5 and limits.cpu is None

@@ -30,7 +30,8 @@ def init(address=None, **kwargs):
     With no address: ``TPURAY_ADDRESS`` (or ``RAY_ADDRESS``), else the cluster that
     ``tpuray start --head`` left on this machine, else a new local cluster private to this
     driver (stopped at ``shutdown`` or exit). Keyword arguments: ``num_cpus``,
-    ``num_gpus``, ``resources`` (for a new local cluster), ``namespace``,
+    ``num_gpus``, ``resources``, ``object_store_memory`` (bytes; for a new local
+    cluster), ``namespace``,
     ``runtime_env`` (the job's environment: ``working_dir``, ``py_modules``, ``pip``,
     ``uv``, ``env_vars``, ``excludes``, ``config``, as Ray's; see ``tpuray.runtime_env``),
     ``ignore_reinit_error``.
@@ -207,6 +208,17 @@ def timeline(filename=None):
             f.write(text)
         return None
     return json.loads(text)
+
+
+def __getattr__(name):
+    """``tpuray.data`` on first use after ``import tpuray`` (as ``ray.data`` after
+    ``import ray``), without importing numpy/pandas/pyarrow for programs that never
+    touch it."""
+    if name == "data":
+        import importlib
+
+        return importlib.import_module("tpuray.data")
+    raise AttributeError(f"module 'tpuray' has no attribute {name!r}")
 
 
 __all__ = [

@@ -110,6 +110,11 @@ class OwnerDiedError(ObjectLostError):
     """The object's owner died."""
 
 
+class UserCodeException(RayError):
+    """An exception raised by user code that a library ran, e.g. a ``tpuray.data`` UDF
+    (Ray's ``UserCodeException``); the user's exception is its ``__cause__``."""
+
+
 class ObjectStoreFullError(RayError):
     """The object store cannot take the object."""
 

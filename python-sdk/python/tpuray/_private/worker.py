@@ -68,7 +68,7 @@ def _tpuray_cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
     )
 
 
-def _start_local_cluster(num_cpus, num_gpus, resources) -> str:
+def _start_local_cluster(num_cpus, num_gpus, resources, object_store_memory=None) -> str:
     """Starts a private head (and its node) for this driver, stopped at shutdown (Ray's
     ``ray.init()`` without an address)."""
     tmp = tempfile.mkdtemp(prefix="tpuray-local-")
@@ -84,6 +84,8 @@ def _start_local_cluster(num_cpus, num_gpus, resources) -> str:
         args += ["--num-gpus", str(num_gpus)]
     if resources:
         args += ["--resources", json.dumps(resources)]
+    if object_store_memory is not None:
+        args += ["--object-store-memory", str(int(object_store_memory))]
     out = _tpuray_cli(args, env)
     if out.returncode != 0:
         raise exceptions.RaySystemError(
@@ -161,6 +163,7 @@ def init(
     num_cpus=None,
     num_gpus=None,
     resources=None,
+    object_store_memory=None,
     namespace=None,
     runtime_env=None,
     ignore_reinit_error=False,
@@ -200,7 +203,7 @@ def init(
             if not address or address == "auto":
                 address = _current_cluster_address()
         if not address:
-            address = _start_local_cluster(num_cpus, num_gpus, resources)
+            address = _start_local_cluster(num_cpus, num_gpus, resources, object_store_memory)
         # A private cluster keeps its own process registry, which lists its node.
         registry = (state.local_cluster or {}).get("env", {}).get("TPURAY_REGISTRY_DIR")
         info = _tpuray.init_driver(address, namespace, registry)

@@ -22,14 +22,16 @@ from tpuray.data.context import DataContext
 
 @dataclass
 class BlockMeta:
-    """What the executor knows of a block without fetching it."""
+    """What the executor knows of a block without fetching it: rows, approximate bytes
+    and the column names."""
 
     num_rows: int
     size_bytes: int
+    columns: tuple = ()
 
 
 def _meta(block) -> BlockMeta:
-    return BlockMeta(B.num_rows(block), B.size_bytes(block))
+    return BlockMeta(B.num_rows(block), B.size_bytes(block), tuple(block.keys()))
 
 
 @tpuray.remote(num_returns=2)
@@ -42,15 +44,40 @@ def _run_block_fn(fn, *blocks):
 @tpuray.remote
 def _split_block(block, how, arg):
     """The map half of an all-to-all operator: ``block`` cut into parts, one return object
-    per part (the caller sets ``num_returns``)."""
+    per part (the caller sets ``num_returns``).
+
+    ``how``: ``"shuffle"`` (``arg=(parts, seed)``: each row to a random part),
+    ``"repartition"`` (``arg=[(output, start, end), ...]`` row ranges), ``"range"``
+    (``arg=(key, boundaries, descending)``: sort's range partitioning on the first key),
+    ``"hash"`` (``arg=(keys, parts)``: groupby's hash partitioning).
+    """
+    import numpy as np
+
     n = B.num_rows(block)
     if how == "shuffle":
         parts, seed = arg
-        import numpy as np
-
         rng = np.random.default_rng(seed)
         owner = rng.integers(0, parts, size=n)
         out = [B.take_indices(block, np.nonzero(owner == j)[0]) for j in range(parts)]
+    elif how == "range":
+        key, bounds, descending = arg
+        parts = len(bounds) + 1
+        if n == 0:
+            out = [block] * parts
+        else:
+            owner = np.searchsorted(np.asarray(bounds, dtype=block[key].dtype), block[key],
+                                    side="right") if len(bounds) else np.zeros(n, dtype=np.int64)
+            if descending:
+                owner = parts - 1 - owner
+            order = np.argsort(owner, kind="stable")
+            cuts = np.searchsorted(owner[order], np.arange(parts + 1), side="left")
+            out = [B.take_indices(block, order[cuts[j]:cuts[j + 1]]) for j in range(parts)]
+    elif how == "hash":
+        keys, parts = arg
+        owner = B.hash_partition(block, keys, parts)
+        order = np.argsort(owner, kind="stable")
+        cuts = np.searchsorted(owner[order], np.arange(parts + 1), side="left")
+        out = [B.take_indices(block, order[cuts[j]:cuts[j + 1]]) for j in range(parts)]
     else:
         # repartition: arg = [(output index, start, end) ...] row ranges of this block
         out = [B.slice_block(block, s, e) for (_, s, e) in arg]
@@ -63,15 +90,60 @@ def _split(ref, how, arg, parts: int) -> list:
 
 
 @tpuray.remote(num_returns=2)
-def _merge_parts(how, seed, *pieces):
-    """The reduce half: joins the parts meant for one output block."""
+def _merge_parts(how, arg, *pieces):
+    """The reduce half: joins the parts meant for one output block, then ``"shuffle"``
+    permutes them (``arg``: the seed), ``"sort"`` sorts them (``arg=(keys,
+    descending)``), ``"call"`` hands them to ``arg(block) -> block`` (groupby)."""
     out = B.concat(list(pieces))
     if how == "shuffle" and B.num_rows(out) > 1:
         import numpy as np
 
-        idx = np.random.default_rng(seed).permutation(B.num_rows(out))
+        idx = np.random.default_rng(arg).permutation(B.num_rows(out))
         out = B.take_indices(out, idx)
+    elif how == "sort" and B.num_rows(out) > 1:
+        keys, descending = arg
+        out = B.take_indices(out, B.sort_indices(out, keys, descending))
+    elif how == "call":
+        out = arg(out)
     return out, _meta(out)
+
+
+@tpuray.remote
+def _sample_keys(block, key, k, seed):
+    """Up to ``k`` values of column ``key`` of ``block``, drawn without replacement."""
+    import numpy as np
+
+    col = block.get(key)
+    if col is None or len(col) == 0:
+        return col[:0] if col is not None else np.zeros(0)
+    if len(col) <= k:
+        return col
+    idx = np.random.default_rng(seed).choice(len(col), size=k, replace=False)
+    return col[np.sort(idx)]
+
+
+@tpuray.remote
+def _meta_remote(block):
+    return _meta(block)
+
+
+@tpuray.remote(num_returns=2)
+def _slice_remote(block, start, end):
+    out = B.slice_block(block, start, end)
+    return out, _meta(out)
+
+
+def sort_boundaries(samples: list, parts: int):
+    """``parts - 1`` ascending boundaries cutting the pooled ``samples`` into ``parts``
+    ranges of near-equal size (sample-based range partitioning, as Ray's sort does)."""
+    import numpy as np
+
+    samples = [s for s in samples if s is not None and len(s)]
+    if parts <= 1 or not samples:
+        return []
+    pool = np.sort(np.concatenate(samples), kind="stable")
+    picks = [pool[min(len(pool) - 1, (len(pool) * j) // parts)] for j in range(1, parts)]
+    return [p.item() if isinstance(p, np.generic) else p for p in picks]
 
 
 class _ActorWorker:
@@ -102,7 +174,7 @@ class PhysicalOp:
     """One stage of the pipeline."""
 
     name: str
-    kind: str  # "source", "task", "actors", "all_to_all"
+    kind: str  # "source", "task", "actors", "all_to_all", "limit"
     fn: Optional[Callable] = None
     remote_args: dict = field(default_factory=dict)
     read_fns: list = field(default_factory=list)  # sources: one zero-argument read per block
@@ -111,7 +183,11 @@ class PhysicalOp:
     actor_args: tuple = ()
     actor_kwargs: dict = field(default_factory=dict)
     concurrency: tuple = (1, 1)
-    all_to_all: tuple = ()  # ("shuffle", n, seed) | ("repartition", n)
+    # ("shuffle", n, seed) | ("repartition", n) | ("sort", n, (keys, descending, bounds))
+    # | ("groupby", n, (keys, finish)); n None: one output block per input block
+    all_to_all: tuple = ()
+    limit: int = 0  # "limit": the rows to pass
+    max_concurrency: Optional[int] = None  # tasks of this operator at once (Ray's concurrency)
 
 
 class _OpState:
@@ -131,6 +207,11 @@ class _OpState:
         self.pending_blocks = collections.deque(op.blocks)
         self.next_index = 0  # sources: the order of the blocks they make
         self.all_inputs: list = []
+        self.limit_pending: dict = {}  # "limit": blocks waiting for their turn, by index
+        self.limit_next = 0
+        self.limit_rows = 0
+        self.started = time.time()
+        self.finished: Optional[float] = None
         self.bar = None
         if bars:
             try:
@@ -150,6 +231,7 @@ class _OpState:
             and not self.pending_reads
             and not self.pending_blocks
             and not self.all_inputs
+            and not self.limit_pending
         )
 
     def expected_output_bytes(self) -> int:
@@ -171,6 +253,7 @@ class StreamingExecutor:
         self.ctx = ctx or DataContext.get_current()
         self.ops = ops
         self.peak_bytes = 0
+        self.op_stats: list = []  # per operator: (name, blocks, rows, bytes, seconds)
         self._early: dict = {}
         self._cpus: Optional[int] = None
 
@@ -261,11 +344,12 @@ class StreamingExecutor:
 
     def _run_all_to_all(self, s: _OpState) -> None:
         how = s.op.all_to_all[0]
-        n = max(1, int(s.op.all_to_all[1]))
         inputs = sorted(s.all_inputs, key=lambda item: item[2])
         s.all_inputs = []
         if not inputs:
             return
+        n = s.op.all_to_all[1]
+        n = max(1, int(n if n is not None else len(inputs)))
         if how == "shuffle":
             seed = s.op.all_to_all[2]
             base = seed if seed is not None else int(time.time_ns() % (2**31))
@@ -278,7 +362,41 @@ class StreamingExecutor:
                 b, m = _merge_parts.remote("shuffle", base + 7919 * (j + 1), *parts)
                 s.running.append(_Running(b, m, 0, j))
             return
+        if how in ("sort", "groupby"):
+            columns = next((m.columns for _, m, _ in inputs if m.num_rows), ())
+            keys = s.op.all_to_all[2][0]
+            missing = [k for k in keys if k not in columns]
+            if missing and columns:
+                what = "sort" if how == "sort" else "groupby"
+                raise ValueError(
+                    f"The {what} key(s) {missing} are not in the dataset's columns {list(columns)}"
+                )
+            if how == "sort":
+                keys, descending, bounds = s.op.all_to_all[2]
+                if bounds is None:
+                    # Sample-based range partitioning: a few key values of every block
+                    # (small) choose the boundaries; the blocks stay in the object store.
+                    per_block = max(10, 20 * n // len(inputs) + 1)
+                    samples = tpuray.get([
+                        _sample_keys.remote(ref, keys[0], per_block, i)
+                        for i, (ref, _, _) in enumerate(inputs)
+                    ])
+                    bounds = sort_boundaries(samples, n)
+                n = len(bounds) + 1
+                splits = [_split(ref, "range", (keys[0], list(bounds), descending[0]), n)
+                          for ref, _, _ in inputs]
+                merge_how, merge_arg = "sort", (keys, descending)
+            else:
+                keys, finish = s.op.all_to_all[2]
+                splits = [_split(ref, "hash", (keys, n), n) for ref, _, _ in inputs]
+                merge_how, merge_arg = "call", finish
+            for j in range(n):
+                b, m = _merge_parts.remote(merge_how, merge_arg, *[sp[j] for sp in splits])
+                s.running.append(_Running(b, m, 0, j))
+            return
         total = sum(m.num_rows for _, m, _ in inputs)
+        if how == "repartition" and s.op.all_to_all[1] is None:
+            n = max(1, -(-total // int(s.op.all_to_all[2])))  # target rows per block
         bounds = [round(total * j / n) for j in range(n + 1)]
         per_output: list[list] = [[] for _ in range(n)]
         offset = 0
@@ -295,8 +413,45 @@ class StreamingExecutor:
             for k, (j, _, _) in enumerate(ranges):
                 per_output[j].append(sp[k])
         for j in range(n):
-            b, m = _merge_parts.remote("repartition", 0, *per_output[j])
+            b, m = _merge_parts.remote("repartition", None, *per_output[j])
             s.running.append(_Running(b, m, 0, j))
+
+    def _run_limit(self, s: _OpState, states) -> None:
+        """Passes blocks in order until ``op.limit`` rows went by (the last one cut by a
+        small task), then stops everything upstream: no more reads or tasks start."""
+        while s.inqueue:
+            ref, meta, index = s.inqueue.popleft()
+            s.limit_pending[index] = (ref, meta)
+        limit = s.op.limit
+        while s.limit_rows < limit:
+            if s.limit_next not in s.limit_pending:
+                if s.inputs_done and s.limit_pending:
+                    # Indices restart after an all-to-all operator: take the smallest next.
+                    s.limit_next = min(s.limit_pending)
+                    continue
+                return
+            ref, meta = s.limit_pending.pop(s.limit_next)
+            s.limit_next += 1
+            left = limit - s.limit_rows
+            if meta.num_rows <= left:
+                s.outqueue.append((ref, meta, s.limit_next - 1))
+                self._count_out(s, meta)
+                s.limit_rows += meta.num_rows
+            else:
+                b, m = _slice_remote.remote(ref, 0, left)
+                s.running.append(_Running(b, m, meta.size_bytes, s.limit_next - 1))
+                s.limit_rows += left
+        # Reached: drop what is queued and stop the operators feeding this one.
+        s.limit_pending.clear()
+        s.inputs_done = True
+        for t in states[: s.index]:
+            t.pending_reads.clear()
+            t.pending_blocks.clear()
+            t.inqueue.clear()
+            t.outqueue.clear()
+            t.all_inputs = []
+            t.running = []
+            t.inputs_done = True
 
     def _count_out(self, s: _OpState, meta: BlockMeta) -> None:
         s.rows_out += meta.num_rows
@@ -340,6 +495,11 @@ class StreamingExecutor:
                 self.peak_bytes = max(self.peak_bytes, self._bytes_held(states))
                 self._wait(states)
         finally:
+            now = time.time()
+            self.op_stats = [
+                (s.op.name, s.blocks_out, s.rows_out, s.bytes_out, (s.finished or now) - s.started)
+                for s in states
+            ]
             for s in states:
                 if s.bar is not None:
                     s.bar.close()
@@ -368,6 +528,8 @@ class StreamingExecutor:
                 s.running = still
             if s.op.kind == "source" and not s.pending_reads and not s.pending_blocks:
                 s.inputs_done = True
+            if s.finished is None and s.done():
+                s.finished = time.time()
             if i + 1 < len(states):
                 nxt = states[i + 1]
                 while s.outqueue:
@@ -390,6 +552,9 @@ class StreamingExecutor:
                 if s.inputs_done and s.all_inputs and not s.running:
                     self._run_all_to_all(s)
                 continue
+            if op.kind == "limit":
+                self._run_limit(s, states)
+                continue
             if op.kind == "actors":
                 upstream = sum(
                     float(t.op.remote_args.get("num_cpus", 1) or 0)
@@ -398,7 +563,13 @@ class StreamingExecutor:
                 )
                 self._scale_actors(s, upstream)
             cap = ctx.max_tasks_in_flight_per_op or 2 * cpu_cap
+            if op.max_concurrency is not None and op.kind != "actors":
+                cap = min(cap, op.max_concurrency)
             while len(s.running) < cap:
+                if s.running and s.blocks_out == 0 and not s.pending_blocks:
+                    # The size of this operator's blocks is unknown until its first one is
+                    # made: one task probes it, so a burst at the start cannot pass the bound.
+                    break
                 held = self._bytes_held(states)
                 anything_running = any(t.running for t in states)
                 est = s.expected_output_bytes() + (s.inqueue[0][1].size_bytes if s.inqueue else 0)

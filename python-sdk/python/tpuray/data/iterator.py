@@ -88,7 +88,100 @@ class _SplitCoordinator:
             return None
 
 
+def _torch_batch(batch: dict, dtypes, device: str) -> dict:
+    import torch
+
+    dev = "cpu" if device in (None, "auto") else device
+    out = {}
+    for k, v in batch.items():
+        if v.dtype == object:
+            out[k] = v
+            continue
+        dt = dtypes.get(k) if isinstance(dtypes, dict) else dtypes
+        t = torch.as_tensor(v)
+        if dt is not None:
+            t = t.to(dt)
+        out[k] = t.to(dev) if dev != "cpu" else t
+    return out
+
+
 class DataIterator:
+    """Iterates a dataset's batches (Ray's ``DataIterator``); what ``Dataset.iterator``
+    and ``Dataset.streaming_split`` return. Each ``iter_*`` call is one epoch."""
+
+    def _iter_blocks(self, prefetch: int) -> Iterator[dict]:
+        raise NotImplementedError
+
+    def iter_batches(self, *, prefetch_batches: int = 1, batch_size: Optional[int] = 256,
+                     batch_format: Optional[str] = "default", drop_last: bool = False,
+                     local_shuffle_buffer_size: Optional[int] = None,
+                     local_shuffle_seed: Optional[int] = None, _collate_fn=None) -> Iterator[Any]:
+        """Batches of ``batch_size`` rows (``None``: one per block) in ``batch_format``
+        (``"default"``/``"numpy"``: dict of arrays, ``"pandas"``, ``"pyarrow"``); up to
+        ``prefetch_batches`` blocks are fetched ahead by a background thread.
+
+        Raises:
+            ValueError: a bad ``batch_size``, ``batch_format`` or ``prefetch_batches``.
+        """
+        from tpuray.data.dataset import _rebatch
+
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+        if not isinstance(prefetch_batches, int) or prefetch_batches < 0:
+            raise ValueError(f"prefetch_batches must be an int >= 0, got {prefetch_batches!r}")
+        if local_shuffle_buffer_size is not None and local_shuffle_buffer_size < 1:
+            raise ValueError(f"local_shuffle_buffer_size must be >= 1, got {local_shuffle_buffer_size}")
+        fmt = "numpy" if _collate_fn is not None else batch_format
+        B.check_batch_format(fmt)
+        batches = _rebatch(self._iter_blocks(prefetch_batches), batch_size, fmt, drop_last,
+                           local_shuffle_buffer_size, local_shuffle_seed)
+        if _collate_fn is not None:
+            return (_collate_fn(b) for b in batches)
+        return batches
+
+    def iter_torch_batches(self, *, prefetch_batches: int = 1, batch_size: Optional[int] = 256,
+                           dtypes=None, device: str = "auto", collate_fn=None,
+                           drop_last: bool = False,
+                           local_shuffle_buffer_size: Optional[int] = None,
+                           local_shuffle_seed: Optional[int] = None) -> Iterator[Any]:
+        """Batches as dicts of ``torch.Tensor`` (string columns stay numpy arrays) on
+        ``device`` (``"auto"``: the CPU, as Ray's outside a Train worker), cast to
+        ``dtypes`` (one ``torch.dtype`` for all or a dict per column). ``collate_fn``
+        receives each numpy batch instead and its result is yielded as is.
+
+        Raises:
+            ValueError: ``collate_fn`` together with ``dtypes`` or a ``device`` (as Ray).
+        """
+        if collate_fn is not None and (dtypes is not None or device not in ("auto", None)):
+            raise ValueError("collate_fn cannot be used with dtypes and device; "
+                             "move and cast the tensors in collate_fn")
+        batches = self.iter_batches(prefetch_batches=prefetch_batches, batch_size=batch_size,
+                                    batch_format="numpy", drop_last=drop_last,
+                                    local_shuffle_buffer_size=local_shuffle_buffer_size,
+                                    local_shuffle_seed=local_shuffle_seed)
+        if collate_fn is not None:
+            return (collate_fn(b) for b in batches)
+        return (_torch_batch(b, dtypes, device) for b in batches)
+
+    def iter_rows(self) -> Iterator[dict]:
+        for block in self._iter_blocks(1):
+            yield from B.rows(block)
+
+
+class DatasetIterator(DataIterator):
+    """A :class:`DataIterator` over one dataset in this process."""
+
+    def __init__(self, dataset):
+        self._ds = dataset
+
+    def _iter_blocks(self, prefetch: int) -> Iterator[dict]:
+        return self._ds._blocks(prefetch)
+
+    def __repr__(self) -> str:
+        return f"DataIterator({self._ds!r})"
+
+
+class SplitIterator(DataIterator):
     """One consumer's share of a ``streaming_split``; picklable, so it can be passed to the
     task or actor that trains on it."""
 
@@ -97,28 +190,13 @@ class DataIterator:
         self._index = index
         self._epoch = -1
 
-    def _blocks(self) -> Iterator[dict]:
+    def _iter_blocks(self, prefetch: int) -> Iterator[dict]:
         self._epoch += 1
         while True:
             item = tpuray.get(self._coord.next_block.remote(self._index, self._epoch))
             if item is None:
                 return
             yield tpuray.get(item[0])
-
-    def iter_batches(self, *, batch_size: Optional[int] = 256, batch_format: str = "numpy",
-                     drop_last: bool = False, **_ignored) -> Iterator[Any]:
-        """Batches of this consumer's blocks (one epoch per call)."""
-        from tpuray.data.dataset import _rebatch
-
-        return _rebatch(self._blocks(), batch_size, batch_format, drop_last)
-
-    def iter_torch_batches(self, *, batch_size: Optional[int] = 256, drop_last: bool = False,
-                           **_ignored) -> Iterator[dict]:
-        return self.iter_batches(batch_size=batch_size, batch_format="torch", drop_last=drop_last)
-
-    def iter_rows(self) -> Iterator[dict]:
-        for block in self._blocks():
-            yield from B.rows(block)
 
     def __repr__(self) -> str:
         return f"DataIterator(split {self._index})"
