@@ -371,6 +371,19 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
                 Err(e) => print_error(&e, t),
             }
         }
+        // A task that records its pid and node, then sleeps MS (tests/k8s.rs drains its
+        // node meanwhile); get must still return 42.
+        "sleep-task" => {
+            let pid_file = arg(args, 0, "pid file")?;
+            let ms: u64 = arg(args, 1, "milliseconds")?.parse()?;
+            let r = pid_then_sleep::remote(pid_file, ms, 42);
+            say("SUBMITTED");
+            let t = Instant::now();
+            match tpuray::get_timeout(&r, Duration::from_secs(90)) {
+                Ok(v) => say(&format!("RESULT {v} ms={}", t.elapsed().as_millis())),
+                Err(e) => print_error(&e, t),
+            }
+        }
         // An actor (max_restarts 1) and a long task on the actor's node; the
         // test kills that node's agent, then creates the go file.
         "node-death" => {
