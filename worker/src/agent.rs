@@ -1214,24 +1214,26 @@ impl Agent {
 
     /// AGENT-14: waits until no worker of this node runs a task or an actor call, at most
     /// `grace`; returns how many still ran when it gave up (0: all finished). What runs is
-    /// what each worker last reported (every 0.5 s, `ReportMetrics`); a worker holding a
-    /// lease counts as running for the first second, until its first report can arrive.
+    /// what each live worker last reported (every 0.5 s, `ReportMetrics`); a live worker
+    /// holding a lease counts as running for the first second, until its first report
+    /// can arrive.
     pub async fn wait_drained(&self, grace: Duration) -> usize {
         let started = Instant::now();
         loop {
             let running = self.metrics.running_by_pid();
             let (busy, leased): (usize, usize) = {
                 let st = self.lock();
-                let busy = st
+                // Workers that exited (`tpuray stop` stops workers before agents) run
+                // nothing, whatever they last reported.
+                let live: Vec<&WorkerEntry> = st
                     .workers
                     .values()
-                    .filter(|w| running.get(&w.pid).copied().unwrap_or(0) > 0)
-                    .count();
-                let leased = st
-                    .workers
-                    .values()
-                    .filter(|w| matches!(w.state, WorkerState::Leased(_)))
-                    .count();
+                    .filter(|w| registry::proc_start_time(w.pid).is_some())
+                    .collect();
+                let busy =
+                    live.iter().filter(|w| running.get(&w.pid).copied().unwrap_or(0) > 0).count();
+                let leased =
+                    live.iter().filter(|w| matches!(w.state, WorkerState::Leased(_))).count();
                 (busy, leased)
             };
             let settling = leased > 0 && started.elapsed() < Duration::from_secs(1);
