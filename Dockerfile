@@ -18,6 +18,11 @@ RUN python3 -m venv /opt/maturin \
     && /opt/maturin/bin/maturin build --release -m python-sdk/Cargo.toml -o /wheels
 
 FROM python:3.11-slim-bookworm
+# tini as PID 1: it forwards the kubelet's SIGTERM to `tpuray start --block` (which
+# drains its node) and reaps orphaned processes.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends tini \
+    && rm -rf /var/lib/apt/lists/*
 COPY --from=build /wheels /wheels
 # The wheel's `tpuray` console script runs the same CLI through the extension; the
 # native binary copied over it below starts faster.
@@ -26,5 +31,6 @@ COPY --from=build /src/target/release/tpuray /usr/local/bin/tpuray
 # Session folders and logs (`--temp-dir` default); the object store uses /dev/shm,
 # which the manifests mount as memory.
 RUN mkdir -p /tmp/tpuray
-ENTRYPOINT []
+# The manifests give the tpuray command as the pods' `args`.
+ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["tpuray", "--help"]

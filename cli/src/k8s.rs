@@ -328,7 +328,9 @@ fn shm_volume(limit: Option<String>) -> (Volume, VolumeMount) {
     )
 }
 
-/// `tpuray start --address HEADS --block ...` of a node agent pod.
+/// `tpuray start --address HEADS --block ...` of a node agent pod. Pods give their
+/// command as `args`, so the image's entrypoint (the Dockerfile's `tini`, which forwards
+/// SIGTERM and reaps orphans as PID 1) runs it.
 fn agent_command(spec: &ClusterSpec, extra: &[String]) -> Vec<String> {
     let mut c: Vec<String> = [
         "tpuray",
@@ -403,7 +405,7 @@ fn head_objects(spec: &ClusterSpec) -> (Service, StatefulSet, PodDisruptionBudge
     let container = Container {
         name: "head".into(),
         image: Some(spec.image.clone()),
-        command: Some(command),
+        args: Some(command),
         env: Some(common_env(spec)),
         ports: Some(vec![port("gcs", HEAD_PORT), port("dashboard", DASHBOARD_PORT)]),
         readiness_probe: Some(http_probe("/readyz", DASHBOARD_PORT, 5, 3)),
@@ -475,7 +477,7 @@ fn cpu_workers(spec: &ClusterSpec) -> Deployment {
     let mut container = Container {
         name: "agent".into(),
         image: Some(spec.image.clone()),
-        command: Some(agent_command(
+        args: Some(agent_command(
             spec,
             &[
                 "--num-cpus".into(),
@@ -599,7 +601,7 @@ fn slice_objects(
     let mut container = Container {
         name: "agent".into(),
         image: Some(spec.image.clone()),
-        command: Some(agent_command(spec, &[])),
+        args: Some(agent_command(spec, &[])),
         env: Some(envs),
         ports: Some(ports),
         resources: Some(ResourceRequirements {

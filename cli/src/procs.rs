@@ -250,7 +250,10 @@ fn head_listen(a: &StartArgs) -> Result<(String, String, u64)> {
 /// or starts with `$HOSTNAME.` (a StatefulSet pod `<set>-1` in
 /// `<set>-0.<svc>:6379,<set>-1.<svc>:6379,...`).
 fn head_id_from_hostname(peers: &[&str]) -> Result<u64> {
-    let host = std::env::var("HOSTNAME").unwrap_or_default();
+    head_id_of_host(peers, &std::env::var("HOSTNAME").unwrap_or_default())
+}
+
+fn head_id_of_host(peers: &[&str], host: &str) -> Result<u64> {
     let host = host.trim();
     if host.is_empty() {
         bail!(
@@ -763,4 +766,24 @@ pub fn run_agent(a: AgentArgs) -> Result<i32> {
         shutdown_signal(),
     ))?;
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_id_is_the_peer_entry_whose_host_is_the_pod_name() {
+        let peers = [
+            "t-head-0.t-head.ml.svc:6379",
+            "t-head-1.t-head.ml.svc:6379",
+            "t-head-10.t-head.ml.svc:6379",
+        ];
+        assert_eq!(head_id_of_host(&peers, "t-head-1").unwrap(), 2);
+        assert_eq!(head_id_of_host(&peers, "t-head-10").unwrap(), 3);
+        assert_eq!(head_id_of_host(&["10.0.0.1:1", "10.0.0.2:1"], "10.0.0.2").unwrap(), 2);
+        let e = head_id_of_host(&peers, "t-head-2").unwrap_err().to_string();
+        assert!(e.contains("\"t-head-2\"") && e.contains("--head-id"), "{e}");
+        assert!(head_id_of_host(&peers, "").unwrap_err().to_string().contains("HOSTNAME"));
+    }
 }
