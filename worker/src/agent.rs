@@ -181,6 +181,9 @@ pub struct Agent {
     /// Set on SIGTERM (AGENT-14): the head was told this node is leaving, no lease is
     /// granted, heartbeats stop, `/readyz` answers 503; running tasks may finish.
     pub draining: std::sync::atomic::AtomicBool,
+    /// Set when the agent stops itself because the head refused it or was lost: the
+    /// shutdown that follows stops the workers without waiting for them.
+    pub exit_without_drain: std::sync::atomic::AtomicBool,
     /// Set once the head registered this node (`/readyz` answers 200 from then on).
     pub joined: std::sync::atomic::AtomicBool,
     /// Whether the cluster checks tokens (AUTH-1), as the head said at registration.
@@ -220,6 +223,7 @@ impl Agent {
             stopping: std::sync::atomic::AtomicBool::new(false),
             draining: std::sync::atomic::AtomicBool::new(false),
             joined: std::sync::atomic::AtomicBool::new(false),
+            exit_without_drain: std::sync::atomic::AtomicBool::new(false),
             auth_required: std::sync::atomic::AtomicBool::new(true),
             supervisors: Default::default(),
             metrics: Default::default(),

@@ -326,7 +326,7 @@ fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after
                             if !r.accepted {
                                 tracing::error!(reason = %r.reason, "head refused heartbeat; node agent exits");
                                 eprintln!("tpuray node agent: the head refused this node: {}", r.reason);
-                                terminate_self();
+                                terminate_self(&agent);
                                 return;
                             }
                             last_ok = Instant::now();
@@ -339,7 +339,7 @@ fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after
                                     "tpuray node agent: no answer from the head at {address} for {:?}; exiting",
                                     last_ok.elapsed()
                                 );
-                                terminate_self();
+                                terminate_self(&agent);
                                 return;
                             }
                         }
@@ -350,8 +350,11 @@ fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after
         .expect("spawn heartbeat thread");
 }
 
-/// Asks this process to shut down as on SIGTERM (workers are stopped first).
-fn terminate_self() {
+/// Asks this process to shut down as on SIGTERM, without a drain: the head already
+/// counts this node dead (or is gone), its tasks are being retried elsewhere, so its
+/// workers stop at once (AGENT-14).
+fn terminate_self(agent: &Agent) {
+    agent.exit_without_drain.store(true, std::sync::atomic::Ordering::SeqCst);
     crate::agent::signal(std::process::id(), libc::SIGTERM);
 }
 
@@ -541,7 +544,9 @@ pub async fn serve_agent(
             Err(s) => tracing::warn!(%s, "could not tell the head this node leaves"),
         }
     }
-    if !drain_grace.is_zero() {
+    if agent.exit_without_drain.load(std::sync::atomic::Ordering::SeqCst) {
+        tracing::info!("the head refused this node or is gone: no drain");
+    } else if !drain_grace.is_zero() {
         let waited = Instant::now();
         let left = agent.wait_drained(drain_grace).await;
         if left == 0 {
