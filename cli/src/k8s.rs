@@ -787,6 +787,21 @@ mod tests {
     }
 
     #[test]
+    fn pods_grace_period_covers_the_agents_drain_grace_and_its_default() {
+        let mut s = spec(&["v6e-16"]);
+        s.cpu_workers = 1;
+        let y = render(&s).unwrap();
+        let grace = DRAIN_GRACE_S + TERMINATION_MARGIN_S;
+        assert_eq!(y.matches(&format!("terminationGracePeriodSeconds: {grace}\n")).count(), 3);
+        assert_eq!(
+            y.matches(&format!("- --drain-grace-period\n        - '{DRAIN_GRACE_S}'")).count(),
+            2
+        );
+        assert_eq!(crate::args::DEFAULT_DRAIN_GRACE_S, DRAIN_GRACE_S as u64);
+        assert_eq!(y.matches("- --metrics-export-port\n        - '8080'").count(), 2, "{y}");
+    }
+
+    #[test]
     fn multislice_sets_megascale_and_needs_two_slices_of_one_type() {
         let mut s = spec(&["v6e-16:2"]);
         s.multislice = true;
