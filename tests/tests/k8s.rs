@@ -112,6 +112,20 @@ fn rendered_examples_match_the_cli_and_pass_kubernetes_validate_strict_and_yamll
     );
 }
 
+/// The README's `tpuray k8s manifests ... | kubectl apply -f -` line renders.
+#[test]
+fn readme_manifests_command_renders() {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let at = readme.find("\ntpuray k8s manifests ").expect("README shows tpuray k8s manifests");
+    let line: String =
+        readme[at + 1..].split(" | kubectl apply").next().unwrap().replace("\\\n", " ");
+    let words: Vec<&str> = line.split_whitespace().skip(1).collect();
+    let out = Command::new(tpuray_bin()).args(&words).output().expect("run tpuray");
+    assert!(out.status.success(), "{line}: {}", String::from_utf8_lossy(&out.stderr));
+    let yaml = String::from_utf8(out.stdout).unwrap();
+    assert!(yaml.contains("name: demo-v6e-16-0\n") && yaml.contains("replicas: 4\n"), "{yaml}");
+}
+
 #[test]
 fn bad_slice_shapes_are_refused_naming_the_value_and_print_nothing() {
     for (slice, needle) in [
@@ -292,9 +306,12 @@ fn sigterm_during_a_task_drains_the_node_and_the_driver_gets_its_result() {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_tpuray-test-driver"));
     let addr = c.head_addr();
     let pid_s = pid_file.display().to_string();
-    let mut d = Driver::start(&c, &bin, &["sleep-task", &addr, &pid_s, "6000"], &[]);
+    let go = work.path().join("go");
+    let go_s = go.display().to_string();
+    let mut d = Driver::start(&c, &bin, &["sleep-task", &addr, &pid_s, "12000", &go_s], &[]);
     d.wait_line("SUBMITTED", SOON);
     wait_until(SOON, "the task started", || pid_file.exists());
+    let task_started = Instant::now();
     let first = std::fs::read_to_string(&pid_file).unwrap();
     assert!(first.trim().ends_with(&pod.node_id), "the task ran elsewhere: {first}");
     // Where the retry can go.
@@ -320,7 +337,8 @@ fn sigterm_during_a_task_drains_the_node_and_the_driver_gets_its_result() {
     let dead_after = dead_after.expect("the head still lists the draining node alive after 10 s");
     // Far below the 120 s death timeout: the agent told the head.
     assert!(dead_after < Duration::from_secs(5), "dead only after {dead_after:?}");
-    // The task was still running on it (6 s): the agent waits for it, within its grace.
+    // The task's first attempt was still running on it (12 s): the agent waits for it,
+    // within its grace.
     let (code, body) = http(&url, "GET", "/readyz", None, "");
     assert!(
         not_ready || (code == 503 && body.contains("draining")),
@@ -328,23 +346,33 @@ fn sigterm_during_a_task_drains_the_node_and_the_driver_gets_its_result() {
     );
     assert!(pod_alive(&mut pod.child), "the node exited before its running task finished");
 
-    let out = d.finish(Duration::from_secs(60));
-    out.assert_success();
-    assert!(out.line("RESULT ").starts_with("RESULT 42 "), "{out}");
-    // The owner retried it elsewhere at once (the node was dead for it).
+    // The owner retried it elsewhere at once (the node was dead for it) and has its
+    // result; it stays alive, so the first attempt is not an orphan that its node kills.
+    let result = d.wait_line("RESULT ", Duration::from_secs(60));
+    assert!(result.starts_with("RESULT 42 "), "{result}");
     let last = std::fs::read_to_string(&pid_file).unwrap();
     assert!(last.trim().ends_with(&other.node_id), "not retried on the other node: {last}");
 
+    // The draining node exits once the first attempt's 12 s are over, within its grace.
     let exited = pod.wait_exit(Duration::from_secs(30));
     assert!(sent.elapsed() < Duration::from_secs(20 + 10), "exit took {:?}", sent.elapsed());
+    assert!(
+        task_started.elapsed() >= Duration::from_secs(12),
+        "the node exited {:?} after its task started, before the task's 12 s were over",
+        task_started.elapsed()
+    );
     let log = std::fs::read_to_string(Path::new(&temp).join("session_latest/logs/agent.err"))
         .unwrap_or_default();
     assert!(
-        log.contains("drained: no task runs on this node any more"),
-        "the agent did not wait for its running task:\n{log}"
+        log.contains("drained: no task runs on this node any more")
+            && !log.contains("lease holder is gone"),
+        "the agent did not let its running task finish:\n{log}"
     );
+    std::fs::write(&go, "").unwrap();
+    d.finish(Duration::from_secs(30)).assert_success();
     eprintln!(
-        "node dead {dead_after:?} after SIGTERM; process exited {exited:?} after the driver's result"
+        "node dead {dead_after:?} after SIGTERM; process exited {exited:?} after the driver's result, {:?} after the task started",
+        task_started.elapsed()
     );
 }
 
