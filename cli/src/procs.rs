@@ -422,13 +422,22 @@ pub fn start(mut a: StartArgs) -> Result<i32> {
     // The node agent of a replicated head joins in the background: a majority of the
     // heads must be up before any serves, and they are started one after another.
     let replicated = a.head && a.head_peers.is_some();
-    let (wait, envs) = if replicated {
+    let (wait, mut envs) = if replicated {
         let patience = std::env::var("TPURAY_HEAD_CONNECT_TIMEOUT_MS")
             .unwrap_or_else(|_| HA_AGENT_JOIN_PATIENCE_MS.to_string());
         (Wait::Background, vec![("TPURAY_HEAD_CONNECT_TIMEOUT_MS", patience)])
     } else {
         (Wait::Ready, vec![])
     };
+    // A pod's worker id (from JOB_COMPLETION_INDEX or the HOSTNAME ordinal) goes into the
+    // agent's environment, so its tasks see TPU_WORKER_ID as JAX and libtpu expect.
+    let env = &a.resources.options().env;
+    if !env.contains_key("TPU_WORKER_ID")
+        && let Ok(filled) = tpuray_worker::run::with_pod_worker_id(env)
+        && let Some(id) = filled.get("TPU_WORKER_ID")
+    {
+        envs.push(("TPU_WORKER_ID", id.clone()));
+    }
     let agent =
         match spawn_with(&session, "agent", "agent", args, detach, waiting, wait, &envs, &head_key)
         {

@@ -268,6 +268,13 @@ fn pod_shaped_start_advertises_what_the_hand_made_start_of_worker_2_does() {
     assert_eq!(advertised(&n), want, "pod-shaped node:\n{n:#}");
     let address = n["address"].as_str().unwrap();
     assert!(address.starts_with("127.0.0.2:"), "the node's address is not POD_IP's: {address}");
+    // The agent (whose environment its workers inherit) has the derived TPU_WORKER_ID.
+    let agent_pid = n["pid"].as_u64().unwrap();
+    let environ = std::fs::read(format!("/proc/{agent_pid}/environ")).unwrap();
+    assert!(
+        environ.split(|b| *b == 0).any(|kv| kv == b"TPU_WORKER_ID=2"),
+        "the agent's environment lacks TPU_WORKER_ID=2"
+    );
 
     // Kubernetes' probes, without a token, on --metrics-export-port at POD_IP.
     let url = format!("http://127.0.0.2:{metrics}");
