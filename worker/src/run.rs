@@ -530,10 +530,14 @@ pub async fn serve_agent(
         let mut req = Request::new(pb::UnregisterNodeRequest {
             request_id: tpuray_proto::new_request_id(),
             node_id: node_id.to_string(),
-            reason: format!(
-                "node agent drained (SIGTERM; running tasks had up to {}s to finish)",
-                drain_grace.as_secs()
-            ),
+            reason: if agent.exit_without_drain.load(std::sync::atomic::Ordering::SeqCst) {
+                "node agent stopped (the head refused it or was lost)".to_string()
+            } else {
+                format!(
+                    "node agent drained (SIGTERM; running tasks had up to {}s to finish)",
+                    drain_grace.as_secs()
+                )
+            },
         });
         req.set_timeout(Duration::from_secs(5));
         match head.unregister_node(req).await {
