@@ -19,7 +19,9 @@ export PATH="$PWD/$venv/bin:$PATH"
 # prometheus_client: its text parser reads /metrics in test_metrics.py. uv: the installer
 # of runtime_env['uv'], found beside the interpreter (tests/test_runtime_env.py). pandas,
 # pyarrow, tqdm, pillow: tpuray.data (its `data` extra; pillow for read_images).
-"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow pandas tqdm pillow selenium prometheus_client uv
+# kubernetes-validate and yamllint: tests/tests/k8s.rs checks deploy/k8s/examples with them
+# (scripts/test.sh).
+"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow pandas tqdm pillow selenium prometheus_client uv "kubernetes-validate==1.37.0" "yamllint>=1.35,<2"
 # The dashboard's browser tests (tests/test_dashboard.py) drive Debian's chromium through
 # its chromedriver (selenium never downloads a browser or a driver here).
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then

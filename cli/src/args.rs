@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::{job, microbench, procs, serve, show, timeline};
+use crate::{job, k8s, microbench, procs, serve, show, timeline};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -45,6 +45,9 @@ pub enum Command {
     /// Submit, stop, delete, or list jobs (Ray's `ray job`, through the head's Jobs REST API).
     #[command(subcommand)]
     Job(JobCommand),
+    /// Kubernetes: `k8s manifests` prints a cluster's objects (GKE TPU node pools) as YAML.
+    #[command(subcommand)]
+    K8s(K8sCommand),
     #[command(name = "_head", hide = true)]
     Head(HeadArgs),
     #[command(name = "_agent", hide = true)]
@@ -150,12 +153,13 @@ pub struct StartArgs {
     /// Cluster token auth (with --head): on by default.
     #[arg(long, value_enum, default_value_t = AuthMode::Token)]
     pub auth_mode: AuthMode,
-    /// Every head of a replicated head, HOST:PORT,HOST:PORT,... (with --head and
-    /// --head-id). This head listens on the port of its own entry; start the heads
-    /// together (a majority must be up before the cluster serves).
-    #[arg(long, requires = "head_id")]
+    /// Every head of a replicated head, HOST:PORT,HOST:PORT,... (with --head). This head
+    /// listens on the port of its own entry; start the heads together (a majority must
+    /// be up before the cluster serves).
+    #[arg(long)]
     pub head_peers: Option<String>,
-    /// This head's 1-based position in --head-peers.
+    /// This head's 1-based position in --head-peers (default: the entry whose host is, or
+    /// starts with, `$HOSTNAME.`, as a StatefulSet pod's name is).
     #[arg(long, requires = "head_peers")]
     pub head_id: Option<u64>,
     /// Start the head process only, no node agent (a head replica on a machine that
@@ -184,9 +188,19 @@ pub struct StartArgs {
     /// targets are listed in `<temp-dir>/session_latest/prom_metrics_service_discovery.json`.
     #[arg(long)]
     pub metrics_export_port: Option<u16>,
+    /// On SIGTERM the node agent drains: it tells the head it leaves (the node is dead
+    /// at once), takes no new leases and lets running tasks finish for up to this many
+    /// seconds before it stops them (0: stop at once). The default, 25, fits Kubernetes'
+    /// default terminationGracePeriodSeconds of 30 with 5 s to stop the workers.
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_DRAIN_GRACE_S)]
+    pub drain_grace_period: u64,
     #[command(flatten)]
     pub resources: ResourceFlags,
 }
+
+/// `--drain-grace-period`'s default in seconds (the manifests' terminationGracePeriodSeconds
+/// is this plus [`crate::k8s::TERMINATION_MARGIN_S`]).
+pub const DEFAULT_DRAIN_GRACE_S: u64 = crate::k8s::DRAIN_GRACE_S as u64;
 
 #[derive(Args, Debug)]
 pub struct AddressArg {
@@ -412,6 +426,41 @@ pub struct JobSubmitArgs {
     pub entrypoint: Vec<String>,
 }
 
+/// `tpuray k8s ...`.
+#[derive(Subcommand, Debug)]
+pub enum K8sCommand {
+    /// Prints, on stdout only, the YAML of a cluster: the head StatefulSet (1 or 3, a PVC
+    /// each), CPU workers, and one StatefulSet per TPU slice (one pod per host). Apply it
+    /// with `kubectl apply -f -` after creating the Secret `<name>-auth-token` (key `token`).
+    Manifests(K8sManifestsArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct K8sManifestsArgs {
+    /// The cluster's name, the prefix of every object (a DNS label, at most 40 characters).
+    #[arg(long)]
+    pub name: String,
+    /// Head replicas: 1, or 3 for a Raft group that survives the loss of one.
+    #[arg(long, default_value_t = 1)]
+    pub heads: u32,
+    /// CPU-only node agent pods (4 CPUs, 16 GiB each).
+    #[arg(long, default_value_t = 0)]
+    pub cpu_workers: u32,
+    /// A TPU slice shape and how many such slices, ACCELERATOR_TYPE:COUNT, as TPU.md
+    /// writes types: v6e-16, v5litepod-8 (or v5e-8), v4-32, v5p-16; repeat for several.
+    #[arg(long = "slice", value_name = "ACCELERATOR_TYPE:COUNT")]
+    pub slices: Vec<String>,
+    /// All slices form one multislice job: each gets the MEGASCALE_* environment.
+    #[arg(long)]
+    pub multislice: bool,
+    /// The container image with `tpuray` on PATH (see the repository's Dockerfile).
+    #[arg(long)]
+    pub image: String,
+    /// The namespace of every object.
+    #[arg(long, default_value = "default")]
+    pub namespace: String,
+}
+
 #[derive(Args, Debug)]
 pub struct StopArgs {
     /// Kill with SIGKILL at once instead of stopping gracefully.
@@ -499,6 +548,9 @@ pub struct AgentArgs {
     /// The port of the node's Prometheus endpoint (0: a free port).
     #[arg(long, default_value_t = 0)]
     pub metrics_export_port: u16,
+    /// Seconds running tasks may take to finish after SIGTERM (AGENT-16).
+    #[arg(long, default_value_t = DEFAULT_DRAIN_GRACE_S)]
+    pub drain_grace_period: u64,
     #[command(flatten)]
     pub resources: ResourceFlags,
 }
@@ -526,6 +578,23 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             serve::status(&resolve_address(a.address.address)?, a.json)
         }
         Command::Job(c) => job::cmd::run(c),
+        Command::K8s(K8sCommand::Manifests(a)) => {
+            let slices =
+                a.slices.iter().map(|s| k8s::parse_slice(s)).collect::<Result<Vec<_>>>()?;
+            let spec = k8s::ClusterSpec {
+                name: a.name,
+                namespace: a.namespace,
+                image: a.image,
+                heads: a.heads,
+                cpu_workers: a.cpu_workers,
+                slices,
+                multislice: a.multislice,
+            };
+            let yaml = k8s::render(&spec)?;
+            use std::io::Write;
+            std::io::stdout().write_all(yaml.as_bytes())?;
+            Ok(0)
+        }
         Command::Microbenchmark(a) => {
             // A driver of a cluster for minutes (--rust): a peer that hangs up must fail
             // that connection, not kill the run.

@@ -2,13 +2,15 @@
 //! native binary and by the Python package's console script (DESIGN.md §1).
 //!
 //! Verbs follow Ray's CLI (DESIGN.md §6): `start`, `status`, `list`, `stop`,
-//! `memory`, `microbenchmark`, `serve status`, `timeline`, `job submit|status|logs|stop|list|delete`
+//! `memory`, `microbenchmark`, `serve status`, `timeline`, `k8s manifests` ([`k8s`]),
+//! `job submit|status|logs|stop|list|delete`
 //! (the client of the head's Jobs REST API is [`job`], also used by the Python package).
 //! Hidden verbs `_head`, `_agent` and `_worker` are the long-running
 //! processes that `start` spawns; they are not for users.
 
 mod args;
 pub mod job;
+pub mod k8s;
 mod microbench;
 mod procs;
 mod serve;

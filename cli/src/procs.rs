@@ -219,7 +219,10 @@ fn head_listen(a: &StartArgs) -> Result<(String, String, u64)> {
     for p in &list {
         tpuray_proto::client::check_address(p).map_err(|e| anyhow!("--head-peers: {e}"))?;
     }
-    let id = a.head_id.unwrap_or(1);
+    let id = match a.head_id {
+        Some(id) => id,
+        None => head_id_from_hostname(&list)?,
+    };
     let own = usize::try_from(id)
         .ok()
         .and_then(|i| i.checked_sub(1))
@@ -243,11 +246,53 @@ fn head_listen(a: &StartArgs) -> Result<(String, String, u64)> {
     Ok((format!("{ip}:{port}"), list.join(","), id))
 }
 
+/// The 1-based position in `peers` of the entry naming this host: its host is `$HOSTNAME`
+/// or starts with `$HOSTNAME.` (a StatefulSet pod `<set>-1` in
+/// `<set>-0.<svc>:6379,<set>-1.<svc>:6379,...`).
+fn head_id_from_hostname(peers: &[&str]) -> Result<u64> {
+    head_id_of_host(peers, &std::env::var("HOSTNAME").unwrap_or_default())
+}
+
+fn head_id_of_host(peers: &[&str], host: &str) -> Result<u64> {
+    let host = host.trim();
+    if host.is_empty() {
+        bail!(
+            "--head-peers without --head-id: give --head-id N (HOSTNAME is not set to find this head's entry)"
+        );
+    }
+    let mine: Vec<usize> = peers
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| {
+            let h = p.rsplit_once(':').map_or(**p, |(h, _)| h);
+            h == host || h.strip_prefix(host).is_some_and(|rest| rest.starts_with('.'))
+        })
+        .map(|(i, _)| i)
+        .collect();
+    match mine.as_slice() {
+        [i] => Ok(*i as u64 + 1),
+        [] => bail!(
+            "--head-peers without --head-id: no entry's host is HOSTNAME {host:?} (give --head-id N)"
+        ),
+        _ => bail!(
+            "--head-peers without --head-id: several entries name HOSTNAME {host:?} (give --head-id N)"
+        ),
+    }
+}
+
 /// How long the node agent of a replicated head keeps trying to join (10 minutes):
 /// the other heads may be started well after this one.
 const HA_AGENT_JOIN_PATIENCE_MS: u64 = 600_000;
 
-pub fn start(a: StartArgs) -> Result<i32> {
+pub fn start(mut a: StartArgs) -> Result<i32> {
+    // A Kubernetes pod's address (the manifests set POD_IP from status.podIP) when no
+    // --node-ip-address (or TPURAY_NODE_IP_ADDRESS) names one.
+    if a.node_ip_address.is_none()
+        && let Ok(ip) = std::env::var("POD_IP")
+        && !ip.trim().is_empty()
+    {
+        a.node_ip_address = Some(ip.trim().to_string());
+    }
     // Check every flag before anything starts, so bad input fails fast.
     tpuray_worker::build_resources(&a.resources.options())?;
     if let Some(addr) = &a.address {
@@ -282,6 +327,9 @@ pub fn start(a: StartArgs) -> Result<i32> {
     }
     let session = new_session_dir(&a.temp_dir)?;
     let detach = !a.block;
+    // How long `--block` waits for the agent it stops: its drain grace period plus the
+    // 3 s it takes to stop its workers and a margin (AGENT-16).
+    let drain_wait = Duration::from_secs(a.drain_grace_period) + Duration::from_secs(10);
     let mut spawned = Vec::new();
     let waiting = if a.head_peers.is_some() {
         "waiting for a majority of the heads to be up and elect a leader..."
@@ -342,7 +390,7 @@ pub fn start(a: StartArgs) -> Result<i32> {
         println!("  session folder: {}", session.display());
         println!("  add a node:     tpuray start --address {head_address}");
         if a.block {
-            return block_until_stopped(spawned);
+            return block_until_stopped(spawned, drain_wait);
         }
         return Ok(0);
     }
@@ -369,24 +417,34 @@ pub fn start(a: StartArgs) -> Result<i32> {
     if let Some(p) = a.metrics_export_port {
         args.extend(["--metrics-export-port".into(), p.to_string()]);
     }
+    args.extend(["--drain-grace-period".into(), a.drain_grace_period.to_string()]);
     args.extend(a.resources.to_args());
     // The node agent of a replicated head joins in the background: a majority of the
     // heads must be up before any serves, and they are started one after another.
     let replicated = a.head && a.head_peers.is_some();
-    let (wait, envs) = if replicated {
+    let (wait, mut envs) = if replicated {
         let patience = std::env::var("TPURAY_HEAD_CONNECT_TIMEOUT_MS")
             .unwrap_or_else(|_| HA_AGENT_JOIN_PATIENCE_MS.to_string());
         (Wait::Background, vec![("TPURAY_HEAD_CONNECT_TIMEOUT_MS", patience)])
     } else {
         (Wait::Ready, vec![])
     };
+    // A pod's worker id (from JOB_COMPLETION_INDEX or the HOSTNAME ordinal) goes into the
+    // agent's environment, so its tasks see TPU_WORKER_ID as JAX and libtpu expect.
+    let env = &a.resources.options().env;
+    if !env.contains_key("TPU_WORKER_ID")
+        && let Ok(filled) = tpuray_worker::run::with_pod_worker_id(env)
+        && let Some(id) = filled.get("TPU_WORKER_ID")
+    {
+        envs.push(("TPU_WORKER_ID", id.clone()));
+    }
     let agent =
         match spawn_with(&session, "agent", "agent", args, detach, waiting, wait, &envs, &head_key)
         {
             Ok(s) => s,
             Err(e) => {
                 for mut s in spawned {
-                    terminate_child(&mut s.child);
+                    terminate_child(&mut s.child, Duration::from_secs(10));
                 }
                 return Err(e);
             }
@@ -409,7 +467,7 @@ pub fn start(a: StartArgs) -> Result<i32> {
         println!("  session folder: {}", session.display());
         println!("  cluster status: tpuray status --address {head_address}");
         if a.block {
-            return block_until_stopped(spawned);
+            return block_until_stopped(spawned, drain_wait);
         }
         return Ok(0);
     }
@@ -441,14 +499,14 @@ pub fn start(a: StartArgs) -> Result<i32> {
         println!("  session folder: {}", session.display());
     }
     if a.block {
-        return block_until_stopped(spawned);
+        return block_until_stopped(spawned, drain_wait);
     }
     Ok(0)
 }
 
-fn terminate_child(c: &mut Child) {
+fn terminate_child(c: &mut Child, within: Duration) {
     tpuray_worker::agent::signal(c.id(), libc::SIGTERM);
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + within;
     while Instant::now() < deadline {
         if let Ok(Some(_)) = c.try_wait() {
             registry::remove(c.id());
@@ -462,8 +520,9 @@ fn terminate_child(c: &mut Child) {
 }
 
 /// `--block`: wait until SIGINT/SIGTERM or until a started process exits,
-/// then stop the rest (agents before the head).
-fn block_until_stopped(mut spawned: Vec<Spawned>) -> Result<i32> {
+/// then stop the rest (agents before the head), giving an agent `agent_wait` to drain
+/// and exit before it is killed (a head 10 s).
+fn block_until_stopped(mut spawned: Vec<Spawned>, agent_wait: Duration) -> Result<i32> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let code = rt.block_on(async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -484,7 +543,8 @@ fn block_until_stopped(mut spawned: Vec<Spawned>) -> Result<i32> {
         }
     })?;
     for s in spawned.iter_mut().rev() {
-        terminate_child(&mut s.child);
+        let within = if s.kind == "agent" { agent_wait } else { Duration::from_secs(10) };
+        terminate_child(&mut s.child, within);
     }
     Ok(code)
 }
@@ -699,6 +759,7 @@ pub fn run_agent(a: AgentArgs) -> Result<i32> {
         worker_command,
         store,
         a.metrics_export_port,
+        Duration::from_secs(a.drain_grace_period),
         move |addr, node_id| {
             write_ready(
                 &ready,
@@ -714,4 +775,24 @@ pub fn run_agent(a: AgentArgs) -> Result<i32> {
         shutdown_signal(),
     ))?;
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_id_is_the_peer_entry_whose_host_is_the_pod_name() {
+        let peers = [
+            "t-head-0.t-head.ml.svc:6379",
+            "t-head-1.t-head.ml.svc:6379",
+            "t-head-10.t-head.ml.svc:6379",
+        ];
+        assert_eq!(head_id_of_host(&peers, "t-head-1").unwrap(), 2);
+        assert_eq!(head_id_of_host(&peers, "t-head-10").unwrap(), 3);
+        assert_eq!(head_id_of_host(&["10.0.0.1:1", "10.0.0.2:1"], "10.0.0.2").unwrap(), 2);
+        let e = head_id_of_host(&peers, "t-head-2").unwrap_err().to_string();
+        assert!(e.contains("\"t-head-2\"") && e.contains("--head-id"), "{e}");
+        assert!(head_id_of_host(&peers, "").unwrap_err().to_string().contains("HOSTNAME"));
+    }
 }

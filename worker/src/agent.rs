@@ -200,6 +200,14 @@ pub struct Agent {
     starts: Arc<tokio::sync::Semaphore>,
     /// Set once the agent is shutting down: no new workers.
     stopping: std::sync::atomic::AtomicBool,
+    /// Set on SIGTERM (AGENT-16): the head was told this node is leaving, no lease is
+    /// granted, heartbeats stop, `/readyz` answers 503; running tasks may finish.
+    pub draining: std::sync::atomic::AtomicBool,
+    /// Set when the agent stops itself because the head refused it or was lost: the
+    /// shutdown that follows stops the workers without waiting for them.
+    pub exit_without_drain: std::sync::atomic::AtomicBool,
+    /// Set once the head registered this node (`/readyz` answers 200 from then on).
+    pub joined: std::sync::atomic::AtomicBool,
     /// Whether the cluster checks tokens (AUTH-1), as the head said at registration.
     pub auth_required: std::sync::atomic::AtomicBool,
     /// Jobs API jobs supervised here, and their runtime environments (AGENT-13).
@@ -235,6 +243,9 @@ impl Agent {
             config,
             freed: Notify::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
+            draining: std::sync::atomic::AtomicBool::new(false),
+            joined: std::sync::atomic::AtomicBool::new(false),
+            exit_without_drain: std::sync::atomic::AtomicBool::new(false),
             auth_required: std::sync::atomic::AtomicBool::new(true),
             supervisors: Default::default(),
             metrics: Default::default(),
@@ -1219,6 +1230,46 @@ impl Agent {
         }
     }
 
+    /// Whether this node is draining (AGENT-16).
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// AGENT-16: waits until no worker of this node runs a task or an actor call, at most
+    /// `grace`; returns how many still ran when it gave up (0: all finished). What runs is
+    /// what each live worker last reported (every 0.5 s, `ReportMetrics`); a live worker
+    /// holding a lease counts as running for the first second, until its first report
+    /// can arrive.
+    pub async fn wait_drained(&self, grace: Duration) -> usize {
+        let started = Instant::now();
+        loop {
+            let running = self.metrics.running_by_pid();
+            let (busy, leased): (usize, usize) = {
+                let st = self.lock();
+                // Workers that exited (`tpuray stop` stops workers before agents) run
+                // nothing, whatever they last reported.
+                let live: Vec<&WorkerEntry> = st
+                    .workers
+                    .values()
+                    .filter(|w| registry::proc_start_time(w.pid).is_some())
+                    .collect();
+                let busy =
+                    live.iter().filter(|w| running.get(&w.pid).copied().unwrap_or(0) > 0).count();
+                let leased =
+                    live.iter().filter(|w| matches!(w.state, WorkerState::Leased(_))).count();
+                (busy, leased)
+            };
+            let settling = leased > 0 && started.elapsed() < Duration::from_secs(1);
+            if busy == 0 && !settling {
+                return 0;
+            }
+            if started.elapsed() >= grace {
+                return busy.max(usize::from(settling));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Stops every worker (agent shutdown) and waits up to `grace` for them.
     pub async fn stop_all_workers(&self, grace: Duration) {
         self.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -1661,6 +1712,14 @@ impl NodeAgentService for AgentSvc {
         use pb::request_worker_lease_reply::{Busy, Infeasible, Outcome, SetupFailed, Spillback};
         let req = req.into_inner();
         let agent = &self.0;
+        // AGENT-16: a draining node takes no new work; the head already counts it dead,
+        // so the caller's next request goes elsewhere.
+        if agent.is_draining() {
+            return Err(Status::unavailable(format!(
+                "node {} is draining (it received SIGTERM) and grants no leases",
+                agent.config.node_id
+            )));
+        }
         let demand = resources_from_proto(&req.resources)
             .map_err(|e| Status::invalid_argument(format!("lease resources: {e}")))?;
         let label_selector =

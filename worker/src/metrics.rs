@@ -1,5 +1,6 @@
 //! The node agent's Prometheus endpoint: `/metrics` (and Ray's agent health routes
-//! `/api/healthz`, `/api/local_raylet_healthz`) on `--metrics-export-port`.
+//! `/api/healthz`, `/api/local_raylet_healthz`, and Kubernetes' `/healthz`, `/readyz`)
+//! on `--metrics-export-port`.
 //!
 //! What it exports, with Ray's names where Ray has the metric: the node's logical
 //! resources (`ray_resources{Name,State}`), its object store (`ray_object_store_memory
@@ -167,6 +168,17 @@ impl AgentMetrics {
         let _ = self.session.set(format!("session_{cluster_id}"));
     }
 
+    /// Tasks and actor calls each reporting process (by pid) last said it runs.
+    pub fn running_by_pid(&self) -> HashMap<u32, u32> {
+        let r = lock(&self.reports);
+        let mut out = HashMap::new();
+        for rep in r.reporters.values() {
+            let n: u32 = rep.running.iter().map(|t| t.count).sum();
+            *out.entry(rep.pid).or_default() += n;
+        }
+        out
+    }
+
     /// Takes one process's report (METRICS-4). Returns whether every definition its
     /// points name is known here.
     pub fn report(&self, req: pb::ReportMetricsRequest) -> bool {
@@ -274,7 +286,23 @@ pub fn router(agent: Arc<Agent>) -> Router {
         // Ray's agent health routes (DESIGN.md §13: no token).
         .route("/api/healthz", get(|| async { "success" }))
         .route("/api/local_raylet_healthz", get(|| async { "success" }))
+        // Kubernetes probes (DESIGN.md §13, no token): the process answers; the node is
+        // registered with the head and not draining (AGENT-16).
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
         .with_state(agent)
+}
+
+async fn readyz(State(agent): State<Arc<Agent>>) -> Response {
+    use std::sync::atomic::Ordering;
+    if agent.is_draining() {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready: the node is draining\n").into_response()
+    } else if !agent.joined.load(Ordering::SeqCst) {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready: the node has not joined the head yet\n")
+            .into_response()
+    } else {
+        (StatusCode::OK, "ready\n").into_response()
+    }
 }
 
 async fn scrape(State(agent): State<Arc<Agent>>) -> Response {

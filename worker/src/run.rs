@@ -158,7 +158,8 @@ pub fn build_resources(o: &AgentOptions) -> Result<(ResourceSet, Labels), StartE
         let chips = tpuray_scheduler::tpu::chip_count(tpu, None)
             .map_err(|e| bad(format!("--resources: \"TPU\": {e}")))?;
         if o.env.contains_key("TPU_ACCELERATOR_TYPE") {
-            let host = tpuray_scheduler::tpu::TpuHostInfo::from_env(&o.env, chips)
+            let env = with_pod_worker_id(&o.env).map_err(bad)?;
+            let host = tpuray_scheduler::tpu::TpuHostInfo::from_env(&env, chips)
                 .map_err(|e| bad(format!("TPU host environment: {e}")))?;
             for (name, amount) in host.resources().iter() {
                 total.set(name, amount);
@@ -170,6 +171,49 @@ pub fn build_resources(o: &AgentOptions) -> Result<(ResourceSet, Labels), StartE
         labels.0.insert(format!("{TPURAY_PREFIX}tpu-devices"), devices_source.to_string());
     }
     Ok((total, labels))
+}
+
+/// The TPU environment of a pod: `env` with `TPU_WORKER_ID` filled in when it is unset
+/// on a multi-host slice, from an Indexed Job's `JOB_COMPLETION_INDEX`, else from the
+/// StatefulSet ordinal that ends the pod's `HOSTNAME` (`sa-2` → 2), as KubeRay's TPU
+/// webhook and GKE's JobSet give each host its index. A given `TPU_WORKER_ID` always
+/// wins; single-host slices need none (worker 0).
+///
+/// # Errors
+/// A `JOB_COMPLETION_INDEX` that is not an integer >= 0, named.
+pub fn with_pod_worker_id(
+    env: &std::collections::BTreeMap<String, String>,
+) -> Result<std::collections::BTreeMap<String, String>, String> {
+    let get = |k: &str| env.get(k).map(|v| v.trim()).filter(|v| !v.is_empty());
+    let multi_host = get("TPU_ACCELERATOR_TYPE")
+        .and_then(|t| tpuray_scheduler::tpu::AcceleratorType::parse(t).ok())
+        .is_some_and(|a| a.hosts() > 1);
+    if get("TPU_WORKER_ID").is_some() || !multi_host {
+        return Ok(env.clone());
+    }
+    let id = if let Some(i) = get("JOB_COMPLETION_INDEX") {
+        Some(i.parse::<u32>().map_err(|_| {
+            format!("JOB_COMPLETION_INDEX={i:?} is not a worker id (expected an integer >= 0)")
+        })?)
+    } else {
+        get("HOSTNAME").and_then(statefulset_ordinal)
+    };
+    let mut out = env.clone();
+    if let Some(id) = id {
+        out.insert("TPU_WORKER_ID".into(), id.to_string());
+    }
+    Ok(out)
+}
+
+/// The ordinal a StatefulSet pod's name ends with: `sa-2` → 2, `sa` → none.
+pub fn statefulset_ordinal(hostname: &str) -> Option<u32> {
+    // A hostname may be a FQDN; the pod name is its first label.
+    let pod = hostname.split('.').next()?;
+    let (_, n) = pod.rsplit_once('-')?;
+    if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    n.parse().ok()
 }
 
 /// The object store's capacity in bytes: `--object-store-memory`, else Ray's
@@ -259,6 +303,11 @@ fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after
                 iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
                     iv.tick().await;
+                    // AGENT-16: a draining node told the head it is leaving; a heartbeat
+                    // now would only be refused.
+                    if agent.is_draining() {
+                        return;
+                    }
                     seq += 1;
                     let (total, available, pending, num_workers) = agent.heartbeat_snapshot();
                     let mut req = Request::new(pb::HeartbeatRequest {
@@ -277,7 +326,7 @@ fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after
                             if !r.accepted {
                                 tracing::error!(reason = %r.reason, "head refused heartbeat; node agent exits");
                                 eprintln!("tpuray node agent: the head refused this node: {}", r.reason);
-                                terminate_self();
+                                terminate_self(&agent);
                                 return;
                             }
                             last_ok = Instant::now();
@@ -290,7 +339,7 @@ fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after
                                     "tpuray node agent: no answer from the head at {address} for {:?}; exiting",
                                     last_ok.elapsed()
                                 );
-                                terminate_self();
+                                terminate_self(&agent);
                                 return;
                             }
                         }
@@ -301,14 +350,20 @@ fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after
         .expect("spawn heartbeat thread");
 }
 
-/// Asks this process to shut down as on SIGTERM (workers are stopped first).
-fn terminate_self() {
+/// Asks this process to shut down as on SIGTERM, without a drain: the head already
+/// counts this node dead (or is gone), its tasks are being retried elsewhere, so its
+/// workers stop at once (AGENT-16).
+fn terminate_self(agent: &Agent) {
+    agent.exit_without_drain.store(true, std::sync::atomic::Ordering::SeqCst);
     crate::agent::signal(std::process::id(), libc::SIGTERM);
 }
 
 /// Runs a node agent: listens on `listen`, joins the head, then serves until
-/// `shutdown` resolves; stops its workers and tells the head on the way out.
-/// `ready` gets the bound address once the node is registered.
+/// `shutdown` resolves; then drains (AGENT-16): tells the head the node is leaving (the
+/// head marks it dead at once, so owners retry its unfinished work elsewhere as on node
+/// death), grants no more leases, lets running tasks finish for up to `drain_grace`
+/// (zero: not at all), then stops its workers. `ready` gets the bound address once the
+/// node is registered.
 ///
 /// # Errors
 /// [`StartError`] naming what failed: the listen address, the head, the token.
@@ -325,6 +380,7 @@ pub async fn serve_agent(
     worker_command: Vec<String>,
     store: StoreOptions,
     metrics_export_port: u16,
+    drain_grace: Duration,
     ready: impl FnOnce(SocketAddr, &NodeId),
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartError> {
@@ -461,20 +517,57 @@ pub async fn serve_agent(
         }
     });
     tracing::info!(%node_id, address = %agent.config.advertise_address, "node agent joined the cluster");
+    agent.joined.store(true, std::sync::atomic::Ordering::SeqCst);
     ready(SocketAddr::new(listen.ip(), bound.port()), &node_id);
 
     shutdown.await;
-    tracing::info!("node agent stopping");
-    agent.stop_all_workers(Duration::from_secs(3)).await;
+    // AGENT-16: first the head (the node is dead for schedulers and owners at once, not
+    // after the heartbeat timeout), then the running tasks, then the workers.
+    agent.draining.store(true, std::sync::atomic::Ordering::SeqCst);
+    tracing::info!(grace = ?drain_grace, "node agent draining: telling the head this node leaves");
+    let told = Instant::now();
     if let Ok(mut head) = tpuray_proto::client::head(head_address, token.as_deref()) {
         let mut req = Request::new(pb::UnregisterNodeRequest {
             request_id: tpuray_proto::new_request_id(),
             node_id: node_id.to_string(),
-            reason: "node agent stopped".into(),
+            reason: if agent.exit_without_drain.load(std::sync::atomic::Ordering::SeqCst) {
+                "node agent stopped (the head refused it or was lost)".to_string()
+            } else {
+                format!(
+                    "node agent drained (SIGTERM; running tasks had up to {}s to finish)",
+                    drain_grace.as_secs()
+                )
+            },
         });
-        req.set_timeout(Duration::from_secs(2));
-        let _ = head.unregister_node(req).await;
+        req.set_timeout(Duration::from_secs(5));
+        match head.unregister_node(req).await {
+            Ok(_) => tracing::info!(
+                ms = told.elapsed().as_millis() as u64,
+                "the head marked this node dead"
+            ),
+            Err(s) => tracing::warn!(%s, "could not tell the head this node leaves"),
+        }
     }
+    if agent.exit_without_drain.load(std::sync::atomic::Ordering::SeqCst) {
+        tracing::info!("the head refused this node or is gone: no drain");
+    } else if !drain_grace.is_zero() {
+        let waited = Instant::now();
+        let left = agent.wait_drained(drain_grace).await;
+        if left == 0 {
+            tracing::info!(
+                ms = waited.elapsed().as_millis() as u64,
+                "drained: no task runs on this node any more"
+            );
+        } else {
+            tracing::warn!(
+                running = left,
+                "drain grace period ({}s) over with tasks still running; stopping them (their owners retry them elsewhere)",
+                drain_grace.as_secs()
+            );
+        }
+    }
+    tracing::info!("node agent stopping");
+    agent.stop_all_workers(Duration::from_secs(3)).await;
     let _ = stop_tx.send(());
     let _ = metrics_stop.send(());
     store.destroy();
@@ -577,6 +670,29 @@ mod tpu_tests {
         assert_eq!(l.0.get("ray.io/tpu-slice-name").map(String::as_str), Some("sa"));
         let (r0, _) = build_resources(&tpu_options("0")).unwrap();
         assert_eq!(r0.get("TPU-v6e-16-head").to_f64(), 1.0);
+    }
+
+    #[test]
+    fn pod_worker_id_comes_from_job_completion_index_then_hostname_ordinal() {
+        let mut o = tpu_options("2");
+        o.env.remove("TPU_WORKER_ID");
+        o.env.insert("HOSTNAME".into(), "sa-3".into());
+        let (_, l) = build_resources(&o).unwrap();
+        assert_eq!(l.0.get("tpuray.io/tpu-worker-id").map(String::as_str), Some("3"));
+        o.env.insert("JOB_COMPLETION_INDEX".into(), "1".into());
+        let (_, l) = build_resources(&o).unwrap();
+        assert_eq!(l.0.get("tpuray.io/tpu-worker-id").map(String::as_str), Some("1"));
+        o.env.insert("TPU_WORKER_ID".into(), "0".into());
+        let (r, l) = build_resources(&o).unwrap();
+        assert_eq!(l.0.get("tpuray.io/tpu-worker-id").map(String::as_str), Some("0"));
+        assert_eq!(r.get("TPU-v6e-16-head").to_f64(), 1.0);
+        o.env.remove("TPU_WORKER_ID");
+        o.env.insert("JOB_COMPLETION_INDEX".into(), "x".into());
+        let e = build_resources(&o).unwrap_err().to_string();
+        assert!(e.contains("JOB_COMPLETION_INDEX=\"x\""), "{e}");
+        assert_eq!(statefulset_ordinal("demo-v6e-16-0-2.demo.default.svc"), Some(2));
+        assert_eq!(statefulset_ordinal("sa"), None);
+        assert_eq!(statefulset_ordinal("sa-"), None);
     }
 
     #[test]

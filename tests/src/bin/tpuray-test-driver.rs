@@ -35,6 +35,18 @@ fn pid_then_sleep(pid_file: String, ms: u64, value: i64) -> i64 {
     value
 }
 
+/// Records its pid (and node) in `pid_file`; the first attempt (no pid file yet) then
+/// sleeps `ms`, a retry returns at once. Returns `value`.
+#[tpuray::remote]
+fn slow_first_attempt(pid_file: String, ms: u64, value: i64) -> i64 {
+    let first = !Path::new(&pid_file).exists();
+    write_pid_file(&pid_file);
+    if first {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+    value
+}
+
 #[tpuray::remote]
 fn fail_with(code: i64) -> Result<i64, String> {
     Err(format!("boom {code}"))
@@ -370,6 +382,23 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             match tpuray::get(&r) {
                 Ok(v) => say(&format!("RESULT {v} ms={}", t.elapsed().as_millis())),
                 Err(e) => print_error(&e, t),
+            }
+        }
+        // A task that records its pid and node, then sleeps MS on its first attempt
+        // (tests/k8s.rs drains its node meanwhile); get must still return 42.
+        "sleep-task" => {
+            let pid_file = arg(args, 0, "pid file")?;
+            let ms: u64 = arg(args, 1, "milliseconds")?.parse()?;
+            let r = slow_first_attempt::remote(pid_file, ms, 42);
+            say("SUBMITTED");
+            let t = Instant::now();
+            match tpuray::get_timeout(&r, Duration::from_secs(90)) {
+                Ok(v) => say(&format!("RESULT {v} ms={}", t.elapsed().as_millis())),
+                Err(e) => print_error(&e, t),
+            }
+            // Stay (and keep owning the task) until the test says so.
+            if let Some(go) = args.get(2) {
+                wait_for_file(Path::new(go), Duration::from_secs(90))?;
             }
         }
         // An actor (max_restarts 1) and a long task on the actor's node; the
