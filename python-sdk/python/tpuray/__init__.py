@@ -32,7 +32,9 @@ def init(address=None, **kwargs):
     driver (stopped at ``shutdown`` or exit). Keyword arguments: ``num_cpus``,
     ``num_gpus``, ``resources`` (for a new local cluster), ``namespace``,
     ``runtime_env`` (``env_vars`` are set in every worker of the job),
-    ``ignore_reinit_error``.
+    ``ignore_reinit_error``, ``log_to_driver`` (default ``RAY_LOG_TO_DRIVER``, on: lines
+    printed by the job's tasks and actors print here as ``(f pid=123) ...``, repeated
+    lines deduplicated by Ray's rules and ``RAY_DEDUP_LOGS*`` variables).
 
     Returns:
         A dict with the job, node and worker ids and addresses.

@@ -175,7 +175,9 @@ def gang_adopt(
 def run_worker(runtime: Any) -> int:
     """A worker process's main loop; ``runtime`` has ``run_task``, ``create_actor`` and
     ``call_method``, each taking ``(info: dict, args: list[bytes])``."""
-def report_logs(driver: str, lines: list[str], is_err: bool) -> None: ...
+def report_logs(driver: str, batches: list[tuple[str, list[str]]], is_err: bool) -> bool:
+    """False: the driver takes no worker output (stop sending)."""
+def set_log_to_driver(on: bool) -> None: ...
 def prestart_workers(count: int) -> int: ...
 def submit_streaming(function: str, args: list[Arg], options: dict[str, Any]) -> str:
     """Submits a streaming generator task; returns its task id."""

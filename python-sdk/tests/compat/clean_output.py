@@ -35,5 +35,18 @@ def clean(text: str) -> str:
     return "\n".join(out) + ("\n" if out else "")
 
 
+_PID = re.compile(r"\bpid=\d+")
+
+
+def driver_lines(text: str) -> str:
+    """The worker lines of a driver's stdout (``(f pid=N) ...``), colours dropped and
+    process ids written ``pid=N``: what ``logs_*`` recordings compare."""
+    out = [_PID.sub("pid=N", l) for l in _COLOUR.sub("", text).splitlines() if _WORKER_LINE.match(l)]
+    return "\n".join(out) + ("\n" if out else "")
+
+
 if __name__ == "__main__":
-    sys.stdout.write(clean(sys.stdin.read()))
+    if sys.argv[1:] == ["--driver-lines"]:
+        sys.stdout.write(driver_lines(sys.stdin.read()))
+    else:
+        sys.stdout.write(clean(sys.stdin.read()))

@@ -129,6 +129,7 @@ def init(
     namespace=None,
     runtime_env=None,
     ignore_reinit_error=False,
+    log_to_driver=None,
     **_ignored,
 ):
     """Connects this process to a cluster as a driver (see :func:`tpuray.init`)."""
@@ -168,7 +169,13 @@ def init(
             address = _start_local_cluster(num_cpus, num_gpus, resources)
         # A private cluster keeps its own process registry, which lists its node.
         registry = (state.local_cluster or {}).get("env", {}).get("TPURAY_REGISTRY_DIR")
+        if log_to_driver is not None and not isinstance(log_to_driver, bool):
+            raise TypeError(f"log_to_driver must be a bool, got {type(log_to_driver).__name__}")
         info = _tpuray.init_driver(address, namespace, registry)
+        if log_to_driver is not None:
+            # Ray's log_to_driver (None: RAY_LOG_TO_DRIVER, default on): workers stop
+            # sending their lines once this driver answers that it takes none.
+            _tpuray.set_log_to_driver(log_to_driver)
         state.info = dict(info)
         state.connected = True
         state.mode = "driver"
@@ -728,8 +735,11 @@ class _ActorLabel:
 
 class _Forwarder:
     """A worker's ``sys.stdout``/``sys.stderr``: writes to the worker's log file as before
-    and sends each complete line to the job's driver, prefixed as Ray prefixes it:
-    ``(f pid=123)``, or ``(f pid=123, ip=10.0.0.2)`` from another host."""
+    and sends each complete line to the job's driver with the name of the task or actor
+    that printed it (the driver prefixes it as Ray does, ``(f pid=123)``, with
+    ``ip=`` from another host, and deduplicates repeated lines: ``tpuray.logs``).
+    Sending stops for good when the driver answers that it takes no worker output
+    (``init(log_to_driver=False)``)."""
 
     #: Set by any write, cleared by :func:`_flush_output` before it flushes.
     written = False
@@ -739,31 +749,34 @@ class _Forwarder:
         self._driver = driver
         self._is_err = is_err
         self._partial = ""
-        self._lines: list[str] = []
+        # (name, lines) in the order printed.
+        self._batches: list[tuple[str, list[str]]] = []
         self._lock = threading.Lock()
-        host = driver.rpartition(":")[0]
-        agent = os.environ.get("TPURAY_AGENT_ADDRESS", "").rpartition(":")[0]
-        self._ip = "" if not agent or agent == host else f", ip={agent}"
 
     def write(self, s: str) -> int:
         _Forwarder.written = True
         self._inner.write(s)
+        if self._driver is None:
+            return len(s)
         with self._lock:
             text = self._partial + s
             *done, self._partial = text.split("\n")
             if done:
-                label = getattr(_task_context, "label", None) or _ActorLabel.name or "worker"
-                prefix = f"({label} pid={os.getpid()}{self._ip}) "
-                self._lines.extend(prefix + line for line in done)
+                label = getattr(_task_context, "label", None) or _ActorLabel.name or ""
+                if self._batches and self._batches[-1][0] == label:
+                    self._batches[-1][1].extend(done)
+                else:
+                    self._batches.append((label, done))
         return len(s)
 
     def flush(self) -> None:
         self._inner.flush()
         with self._lock:
-            lines, self._lines = self._lines, []
-        if lines:
+            batches, self._batches = self._batches, []
+        if batches and self._driver is not None:
             try:
-                _tpuray.report_logs(self._driver, lines, self._is_err)
+                if not _tpuray.report_logs(self._driver, batches, self._is_err):
+                    self._driver = None
             except RuntimeError:
                 pass  # the driver is gone; the log file still has the lines
 
