@@ -9,6 +9,7 @@
 
 mod args;
 pub mod job;
+mod logs;
 mod microbench;
 mod procs;
 mod serve;

@@ -86,3 +86,191 @@ def test_a_bad_dedup_regex_is_refused_at_init_by_name(env):
     r = run_compat("logs_dedup", env, RAY_DEDUP_LOGS_SKIP_REGEX="(unclosed")
     assert r.returncode != 0
     assert "RAY_DEDUP_LOGS_SKIP_REGEX" in r.stderr and "(unclosed" in r.stderr, r.stderr[-2000:]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY_VENV = Path(os.environ.get("RAY_CLIENT_VENV", ROOT / ".ray-client-venv"))
+
+HOLD = """
+import json, os, sys, time
+import tpuray as ray
+ray.init(num_cpus=2, log_to_driver=False)
+
+
+@ray.remote
+class Greeter:
+    def hi(self):
+        print("actor line 1")
+        print("actor line 2", flush=True)
+        print("actor on stderr", file=sys.stderr, flush=True)
+        ctx = ray.get_runtime_context()
+        return ctx.get_actor_id(), os.getpid(), ctx.get_node_id()
+
+
+@ray.remote
+def f(text):
+    print(text)
+    return ray.get_runtime_context().get_task_id()
+
+
+g = Greeter.remote()
+actor_id, pid, node_id = ray.get(g.hi.remote())
+first = ray.get(f.remote("the first task"))
+second = ray.get(f.remote("the second task"))
+from tpuray import _tpuray
+print("OUT", json.dumps({"head": _tpuray.process_info()["head_address"], "actor": actor_id,
+      "pid": pid, "node": node_id, "first": first, "second": second}), flush=True)
+more = sys.argv[1] + ".more"
+while not os.path.exists(sys.argv[1]):
+    if os.path.exists(more):
+        os.remove(more)
+        ray.get(g.hi.remote())
+    time.sleep(0.1)
+ray.shutdown()
+"""
+
+
+def until_ok(fn, limit=60):
+    """``fn()`` until it returns a CompletedProcess with exit 0 (task events travel in the
+    background), at most ``limit`` seconds; the last one."""
+    import time
+
+    deadline = time.time() + limit
+    while True:
+        r = fn()
+        if r.returncode == 0 or time.time() > deadline:
+            return r
+        time.sleep(0.3)
+
+
+def test_tpuray_logs_prints_actor_task_and_worker_output_and_log_to_driver_false_stops_forwarding(
+    tmp_path, env
+):
+    import json
+    import time
+
+    script = tmp_path / "hold.py"
+    script.write_text(textwrap.dedent(HOLD))
+    release = tmp_path / "release"
+    p = subprocess.Popen([sys.executable, str(script), str(release)], env=env, cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = None
+        head_out: list[str] = []
+        deadline = time.time() + 120
+        while out is None and time.time() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                break
+            head_out.append(line)
+            if line.startswith("OUT "):
+                out = json.loads(line[4:])
+        assert out is not None, p.stderr.read() if p.poll() is not None else "no output"
+        head = out["head"]
+        cli = [sys.executable, "-m", "tpuray", "logs"]
+
+        def run(*args, timeout=60):
+            return subprocess.run(cli + list(args) + ["--address", head], env=env,
+                                  capture_output=True, text=True, timeout=timeout)
+
+        r = run("actor", "--id", out["actor"])
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("--- Log has been truncated to last 1000 lines."), r.stdout
+        assert "actor line 1\nactor line 2\n" in r.stdout, r.stdout
+        assert "actor on stderr" not in r.stdout
+        r = run("actor", "--id", out["actor"], "--err", "--tail", "-1")
+        assert r.returncode == 0 and "actor on stderr" in r.stdout and "truncated" not in r.stdout, r
+        r = run("actor", "--id", out["actor"], "--tail", "1")
+        assert r.stdout.splitlines()[2:] == ["actor line 2"], r.stdout
+        r = run("worker", "--pid", str(out["pid"]))
+        assert r.returncode == 0 and "actor line 2" in r.stdout, r
+        # A task's part of its worker's log: its own line, not the other task's.
+        r = until_ok(lambda: run("task", "--id", out["second"], "--tail", "-1"))
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == "the second task\n", r.stdout
+        r = run("task", "--id", out["first"], "--attempt-number", "3")
+        assert r.returncode != 0 and "attempt" in r.stderr, r
+        # The listing groups the files as Ray's does; a glob naming one prints it.
+        r = run("--node-id", out["node"])
+        assert r.returncode == 0 and "worker_out:" in r.stdout and f"-{out['pid']}.out" in r.stdout, r
+        r = run("cluster", f"*-{out['pid']}.err", "--tail", "-1")
+        assert r.returncode == 0 and r.stdout.strip().endswith("actor on stderr"), r
+        r = run("actor")
+        assert r.returncode != 0 and "--pid" in r.stderr, r
+        r = run("actor", "--id", "ffffffffffffffff")
+        assert r.returncode != 0 and "not found" in r.stderr, r
+
+        # --follow prints what the actor writes later.
+        f = subprocess.Popen(cli + ["actor", "--id", out["actor"], "--follow", "--tail", "0",
+                                    "--address", head], env=env, stdout=subprocess.PIPE, text=True)
+        try:
+            import queue
+            import threading
+
+            followed: queue.Queue = queue.Queue()
+            threading.Thread(target=lambda: [followed.put(l) for l in f.stdout], daemon=True).start()
+            time.sleep(1.0)
+            (tmp_path / "release.more").touch()
+            seen = []
+            while "actor line 2\n" not in seen:
+                seen.append(followed.get(timeout=30))
+            assert seen == ["actor line 1\n", "actor line 2\n"], seen
+        finally:
+            f.kill()
+            f.wait(timeout=10)
+
+        # tpuray.util.state's get_log and list_logs, Ray's signatures.
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+            import json
+            from tpuray.util.state import get_log, list_logs
+            logs = list_logs(address={head!r}, node_id={out['node']!r}, glob_filter="*worker*")
+            actor = "".join(get_log(address={head!r}, actor_id={out['actor']!r}, tail=-1))
+            task = "".join(get_log(address={head!r}, task_id={out['first']!r}))
+            raw = b"".join(get_log(address={head!r}, task_id={out['first']!r}, encoding=None))
+            try:
+                list(get_log(address={head!r}, actor_id={out['actor']!r}, suffix="log"))
+            except ValueError as e:
+                bad = str(e)
+            print(json.dumps(dict(logs=logs, actor=actor, task=task, raw=raw.decode(), bad=bad)))
+        """)], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout)
+        assert any(n.endswith(f"-{out['pid']}.out") for n in got["logs"]["worker_out"]), got
+        assert "actor line 1\nactor line 2\n" in got["actor"], got
+        assert got["task"] == got["raw"] == "the first task\n", got
+        assert "suffix" in got["bad"], got
+        # Ray 2.60's own get_log/list_logs read the same log from tpuray's head: Ray's
+        # requests and its handling of the answers. Ray finds the API server's URL in
+        # its GCS (ray_address_to_api_server_url), which tpuray does not speak: the URL
+        # is given to it directly.
+        ray_py = RAY_VENV / "bin" / "python"
+        if not ray_py.exists():
+            pytest.fail(f"Ray 2.60's client is missing at {ray_py}: run scripts/python-tests.sh, which installs it")
+        url = subprocess.run(
+            [sys.executable, "-c", "import sys; from tpuray.job_submission import JobSubmissionClient as C; "
+             "print(C(sys.argv[1]).get_address())", head], env=env, capture_output=True, text=True,
+        ).stdout.strip()
+        token = (Path(env["HOME"]) / ".tpuray" / "auth_token").read_text().strip()
+        renv = dict(env, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+        r = subprocess.run(
+            [str(ray_py), "-c", textwrap.dedent(f"""
+                import ray.util.state.api as api
+                from ray.util.state import get_log, list_logs
+                api.ray_address_to_api_server_url = lambda address: address
+                print("".join(get_log(address={url!r}, actor_id={out['actor']!r}, tail=1)), end="")
+                print(sorted(list_logs(address={url!r}, node_id={out['node']!r}, glob_filter="*{out['pid']}*")))
+            """)], env=renv, capture_output=True, text=True, timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == "actor line 2\n['worker_err', 'worker_out']\n", r.stdout
+    finally:
+        release.touch()
+        try:
+            rest, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rest, err = p.communicate()
+    # log_to_driver=False: nothing the workers printed reached the driver.
+    printed = "".join(head_out) + rest
+    assert "actor line" not in printed and "the first task" not in printed, printed
+    assert "actor on stderr" not in err, err[-2000:]

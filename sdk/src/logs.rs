@@ -473,6 +473,64 @@ pub fn flush() {
     }
 }
 
+/// LOGS-3: where one task's output lies in its worker's log files (Ray's
+/// `task_log_info`), measured around a task that runs alone on its thread: the
+/// descriptors' offsets before and after it (a Python worker flushes its streams
+/// when a task ends). Recorded for tasks, and for actor tasks when
+/// `RAY_ENABLE_RECORD_ACTOR_TASK_LOGGING` is true (Ray's default is off: calls of a
+/// concurrent actor interleave).
+pub(crate) struct TaskLog {
+    info: tpuray_proto::pb::TaskLogInfo,
+}
+
+/// The name (in the logs directory) and current offset of descriptor `fd`, when it
+/// is a file.
+fn file_position(fd: i32) -> Option<(String, u64)> {
+    let path = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+    // SAFETY: lseek on a descriptor this process holds open changes nothing.
+    let at = unsafe { libc::lseek(fd, 0, libc::SEEK_CUR) };
+    if at < 0 {
+        return None;
+    }
+    let name = path.file_name()?.to_string_lossy().into_owned();
+    Some((name, at as u64))
+}
+
+impl TaskLog {
+    /// Before the task runs; `None` when it is not recorded or the worker's output
+    /// is not a file.
+    pub(crate) fn start(spec: &tpuray_proto::pb::TaskSpec) -> Option<TaskLog> {
+        if !spec.actor_id.is_empty() {
+            static ACTOR_TASKS: OnceLock<bool> = OnceLock::new();
+            let on = *ACTOR_TASKS.get_or_init(|| {
+                env_bool(&|k| std::env::var(k).ok(), "RAY_ENABLE_RECORD_ACTOR_TASK_LOGGING", false)
+            });
+            if !on {
+                return None;
+            }
+        }
+        let (stdout_file, stdout_start) = file_position(1)?;
+        let (stderr_file, stderr_start) = file_position(2)?;
+        Some(TaskLog {
+            info: tpuray_proto::pb::TaskLogInfo {
+                stdout_file,
+                stderr_file,
+                stdout_start,
+                stderr_start,
+                ..Default::default()
+            },
+        })
+    }
+
+    /// After it ran: the ranges it wrote.
+    pub(crate) fn end(mut self) -> tpuray_proto::pb::TaskLogInfo {
+        self.info.stdout_end = file_position(1).map(|p| p.1).unwrap_or(self.info.stdout_start);
+        self.info.stderr_end = file_position(2).map(|p| p.1).unwrap_or(self.info.stderr_start);
+        self.info.ended = true;
+        self.info
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

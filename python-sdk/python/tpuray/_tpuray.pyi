@@ -221,7 +221,13 @@ class JobClient:
     def logs(self, job_id: str) -> str: ...
     def get(self, path: str, timeout: Optional[float] = None) -> str:
         """``GET path`` (with its query) on the same server; the body of a 200 answer."""
+    def get_stream(self, path: str, timeout: Optional[float] = None) -> BodyStream:
+        """``GET path`` read as it arrives; raises for an answer other than 200."""
     def tail(self, job_id: str) -> LogTail: ...
+
+class BodyStream:
+    def next_chunk(self) -> Optional[bytes]:
+        """The next chunk of the body; ``None`` at its end. Blocks without the GIL."""
 
 class LogTail:
     def next_chunk(self) -> Optional[str]:
