@@ -141,7 +141,12 @@ impl PyJobClient {
     /// raises for a status other than 200, else a stream of the body's chunks;
     /// `timeout` (seconds, default 30) bounds the wait for the status.
     #[pyo3(signature = (path, timeout=None))]
-    fn get_stream(&self, py: Python<'_>, path: &str, timeout: Option<f64>) -> PyResult<PyBodyStream> {
+    fn get_stream(
+        &self,
+        py: Python<'_>,
+        path: &str,
+        timeout: Option<f64>,
+    ) -> PyResult<PyBodyStream> {
         let timeout = match timeout {
             None => std::time::Duration::from_secs(30),
             Some(t) if t.is_finite() && t > 0.0 => std::time::Duration::from_secs_f64(t),
@@ -151,7 +156,8 @@ impl PyJobClient {
                 )));
             }
         };
-        let inner = py.detach(|| self.inner.get_stream(path, timeout)).map_err(|e| job_err(py, e))?;
+        let inner =
+            py.detach(|| self.inner.get_stream(path, timeout)).map_err(|e| job_err(py, e))?;
         Ok(PyBodyStream { inner: Mutex::new(inner) })
     }
 
@@ -189,7 +195,10 @@ struct PyBodyStream {
 #[pymethods]
 impl PyBodyStream {
     /// The next chunk of bytes, `None` at the body's end. Blocks without the GIL.
-    fn next_chunk<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, pyo3::types::PyBytes>>> {
+    fn next_chunk<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<Bound<'py, pyo3::types::PyBytes>>> {
         let chunk = py
             .detach(|| {
                 let mut b = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
