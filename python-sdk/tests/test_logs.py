@@ -75,6 +75,16 @@ def test_100_identical_lines_from_10_tasks_reach_the_driver_deduplicated_as_rays
     assert r.stdout.splitlines()[-1] == "done", r.stdout
 
 
+def test_worker_lines_carry_rays_prefixes_an_actors_repr_included(env):
+    r = run_compat("logs_prefixes", env)
+    assert r.returncode == 0, r.stderr
+    got = sorted(driver_lines(r.stdout).splitlines())
+    want = sorted((COMPAT / "logs_prefixes.driver-lines").read_text().splitlines())
+    assert got == want, f"tpuray:\n{r.stdout}\nRay 2.60:\n{want}"
+    # Lines a worker writes to stderr go to the driver's stderr.
+    assert driver_lines(r.stderr).splitlines() == ["(task pid=N) from the task, on stderr"], r.stderr
+
+
 def test_ray_dedup_logs_0_prints_every_line(env):
     r = run_compat("logs_dedup", env, RAY_DEDUP_LOGS="0")
     assert r.returncode == 0, r.stderr

@@ -15,7 +15,8 @@ import sys
 
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 _CLUSTER_LINE = re.compile(r"^\((raylet|autoscaler|gcs_server|dashboard)\b")
-_WORKER_LINE = re.compile(r"^\([^()]* pid=\d+[^()]*\) ")
+# "(f pid=1) ", "(pid=1, ip=10.0.0.2) ", "(Custom(x) pid=1) " (an actor's __repr__).
+_WORKER_LINE = re.compile(r"^\((?:.* )?pid=\d+(?:, ip=[0-9A-Za-z.:\-]+)?\) ")
 _FOLLOWS_DIAGNOSTIC = re.compile(r"^(ray::|  |[A-Za-z_.]+(Error|Exception|Warning):|Traceback)")
 
 

@@ -542,7 +542,7 @@ class WorkerRuntime:
 
     def _run(self, info, fn, raw_args):
         _task_context.task_id = info["task_id"]
-        _task_context.label = info["class_name"] or info["name"]
+        _task_context.label = _label(info)
         _task_context.placement_group_id = info.get("placement_group_id") or None
         try:
             args, kwargs = decode_args(raw_args)
@@ -656,6 +656,13 @@ class WorkerRuntime:
                 import asyncio
 
                 asyncio.run_coroutine_threadsafe(init_result, self._event_loop()).result()
+            # Ray's prefix for an actor's lines is its __repr__ when its class defines
+            # one ("Customizing prefixes for Actor logs"), else the class name.
+            if type(self.actor).__repr__ is not object.__repr__:
+                try:
+                    _ActorLabel.name = repr(self.actor)
+                except Exception:  # noqa: BLE001 - a failing __repr__ keeps the class name
+                    pass
             async_methods = [
                 name
                 for name, m in inspect.getmembers(cls, predicate=inspect.isfunction)
@@ -685,7 +692,7 @@ class WorkerRuntime:
                 fn = load_function(info["function"])
             args, kwargs = decode_args(raw_args)
             _task_context.task_id = info["task_id"]
-            _task_context.label = info["class_name"] or info["name"]
+            _task_context.label = _label(info)
             gen = fn(*args, **kwargs)
             if inspect.isasyncgen(gen):
                 raise TypeError("async generators are not supported for streaming yet; use a plain generator")
@@ -717,7 +724,7 @@ class _Stream:
 
     def next_item(self):
         _task_context.task_id = self._info["task_id"]
-        _task_context.label = self._info["class_name"] or self._info["name"]
+        _task_context.label = _label(self._info)
         try:
             value = next(self._it)
             return ("item", serialize(value)[0])
@@ -730,7 +737,17 @@ class _Stream:
 
 
 class _ActorLabel:
+    """The name an actor's printed lines carry (its class, or its ``__repr__``)."""
+
     name = ""
+
+
+def _label(info) -> str:
+    """The name a task's or actor call's printed lines carry: the actor's (its
+    ``__repr__`` when its class defines one), else the class or function name."""
+    if info["class_name"] and _ActorLabel.name:
+        return _ActorLabel.name
+    return info["class_name"] or info["name"]
 
 
 class _Forwarder:
