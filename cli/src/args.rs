@@ -336,8 +336,10 @@ pub struct LogsCommon {
 /// Which node (default: the head node).
 #[derive(Args, Debug, Clone)]
 pub struct LogsNode {
+    /// The node's id (a unique prefix is enough).
     #[arg(long)]
     pub node_id: Option<String>,
+    /// The node's IP address (the head node first when several share it).
     #[arg(long)]
     pub node_ip: Option<String>,
 }

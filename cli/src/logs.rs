@@ -223,31 +223,21 @@ pub fn run(a: LogsArgs) -> Result<i32> {
     match kind {
         LogsKind::Cluster(c) => cluster(c),
         LogsKind::Actor(x) => {
+            if x.id.is_none() && x.pid.is_none() {
+                bail!("At least one of `--pid` and `--id` has to be set");
+            }
             let c = client(x.common.address.as_deref())?;
+            let timeout = Duration::from_secs(x.common.timeout.max(1));
             let mut params = vec![suffix(x.err)];
-            match (&x.id, x.pid) {
-                (None, None) => bail!("At least one of `--pid` and `--id` has to be set"),
-                (Some(id), _) => {
-                    params.push(("actor_id", id.clone()));
-                    if x.node.node_id.is_some() || x.node.node_ip.is_some() {
-                        params.push(node_param(
-                            &c,
-                            &x.node,
-                            Duration::from_secs(x.common.timeout.max(1)),
-                        )?);
-                    }
-                    if let Some(pid) = x.pid {
-                        params.push(("pid", pid.to_string()));
-                    }
+            // As Ray's: the id wins over the pid; a pid needs a node (default the head's).
+            if let Some(id) = &x.id {
+                params.push(("actor_id", id.clone()));
+                if x.node.node_id.is_some() || x.node.node_ip.is_some() {
+                    params.push(node_param(&c, &x.node, timeout)?);
                 }
-                (None, Some(pid)) => {
-                    params.push(node_param(
-                        &c,
-                        &x.node,
-                        Duration::from_secs(x.common.timeout.max(1)),
-                    )?);
-                    params.push(("pid", pid.to_string()));
-                }
+            } else if let Some(pid) = x.pid {
+                params.push(node_param(&c, &x.node, timeout)?);
+                params.push(("pid", pid.to_string()));
             }
             print_log(&c, &x.common, params, OnBadBytes::Strict)
         }
