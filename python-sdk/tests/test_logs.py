@@ -96,6 +96,23 @@ def test_a_bad_dedup_regex_is_refused_at_init_by_name(env):
     r = run_compat("logs_dedup", env, RAY_DEDUP_LOGS_SKIP_REGEX="(unclosed")
     assert r.returncode != 0
     assert "RAY_DEDUP_LOGS_SKIP_REGEX" in r.stderr and "(unclosed" in r.stderr, r.stderr[-2000:]
+    # The local cluster init started for it stopped with the failed init.
+    assert heads_started_from(COMPAT) == [], "init left its local cluster running"
+
+
+def heads_started_from(cwd: Path) -> list[int]:
+    """Pids of tpuray heads this interpreter's package started with ``cwd`` as their
+    working directory (a local cluster of a compat script)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            here = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        if here == str(cwd) and cmd[0] == sys.executable.encode() and b"_head" in cmd:
+            found.append(int(pid))
+    return found
 
 
 ROOT = Path(__file__).resolve().parents[2]

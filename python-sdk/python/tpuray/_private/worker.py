@@ -171,7 +171,12 @@ def init(
         registry = (state.local_cluster or {}).get("env", {}).get("TPURAY_REGISTRY_DIR")
         if log_to_driver is not None and not isinstance(log_to_driver, bool):
             raise TypeError(f"log_to_driver must be a bool, got {type(log_to_driver).__name__}")
-        info = _tpuray.init_driver(address, namespace, registry)
+        try:
+            info = _tpuray.init_driver(address, namespace, registry)
+        except BaseException:
+            # A local cluster started for this driver goes with the failed init.
+            _stop_local_cluster()
+            raise
         if log_to_driver is not None:
             # Ray's log_to_driver (None: RAY_LOG_TO_DRIVER, default on): workers stop
             # sending their lines once this driver answers that it takes none.
