@@ -303,7 +303,9 @@ async fn resolve(
                 )));
             }
         };
-        if a.worker_id.is_empty() || a.node_id.is_empty() {
+        // A dead or restarting actor has no worker id any more, but its last node and
+        // pid, which name its file too (LOGS-2).
+        if a.node_id.is_empty() || (a.worker_id.is_empty() && a.pid == 0) {
             return Err(Fail::missing(format!(
                 "Worker ID for Actor ID {} not found. Actor is not scheduled yet.",
                 a.actor_id
@@ -315,10 +317,16 @@ async fn resolve(
                 a.actor_id, a.node_id
             ))
         })?;
-        let files =
-            list_files(api, &node, &format!("worker-{}-*.{suffix}", a.worker_id), timeout).await?;
-        let filename =
-            files.into_iter().find(|f| worker_file(f, suffix).is_some_and(|w| w.0 == a.worker_id));
+        let (glob, by_pid) = if a.worker_id.is_empty() {
+            (format!("worker-*-{}-{}.{suffix}", a.job_id, a.pid), true)
+        } else {
+            (format!("worker-{}-*.{suffix}", a.worker_id), false)
+        };
+        let files = list_files(api, &node, &glob, timeout).await?;
+        let filename = files.into_iter().find(|f| {
+            worker_file(f, suffix)
+                .is_some_and(|w| if by_pid { w.1 == a.pid } else { w.0 == a.worker_id })
+        });
         let Some(filename) = filename else {
             return Err(not_found(q, Some(&node.0)));
         };

@@ -147,11 +147,15 @@ second = ray.get(f.remote("the second task"))
 from tpuray import _tpuray
 print("OUT", json.dumps({"head": _tpuray.process_info()["head_address"], "actor": actor_id,
       "pid": pid, "node": node_id, "first": first, "second": second}), flush=True)
-more = sys.argv[1] + ".more"
+more, kill = sys.argv[1] + ".more", sys.argv[1] + ".kill"
 while not os.path.exists(sys.argv[1]):
     if os.path.exists(more):
         os.remove(more)
         ray.get(g.hi.remote())
+    if os.path.exists(kill):
+        os.remove(kill)
+        ray.kill(g)
+        print("KILLED", flush=True)
     time.sleep(0.1)
 ray.shutdown()
 """
@@ -245,6 +249,13 @@ def test_tpuray_logs_prints_actor_task_and_worker_output_and_log_to_driver_false
         finally:
             f.kill()
             f.wait(timeout=10)
+
+        # A dead actor's log stays readable (its last node and pid name the file).
+        (tmp_path / "release.kill").touch()
+        while (line := p.stdout.readline()).strip() != "KILLED":
+            assert line, "the driver ended before killing its actor"
+        r = until_ok(lambda: run("actor", "--id", out["actor"], "--tail", "2"))
+        assert r.returncode == 0 and r.stdout.splitlines()[2:] == ["actor line 1", "actor line 2"], r
 
         # tpuray.util.state's get_log and list_logs, Ray's signatures.
         r = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
