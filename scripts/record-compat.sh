@@ -11,6 +11,8 @@
 # torch is what ray.util.collective's gloo backend runs on. Each script gets a HOME of
 # its own (Ray writes ~/.ray there) and a timeout. Only stdout is recorded, cleaned by
 # compat/clean_output.py (Ray's own diagnostics dropped); stderr is shown on failure.
+# Scripts named logs_* run with Ray's log deduplication on, and their worker lines are
+# also kept in NAME.driver-lines (clean_output.py --driver-lines).
 # Re-record only after checking the new output by eye: a recording is the contract.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +39,7 @@ fi
 if [ $# -eq 0 ]; then
     set -- $(ls "$compat"/*.py | xargs -n1 basename | sed 's/\.py$//' | grep -v '^clean_output$')
 fi
+ray_python="$RAY_VENV/bin/python"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 status=0
@@ -44,10 +47,18 @@ for name in "$@"; do
     script="$compat/$name.py"
     [ -f "$script" ] || { echo "record-compat: no script $script" >&2; exit 1; }
     mkdir -p "$work/$name/home"
-    if (cd "$compat" && env -u RAY_ADDRESS HOME="$work/$name/home" RAY_DEDUP_LOGS=0 \
-            RAY_USAGE_STATS_ENABLED=0 timeout 300 "$RAY_VENV/bin/python" "$name.py") \
+    # logs_* scripts are about the driver's worker lines: Ray's deduplication stays on
+    # and the lines are kept (colours dropped, pids written pid=N) in NAME.driver-lines.
+    dedup=0
+    case "$name" in logs_*) dedup=1 ;; esac
+    if (cd "$compat" && env -u RAY_ADDRESS HOME="$work/$name/home" RAY_DEDUP_LOGS=$dedup \
+            RAY_USAGE_STATS_ENABLED=0 timeout 300 "$ray_python" "$name.py") \
             >"$work/$name/out" 2>"$work/$name/err"; then
         python3 "$compat/clean_output.py" <"$work/$name/out" >"$compat/$name.expected"
+        if [ "$dedup" = 1 ]; then
+            python3 "$compat/clean_output.py" --driver-lines <"$work/$name/out" \
+                >"$compat/$name.driver-lines"
+        fi
         echo "recorded $name ($(wc -l <"$compat/$name.expected") lines)"
     else
         echo "FAILED   $name under Ray (exit $?); stdout and stderr tails:" >&2

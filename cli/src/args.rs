@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::{job, k8s, microbench, procs, serve, show, timeline};
+use crate::{job, k8s, logs, microbench, procs, serve, show, timeline};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -48,6 +48,10 @@ pub enum Command {
     /// Kubernetes: `k8s manifests` prints a cluster's objects (GKE TPU node pools) as YAML.
     #[command(subcommand)]
     K8s(K8sCommand),
+    /// Log files of the cluster's nodes (Ray's `ray logs`): `logs [cluster] [GLOB]` lists
+    /// them (prints the file when one matches), `logs actor|task|worker|job` prints the
+    /// log of one.
+    Logs(LogsArgs),
     #[command(name = "_head", hide = true)]
     Head(HeadArgs),
     #[command(name = "_agent", hide = true)]
@@ -294,6 +298,136 @@ pub struct TimelineArgs {
     pub job_id: Option<String>,
     #[command(flatten)]
     pub address: AddressArg,
+}
+
+/// `tpuray logs`: Ray 2.60's `ray logs` (`ray/util/state/state_cli.py`), whose bare
+/// form `ray logs GLOB` is `ray logs cluster GLOB`. Ray's two-letter short flags (`-id`,
+/// `-ip`, `-pid`) are spelled `--node-id`, `--node-ip`, `--pid` here.
+#[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct LogsArgs {
+    #[command(subcommand)]
+    pub kind: Option<LogsKind>,
+    #[command(flatten)]
+    pub cluster: LogsClusterArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum LogsKind {
+    /// List the log files matching GLOB on a node (the head node's by default); print
+    /// the file when exactly one matches.
+    Cluster(LogsClusterArgs),
+    /// The log of an actor's worker process.
+    Actor(LogsActorArgs),
+    /// The part of its worker's log that a task wrote.
+    Task(LogsTaskArgs),
+    /// The log of a worker process, by pid.
+    Worker(LogsWorkerArgs),
+    /// The driver log of a job submitted with `tpuray job submit`.
+    Job(LogsJobArgs),
+}
+
+/// What every `tpuray logs` form takes.
+#[derive(Args, Debug, Clone)]
+pub struct LogsCommon {
+    /// Head address (HOST:PORT, or the dashboard's http://HOST:PORT).
+    #[arg(long)]
+    pub address: Option<String>,
+    /// Follow the log as it grows (until interrupted).
+    #[arg(long, short = 'f')]
+    pub follow: bool,
+    /// Lines from the end to print; -1 for the whole file.
+    #[arg(long, default_value_t = 1000, allow_negative_numbers = true)]
+    pub tail: i64,
+    /// Seconds between looks for new lines with --follow.
+    #[arg(long, hide = true)]
+    pub interval: Option<f64>,
+    /// Seconds the head may take for each request (not for --follow's wait).
+    #[arg(long, default_value_t = 30)]
+    pub timeout: u64,
+}
+
+/// Which node (default: the head node).
+#[derive(Args, Debug, Clone)]
+pub struct LogsNode {
+    /// The node's id (a unique prefix is enough).
+    #[arg(long)]
+    pub node_id: Option<String>,
+    /// The node's IP address (the head node first when several share it).
+    #[arg(long)]
+    pub node_ip: Option<String>,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct LogsClusterArgs {
+    /// A glob over the log files' names (default *).
+    #[arg(default_value = "*")]
+    pub glob: String,
+    #[command(flatten)]
+    pub node: LogsNode,
+    #[command(flatten)]
+    pub common: LogsCommon,
+    /// How to decode the log (utf-8, the one supported).
+    #[arg(long, default_value = "utf-8")]
+    pub encoding: String,
+    /// Undecodable bytes: strict (an error), replace or ignore.
+    #[arg(long, default_value = "strict")]
+    pub encoding_errors: String,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct LogsActorArgs {
+    /// The actor's id.
+    #[arg(long, short = 'a')]
+    pub id: Option<String>,
+    /// The actor's worker process id (with --node-id or --node-ip, default the head node).
+    #[arg(long)]
+    pub pid: Option<u32>,
+    #[command(flatten)]
+    pub node: LogsNode,
+    #[command(flatten)]
+    pub common: LogsCommon,
+    /// The stderr file instead of stdout.
+    #[arg(long)]
+    pub err: bool,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct LogsTaskArgs {
+    /// The task's id.
+    #[arg(long)]
+    pub id: String,
+    /// Which attempt (0 is the first).
+    #[arg(long, short = 'a', default_value_t = 0)]
+    pub attempt_number: u32,
+    #[command(flatten)]
+    pub common: LogsCommon,
+    /// The stderr file instead of stdout.
+    #[arg(long)]
+    pub err: bool,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct LogsWorkerArgs {
+    /// The worker's process id.
+    #[arg(long)]
+    pub pid: u32,
+    #[command(flatten)]
+    pub node: LogsNode,
+    #[command(flatten)]
+    pub common: LogsCommon,
+    /// The stderr file instead of stdout.
+    #[arg(long)]
+    pub err: bool,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct LogsJobArgs {
+    /// The submission id (`raysubmit_...`).
+    #[arg(long)]
+    pub id: String,
+    #[command(flatten)]
+    pub common: LogsCommon,
 }
 
 #[derive(Subcommand, Debug)]
@@ -595,6 +729,7 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             std::io::stdout().write_all(yaml.as_bytes())?;
             Ok(0)
         }
+        Command::Logs(a) => logs::run(a),
         Command::Microbenchmark(a) => {
             // A driver of a cluster for minutes (--rust): a peer that hangs up must fail
             // that connection, not kill the run.

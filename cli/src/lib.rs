@@ -11,6 +11,7 @@
 mod args;
 pub mod job;
 pub mod k8s;
+mod logs;
 mod microbench;
 mod procs;
 mod serve;

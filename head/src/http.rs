@@ -105,6 +105,7 @@ pub(crate) fn router(head: Arc<Head>, addresses: &str) -> Result<Router, String>
         .route("/api/jobs/{id}/stop", axum::routing::post(stop_job))
         .route("/api/jobs/{id}/logs", get(job_logs))
         .route("/api/jobs/{id}/logs/tail", get(tail_logs))
+        .merge(crate::logs_api::routes())
         .merge(crate::state_api::routes())
         .layer(middleware::from_fn_with_state(Arc::clone(&api), require_token))
         // Packages up to Ray's limit, plus room for the request around them.

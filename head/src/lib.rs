@@ -34,6 +34,7 @@ mod dashboard;
 pub mod drivers;
 pub mod http;
 pub mod jobs;
+pub mod logs_api;
 pub mod metrics;
 pub mod placement_groups;
 pub mod replication;

@@ -1690,6 +1690,15 @@ impl HeadService for HeadSvc {
                 actor_id: e.actor_id.clone(),
                 ..Default::default()
             });
+            // LOGS-3: where the attempt's output lies; such an event changes no state.
+            if let Some(info) = e.log_info {
+                if e.attempt >= t.attempt {
+                    t.log_info = Some(info);
+                }
+                if e.state.is_empty() {
+                    continue;
+                }
+            }
             let counted = crate::metrics::TaskTally::slot(t);
             // Events from owner and executor may arrive in any order: a final
             // state is never overwritten by an earlier one.

@@ -174,7 +174,7 @@ pub(crate) fn routes() -> Router<Arc<Api>> {
 }
 
 /// Ray's answer envelope (`rest_response` without google-style keys).
-fn reply(code: StatusCode, msg: &str, result: Value) -> Response {
+pub(crate) fn reply(code: StatusCode, msg: &str, result: Value) -> Response {
     let body = json!({"result": code == StatusCode::OK, "msg": msg, "data": {"result": result}});
     (code, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
 }
@@ -184,7 +184,7 @@ fn bad(msg: impl Into<String>) -> Response {
 }
 
 /// The query's pairs, in order (repeated keys kept).
-fn pairs(q: Option<&str>) -> Vec<(String, String)> {
+pub(crate) fn pairs(q: Option<&str>) -> Vec<(String, String)> {
     let decode = |s: &str| {
         percent_encoding::percent_decode_str(&s.replace('+', " ")).decode_utf8_lossy().into_owned()
     };
@@ -501,7 +501,7 @@ fn opt_ms(ms: u64) -> Value {
     if ms == 0 { Value::Null } else { json!(ms) }
 }
 
-fn host(addr: &str) -> String {
+pub(crate) fn host(addr: &str) -> String {
     addr.rsplit_once(':').map(|(h, _)| h).unwrap_or(addr).to_string()
 }
 
@@ -624,12 +624,26 @@ fn task_row(t: &pb::TaskSummary, class_of: &BTreeMap<String, String>) -> Value {
         "creation_time_ms": opt_ms(t.submitted_ms),
         "start_time_ms": Value::Null,
         "end_time_ms": opt_ms(t.finished_ms),
-        "task_log_info": Value::Null,
+        "task_log_info": t.log_info.as_ref().map_or(Value::Null, task_log_info),
         "error_message": opt_str(&t.error),
         "is_debugger_paused": Value::Null,
         "call_site": Value::Null,
         "label_selector": Value::Null,
         "fallback_strategy": Value::Null,
+    })
+}
+
+/// Ray's `task_log_info` (LOGS-3): file names under the node's logs directory and byte
+/// offsets; the ends are null while the task runs.
+fn task_log_info(l: &pb::TaskLogInfo) -> Value {
+    let end = |v: u64| if l.ended { json!(v) } else { Value::Null };
+    json!({
+        "stdout_file": l.stdout_file,
+        "stderr_file": l.stderr_file,
+        "stdout_start": l.stdout_start,
+        "stdout_end": end(l.stdout_end),
+        "stderr_start": l.stderr_start,
+        "stderr_end": end(l.stderr_end),
     })
 }
 

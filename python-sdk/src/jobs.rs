@@ -137,6 +137,30 @@ impl PyJobClient {
         py.detach(|| self.inner.get(path, timeout)).map_err(|e| job_err(py, e))
     }
 
+    /// `GET path` read as it arrives (the logs API, `tpuray.util.state.get_log`):
+    /// raises for a status other than 200, else a stream of the body's chunks;
+    /// `timeout` (seconds, default 30) bounds the wait for the status.
+    #[pyo3(signature = (path, timeout=None))]
+    fn get_stream(
+        &self,
+        py: Python<'_>,
+        path: &str,
+        timeout: Option<f64>,
+    ) -> PyResult<PyBodyStream> {
+        let timeout = match timeout {
+            None => std::time::Duration::from_secs(30),
+            Some(t) if t.is_finite() && t > 0.0 => std::time::Duration::from_secs_f64(t),
+            Some(t) => {
+                return Err(PyValueError::new_err(format!(
+                    "timeout must be a positive number of seconds (got {t})"
+                )));
+            }
+        };
+        let inner =
+            py.detach(|| self.inner.get_stream(path, timeout)).map_err(|e| job_err(py, e))?;
+        Ok(PyBodyStream { inner: Mutex::new(inner) })
+    }
+
     /// A follower of the job's logs (see [`PyLogTail::next_chunk`]).
     fn tail(&self, job_id: &str) -> PyLogTail {
         PyLogTail { inner: Mutex::new(self.inner.tail(job_id)) }
@@ -185,10 +209,34 @@ fn package_local(
     Ok(pkg.map(|p| (p.uri, pyo3::types::PyBytes::new(py, &p.bytes).unbind())))
 }
 
+/// An HTTP answer's body, chunk by chunk ([`job::BodyStream`]).
+#[pyclass(name = "BodyStream", module = "tpuray._tpuray", frozen)]
+struct PyBodyStream {
+    inner: Mutex<job::BodyStream>,
+}
+
+#[pymethods]
+impl PyBodyStream {
+    /// The next chunk of bytes, `None` at the body's end. Blocks without the GIL.
+    fn next_chunk<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<Bound<'py, pyo3::types::PyBytes>>> {
+        let chunk = py
+            .detach(|| {
+                let mut b = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                b.next_chunk()
+            })
+            .map_err(|e| job_err(py, e))?;
+        Ok(chunk.map(|c| pyo3::types::PyBytes::new(py, &c)))
+    }
+}
+
 /// Registers the classes in the extension module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyJobClient>()?;
     m.add_class::<PyLogTail>()?;
     m.add_function(wrap_pyfunction!(package_local, m)?)?;
+    m.add_class::<PyBodyStream>()?;
     Ok(())
 }

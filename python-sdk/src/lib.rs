@@ -616,10 +616,22 @@ const SIGNAL_SLICE: Duration = Duration::from_millis(100);
 /// node, AGENT-11).
 const FIRST_SLICE: Duration = Duration::from_millis(5);
 
-/// Sends a worker's output lines to the job's driver.
+/// Sends a worker's output lines to the job's driver: `batches` are (task or actor
+/// name, lines). Returns False when the driver takes no worker output.
 #[pyfunction]
-fn report_logs(py: Python<'_>, driver: String, lines: Vec<String>, is_err: bool) -> PyResult<()> {
-    py.detach(|| raw::report_logs(&driver, lines, is_err)).map_err(cluster_err)
+fn report_logs(
+    py: Python<'_>,
+    driver: String,
+    batches: Vec<(String, Vec<String>)>,
+    is_err: bool,
+) -> PyResult<bool> {
+    py.detach(|| raw::report_logs(&driver, batches, is_err)).map_err(cluster_err)
+}
+
+/// Whether this driver prints its workers' output (`init(log_to_driver=...)`).
+#[pyfunction]
+fn set_log_to_driver(on: bool) {
+    tpuray::logs::set_log_to_driver(on);
 }
 
 /// Asks the local node agent to pre-start `count` idle workers for this job.
@@ -1506,6 +1518,7 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(slice_placement_group, m)?,
         wrap_pyfunction!(run_worker, m)?,
         wrap_pyfunction!(report_logs, m)?,
+        wrap_pyfunction!(set_log_to_driver, m)?,
         wrap_pyfunction!(submit_streaming, m)?,
         wrap_pyfunction!(call_actor_streaming, m)?,
         wrap_pyfunction!(next_item, m)?,

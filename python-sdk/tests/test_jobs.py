@@ -425,6 +425,9 @@ def test_the_tpuray_cli_submits_waits_and_exits_as_rays(cluster, tmp_path):
     assert r.returncode == 0 and "Job 'cli-bad' failed" in r.stdout, r.stdout + r.stderr
     r = cluster.tpuray("job", "logs", "cli-ok", "--address", cluster.url)
     assert r.returncode == 0 and "hello from ok" in r.stdout, r.stdout + r.stderr
+    # Ray's `ray logs job --id`: the driver's log read from the node that ran it.
+    r = cluster.tpuray("logs", "job", "--id", "cli-ok", "--address", cluster.url)
+    assert r.returncode == 0 and "hello from ok" in r.stdout, r.stdout + r.stderr
     r = cluster.tpuray("job", "list", "--address", cluster.url)
     assert r.returncode == 0 and "submission_id='cli-ok'" in r.stdout, r.stdout + r.stderr
     # The same submission id again is the server's error, told as such.

@@ -453,6 +453,53 @@ def test_a_driver_on_a_node_host_runs_tasks_actors_and_objects_and_sees_every_no
             assert rd["ok"] and rd["where"]["hostname"] == by_ip[ip].name, (ip, rd)
 
 
+PRINTS = PRELUDE + r'''
+ray.init(address=sys.argv[1])
+
+
+@ray.remote
+def shout(text):
+    print(text, flush=True)
+    return ray.get_runtime_context().get_task_id()
+
+
+ids = {ip: ray.get(shout.options(scheduling_strategy=on(node_at(ip))).remote(f"hello from {ip}"),
+                   timeout=120) for ip in sys.argv[2:]}
+time.sleep(1.5)  # the lines travel to the driver in the background
+say("RESULT", ids=ids)
+ray.shutdown()
+'''
+
+
+def test_a_line_printed_on_another_host_reaches_the_driver_with_its_ip_and_tpuray_logs_reads_it_there(
+    cluster,
+):
+    hs, address, _ = cluster
+    head, other = hs[0], hs[1]
+    with logs_on_failure(hs):
+        p = head.run([PY, "-c", PRINTS, address, head.address, other.address],
+                     capture_output=True, text=True, timeout=DRIVER_TIMEOUT)
+        assert p.returncode == 0, p.stderr[-4000:]
+        lines = p.stdout.splitlines()
+        far, near = re.escape(other.address), re.escape(head.address)
+        # Ray's prefix: ip= only for a line from a host other than the driver's.
+        assert any(re.fullmatch(rf"\(shout pid=\d+, ip={far}\) hello from {far}", l) for l in lines), p.stdout
+        assert any(re.fullmatch(rf"\(shout pid=\d+\) hello from {near}", l) for l in lines), p.stdout
+        ids = json.loads([l for l in lines if l.startswith("RESULT ")][-1][len("RESULT "):])["ids"]
+        # The task's part of its worker's log, read from the other host's agent through
+        # the head (LOGS-3, LOGS-5).
+        deadline = time.time() + WAIT
+        while True:
+            r = head.run(CLI + ["logs", "task", "--id", ids[other.address], "--address", address],
+                         capture_output=True, text=True, timeout=WAIT)
+            if r.returncode == 0 or time.time() > deadline:
+                break
+            time.sleep(0.5)
+        assert r.returncode == 0, r.stderr
+        assert f"hello from {other.address}" in r.stdout, r.stdout
+        assert f"hello from {head.address}" not in r.stdout, r.stdout
+
+
 NO_NODE = PRELUDE + r'''
 ray.init(address=sys.argv[1])
 payload = blob(5, 1 << 20)

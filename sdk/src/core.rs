@@ -1009,6 +1009,26 @@ impl Core {
         self.event_at(spec, state, error, &self.node_id, &self.worker_id);
     }
 
+    /// Where a task's output lies in this worker's log files (LOGS-3): an event
+    /// that changes no state.
+    pub(crate) fn log_event(&self, spec: &pb::TaskSpec, info: pb::TaskLogInfo) {
+        let mut ev = self.events.lock().unwrap();
+        if ev.len() < 100_000 {
+            ev.push(pb::TaskEvent {
+                task_id: spec.task_id.clone(),
+                job_id: spec.job_id.clone(),
+                name: spec.name.clone(),
+                node_id: self.node_id.clone(),
+                worker_id: self.worker_id.clone(),
+                attempt: spec.attempt,
+                time_ms: now_ms(),
+                actor_id: spec.actor_id.clone(),
+                log_info: Some(info),
+                ..Default::default()
+            });
+        }
+    }
+
     /// A task event naming where the task ran ("" when unknown).
     fn event_at(&self, spec: &pb::TaskSpec, state: &str, error: &str, node: &str, worker: &str) {
         let mut ev = self.events.lock().unwrap();
@@ -1024,6 +1044,7 @@ impl Core {
                 error: error.to_string(),
                 time_ms: now_ms(),
                 actor_id: spec.actor_id.clone(),
+                log_info: None,
             });
         }
     }

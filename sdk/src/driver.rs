@@ -211,6 +211,9 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
         } else {
             node.address.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or("127.0.0.1".into())
         };
+        // Worker lines print here by Ray's rules (LOGS-1); a bad RAY_DEDUP_LOGS_* is
+        // refused before the job exists.
+        crate::logs::configure(&host, None).map_err(Error::Cluster)?;
         let listener = tokio::net::TcpListener::bind((host.as_str(), 0)).await.map_err(|e| {
             Error::Cluster(format!(
                 "cannot listen on {host} (this host's address for the cluster): {e}"
@@ -336,6 +339,8 @@ async fn serve_private_store(
 /// last task events and the placement group removals still in the background (PG-2).
 pub fn shutdown() {
     let Some(core) = crate::core::try_core() else { return };
+    // Counts of repeated worker lines still held print now, as Ray's disconnect does.
+    crate::logs::flush();
     core.rt.block_on(async {
         crate::placement_group::flush_removals().await;
         core.flush_events().await;

@@ -383,7 +383,12 @@ impl Executor {
         self.running.lock().unwrap().insert(spec.task_id.clone(), ());
         crate::metrics::task_started(spec);
         self.core.event(spec, "RUNNING", "");
-        self.finish(spec, self.invoke(spec))
+        let log = crate::logs::TaskLog::start(spec);
+        let result = self.invoke(spec);
+        if let Some(log) = log {
+            self.core.log_event(spec, log.end());
+        }
+        self.finish(spec, result)
     }
 
     /// The reply for a call that ran: its results stored (small ones inline), the refs in

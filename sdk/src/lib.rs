@@ -33,6 +33,7 @@ pub mod error;
 mod executor;
 pub mod foreign;
 pub mod gang;
+pub mod logs;
 pub mod metrics;
 mod node_watch;
 pub mod object_ref;

@@ -258,18 +258,35 @@ pub fn cancel(r: &RawRef, force: bool) -> Result<(), Error> {
     c.rt.block_on(c.cancel(r.id(), force))
 }
 
-/// Sends output lines to a driver's `ReportLogs` (a worker's stdout or stderr).
+/// Sends a worker's output lines to its job's driver (`ReportLogs`): `batches` are
+/// (task or actor name, lines) in the order printed; the pid and this node's address
+/// go with them. Returns false when the driver takes no worker output
+/// (`log_to_driver=False`): stop sending.
 ///
 /// # Errors
 /// The driver cannot be reached.
-pub fn report_logs(driver: &str, lines: Vec<String>, is_err: bool) -> Result<(), Error> {
+pub fn report_logs(
+    driver: &str,
+    batches: Vec<(String, Vec<String>)>,
+    is_err: bool,
+) -> Result<bool, Error> {
     let c = core()?;
+    let ip = c.agent_address.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or_default();
     c.rt.block_on(async {
         let mut w = c.worker_client(driver)?;
-        w.report_logs(pb::ReportLogsRequest { lines, is_err })
+        let reply = w
+            .report_logs(pb::ReportLogsRequest {
+                is_err,
+                pid: std::process::id(),
+                ip,
+                batches: batches
+                    .into_iter()
+                    .map(|(name, lines)| pb::LogBatch { name, lines })
+                    .collect(),
+            })
             .await
             .map_err(|s| Error::Cluster(s.message().to_string()))?;
-        Ok(())
+        Ok(!reply.into_inner().unwanted)
     })
 }
 

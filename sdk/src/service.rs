@@ -62,21 +62,16 @@ impl WorkerService for SvcRef {
         &self,
         req: Request<pb::ReportLogsRequest>,
     ) -> Result<Response<pb::ReportLogsReply>, Status> {
-        use std::io::Write;
         let req = req.into_inner();
-        let mut text = String::new();
-        for l in &req.lines {
-            text.push_str(l);
-            text.push('\n');
+        let mut wanted = true;
+        for b in req.batches {
+            let source = crate::logs::Source { name: b.name, pid: req.pid, ip: req.ip.clone() };
+            wanted = crate::logs::print_batch(&source, &b.lines, req.is_err);
+            if !wanted {
+                break;
+            }
         }
-        // Straight to the process's descriptors, as Ray's log monitor prints.
-        let _ = if req.is_err {
-            std::io::stderr().lock().write_all(text.as_bytes())
-        } else {
-            std::io::stdout().lock().write_all(text.as_bytes())
-        };
-        let _ = std::io::stdout().flush();
-        Ok(Response::new(pb::ReportLogsReply {}))
+        Ok(Response::new(pb::ReportLogsReply { unwanted: !wanted }))
     }
 
     async fn exit(&self, req: Request<pb::ExitRequest>) -> Result<Response<pb::ExitReply>, Status> {

@@ -717,8 +717,9 @@ impl Agent {
         let worker_id = WorkerId::random();
         let logs = self.config.session_dir.join("logs");
         let _ = std::fs::create_dir_all(&logs);
-        let out_path = logs.join(format!("worker-{}.out", worker_id.short()));
-        let err_path = logs.join(format!("worker-{}.err", worker_id.short()));
+        // Named as Ray names them once the pid is known (LOGS-2, below).
+        let out_path = logs.join(format!("worker-{}-{}.out", worker_id.as_str(), key.job_id));
+        let err_path = logs.join(format!("worker-{}-{}.err", worker_id.as_str(), key.job_id));
         let open = |p: &PathBuf| {
             std::fs::File::create(p).map_err(|e| {
                 Status::internal(format!("cannot create worker log {}: {e}", p.display()))
@@ -845,6 +846,15 @@ impl Agent {
             }
         };
         let pid = child.id().unwrap_or(0);
+        // LOGS-2: a worker's output files are `worker-<worker id>-<job id>-<pid>.out|err`
+        // under `<session>/logs`, Ray's names, so `tpuray logs worker --pid` and the
+        // actor and task lookups find them by name (the open descriptors follow).
+        let named = |ext: &str| {
+            logs.join(format!("worker-{}-{}-{pid}.{ext}", worker_id.as_str(), key.job_id))
+        };
+        let _ = std::fs::rename(&out_path, named("out"));
+        let err_path =
+            if std::fs::rename(&err_path, named("err")).is_ok() { named("err") } else { err_path };
         if let Some(e) = registry::ProcEntry::for_pid(
             pid,
             "worker",
@@ -2093,6 +2103,30 @@ impl NodeAgentService for AgentSvc {
     ) -> Result<Response<pb::StopJobSupervisorReply>, Status> {
         let found = self.0.stop_job_supervisor(&req.into_inner().submission_id);
         Ok(Response::new(pb::StopJobSupervisorReply { found }))
+    }
+
+    async fn list_logs(
+        &self,
+        req: Request<pb::ListLogsRequest>,
+    ) -> Result<Response<pb::ListLogsReply>, Status> {
+        let dir = self.0.config.session_dir.join("logs");
+        let glob = req.into_inner().glob;
+        let files = tokio::task::spawn_blocking(move || crate::logfiles::list(&dir, &glob))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        Ok(Response::new(pb::ListLogsReply { files }))
+    }
+
+    async fn read_log(
+        &self,
+        req: Request<pb::ReadLogRequest>,
+    ) -> Result<Response<pb::ReadLogReply>, Status> {
+        let dir = self.0.config.session_dir.join("logs");
+        let req = req.into_inner();
+        let r = tokio::task::spawn_blocking(move || crate::logfiles::read(&dir, &req))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        Ok(Response::new(r))
     }
 
     async fn read_job_logs(

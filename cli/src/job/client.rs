@@ -267,6 +267,60 @@ impl JobClient {
         Ok(String::from_utf8_lossy(&body).into_owned())
     }
 
+    /// `GET path_and_query`, the body read as it arrives (the logs API's
+    /// `/api/v0/logs/{file,stream}`): an error for a status other than 200 (with the
+    /// server's text), else a [`BodyStream`]. `timeout` bounds the wait for the status.
+    pub fn get_stream(
+        &self,
+        path_and_query: &str,
+        timeout: Duration,
+    ) -> Result<BodyStream, JobError> {
+        if !path_and_query.starts_with('/') {
+            return Err(JobError::Invalid(format!(
+                "request path {path_and_query:?} must start with /"
+            )));
+        }
+        block_on(async {
+            let tcp = self.connect_tcp().await?;
+            let url = self.address.url();
+            let broken = |e: hyper::Error| JobError::Connect {
+                address: url.clone(),
+                reason: format!("the connection failed: {e}"),
+            };
+            let (mut sender, conn) =
+                hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.map_err(broken)?;
+            tokio::spawn(async move {
+                let _ = conn.await;
+            });
+            let mut req = Request::builder()
+                .method(Method::GET)
+                .uri(format!("{}{}", self.address.prefix, path_and_query))
+                .header(HOST, self.address.authority());
+            for (k, v) in &self.headers {
+                req = req.header(k, v);
+            }
+            let req = req.body(Full::new(Bytes::new())).map_err(|e| {
+                JobError::Invalid(format!("cannot build the request for {path_and_query}: {e}"))
+            })?;
+            let resp = tokio::time::timeout(timeout, sender.send_request(req))
+                .await
+                .map_err(|_| JobError::Connect {
+                    address: url.clone(),
+                    reason: format!(
+                        "no answer to {path_and_query} in {:.1} s",
+                        timeout.as_secs_f64()
+                    ),
+                })?
+                .map_err(broken)?;
+            let status = resp.status();
+            if status != StatusCode::OK {
+                let body = resp.into_body().collect().await.map_err(broken)?.to_bytes();
+                return Err(status_error(status, &body));
+            }
+            Ok(BodyStream { body: resp.into_body(), url })
+        })
+    }
+
     /// `GET /api/version`: `{"version", "ray_version", "ray_commit", "session_name"}`.
     pub fn version_info(&self) -> Result<Value, JobError> {
         let (status, body) = block_on(self.request_async(Method::GET, "/api/version", None))?;
@@ -466,6 +520,35 @@ pub struct LogTail {
     skip: usize,
     failures: u32,
     done: bool,
+}
+
+/// The body of a [`JobClient::get_stream`] answer, chunk by chunk.
+pub struct BodyStream {
+    body: hyper::body::Incoming,
+    url: String,
+}
+
+impl BodyStream {
+    /// The next piece of the body, `None` at its end. Blocks until there is one.
+    ///
+    /// # Errors
+    /// The connection broke before the body ended.
+    pub fn next_chunk(&mut self) -> Result<Option<Bytes>, JobError> {
+        block_on(async {
+            while let Some(frame) = self.body.frame().await {
+                let frame = frame.map_err(|e| JobError::Connect {
+                    address: self.url.clone(),
+                    reason: format!("the answer broke off: {e}"),
+                })?;
+                if let Ok(data) = frame.into_data()
+                    && !data.is_empty()
+                {
+                    return Ok(Some(data));
+                }
+            }
+            Ok(None)
+        })
+    }
 }
 
 /// Reconnects in a row that may fail before the tail gives up.

@@ -27,7 +27,7 @@ pub mod runtime_env;
 use std::future::Future;
 use std::sync::OnceLock;
 
-pub use client::{ClientOptions, JobClient, LogTail};
+pub use client::{BodyStream, ClientOptions, JobClient, LogTail};
 
 /// What went wrong talking to a job server, or preparing what to send it. The variants
 /// are the kinds a caller maps to its own errors (the Python package: `ConnectionError`,

@@ -34,7 +34,9 @@ def init(address=None, **kwargs):
     cluster), ``namespace``,
     ``runtime_env`` (the job's environment: ``working_dir``, ``py_modules``, ``pip``,
     ``uv``, ``env_vars``, ``excludes``, ``config``, as Ray's; see ``tpuray.runtime_env``),
-    ``ignore_reinit_error``.
+    ``ignore_reinit_error``, ``log_to_driver`` (default ``RAY_LOG_TO_DRIVER``, on: lines
+    printed by the job's tasks and actors print here as ``(f pid=123) ...``, repeated
+    lines deduplicated by Ray's rules and ``RAY_DEDUP_LOGS*`` variables).
 
     Returns:
         A dict with the job, node and worker ids and addresses.

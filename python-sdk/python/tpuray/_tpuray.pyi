@@ -176,7 +176,9 @@ def gang_adopt(
 def run_worker(runtime: Any) -> int:
     """A worker process's main loop; ``runtime`` has ``run_task``, ``create_actor`` and
     ``call_method``, each taking ``(info: dict, args: list[bytes])``."""
-def report_logs(driver: str, lines: list[str], is_err: bool) -> None: ...
+def report_logs(driver: str, batches: list[tuple[str, list[str]]], is_err: bool) -> bool:
+    """False: the driver takes no worker output (stop sending)."""
+def set_log_to_driver(on: bool) -> None: ...
 def prestart_workers(count: int) -> int: ...
 def submit_streaming(function: str, args: list[Arg], options: dict[str, Any]) -> str:
     """Submits a streaming generator task; returns its task id."""
@@ -220,7 +222,13 @@ class JobClient:
     def logs(self, job_id: str) -> str: ...
     def get(self, path: str, timeout: Optional[float] = None) -> str:
         """``GET path`` (with its query) on the same server; the body of a 200 answer."""
+    def get_stream(self, path: str, timeout: Optional[float] = None) -> BodyStream:
+        """``GET path`` read as it arrives; raises for an answer other than 200."""
     def tail(self, job_id: str) -> LogTail: ...
+
+class BodyStream:
+    def next_chunk(self) -> Optional[bytes]:
+        """The next chunk of the body; ``None`` at its end. Blocks without the GIL."""
 
 class LogTail:
     def next_chunk(self) -> Optional[str]:

@@ -15,7 +15,8 @@ import sys
 
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 _CLUSTER_LINE = re.compile(r"^\((raylet|autoscaler|gcs_server|dashboard)\b")
-_WORKER_LINE = re.compile(r"^\([^()]* pid=\d+[^()]*\) ")
+# "(f pid=1) ", "(pid=1, ip=10.0.0.2) ", "(Custom(x) pid=1) " (an actor's __repr__).
+_WORKER_LINE = re.compile(r"^\((?:.* )?pid=\d+(?:, ip=[0-9A-Za-z.:\-]+)?\) ")
 _FOLLOWS_DIAGNOSTIC = re.compile(r"^(ray::|  |[A-Za-z_.]+(Error|Exception|Warning):|Traceback)")
 
 
@@ -35,5 +36,18 @@ def clean(text: str) -> str:
     return "\n".join(out) + ("\n" if out else "")
 
 
+_PID = re.compile(r"\bpid=\d+")
+
+
+def driver_lines(text: str) -> str:
+    """The worker lines of a driver's stdout (``(f pid=N) ...``), colours dropped and
+    process ids written ``pid=N``: what ``logs_*`` recordings compare."""
+    out = [_PID.sub("pid=N", l) for l in _COLOUR.sub("", text).splitlines() if _WORKER_LINE.match(l)]
+    return "\n".join(out) + ("\n" if out else "")
+
+
 if __name__ == "__main__":
-    sys.stdout.write(clean(sys.stdin.read()))
+    if sys.argv[1:] == ["--driver-lines"]:
+        sys.stdout.write(driver_lines(sys.stdin.read()))
+    else:
+        sys.stdout.write(clean(sys.stdin.read()))

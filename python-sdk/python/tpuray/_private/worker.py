@@ -167,6 +167,7 @@ def init(
     namespace=None,
     runtime_env=None,
     ignore_reinit_error=False,
+    log_to_driver=None,
     **_ignored,
 ):
     """Connects this process to a cluster as a driver (see :func:`tpuray.init`)."""
@@ -206,7 +207,18 @@ def init(
             address = _start_local_cluster(num_cpus, num_gpus, resources, object_store_memory)
         # A private cluster keeps its own process registry, which lists its node.
         registry = (state.local_cluster or {}).get("env", {}).get("TPURAY_REGISTRY_DIR")
-        info = _tpuray.init_driver(address, namespace, registry)
+        if log_to_driver is not None and not isinstance(log_to_driver, bool):
+            raise TypeError(f"log_to_driver must be a bool, got {type(log_to_driver).__name__}")
+        try:
+            info = _tpuray.init_driver(address, namespace, registry)
+        except BaseException:
+            # A local cluster started for this driver goes with the failed init.
+            _stop_local_cluster()
+            raise
+        if log_to_driver is not None:
+            # Ray's log_to_driver (None: RAY_LOG_TO_DRIVER, default on): workers stop
+            # sending their lines once this driver answers that it takes none.
+            _tpuray.set_log_to_driver(log_to_driver)
         state.info = dict(info)
         state.connected = True
         state.mode = "driver"
@@ -583,7 +595,7 @@ class WorkerRuntime:
 
     def _run(self, info, fn, raw_args):
         _task_context.task_id = info["task_id"]
-        _task_context.label = info["class_name"] or info["name"]
+        _task_context.label = _label(info)
         _task_context.placement_group_id = info.get("placement_group_id") or None
         try:
             args, kwargs = decode_args(raw_args)
@@ -691,6 +703,13 @@ class WorkerRuntime:
                 import asyncio
 
                 asyncio.run_coroutine_threadsafe(init_result, self._event_loop()).result()
+            # Ray's prefix for an actor's lines is its __repr__ when its class defines
+            # one ("Customizing prefixes for Actor logs"), else the class name.
+            if type(self.actor).__repr__ is not object.__repr__:
+                try:
+                    _ActorLabel.name = repr(self.actor)
+                except Exception:  # noqa: BLE001 - a failing __repr__ keeps the class name
+                    pass
             async_methods = [
                 name
                 for name, m in inspect.getmembers(cls, predicate=inspect.isfunction)
@@ -717,7 +736,7 @@ class WorkerRuntime:
                 fn = load_function(info["function"])
             args, kwargs = decode_args(raw_args)
             _task_context.task_id = info["task_id"]
-            _task_context.label = info["class_name"] or info["name"]
+            _task_context.label = _label(info)
             gen = fn(*args, **kwargs)
             if inspect.isasyncgen(gen):
                 raise TypeError("async generators are not supported for streaming yet; use a plain generator")
@@ -749,7 +768,7 @@ class _Stream:
 
     def next_item(self):
         _task_context.task_id = self._info["task_id"]
-        _task_context.label = self._info["class_name"] or self._info["name"]
+        _task_context.label = _label(self._info)
         try:
             value = next(self._it)
             return ("item", serialize(value)[0])
@@ -762,13 +781,26 @@ class _Stream:
 
 
 class _ActorLabel:
+    """The name an actor's printed lines carry (its class, or its ``__repr__``)."""
+
     name = ""
+
+
+def _label(info) -> str:
+    """The name a task's or actor call's printed lines carry: the actor's (its
+    ``__repr__`` when its class defines one), else the class or function name."""
+    if info["class_name"] and _ActorLabel.name:
+        return _ActorLabel.name
+    return info["class_name"] or info["name"]
 
 
 class _Forwarder:
     """A worker's ``sys.stdout``/``sys.stderr``: writes to the worker's log file as before
-    and sends each complete line to the job's driver, prefixed as Ray prefixes it:
-    ``(f pid=123)``, or ``(f pid=123, ip=10.0.0.2)`` from another host."""
+    and sends each complete line to the job's driver with the name of the task or actor
+    that printed it (the driver prefixes it as Ray does, ``(f pid=123)``, with
+    ``ip=`` from another host, and deduplicates repeated lines: ``tpuray.logs``).
+    Sending stops for good when the driver answers that it takes no worker output
+    (``init(log_to_driver=False)``)."""
 
     #: Set by any write, cleared by :func:`_flush_output` before it flushes.
     written = False
@@ -778,31 +810,34 @@ class _Forwarder:
         self._driver = driver
         self._is_err = is_err
         self._partial = ""
-        self._lines: list[str] = []
+        # (name, lines) in the order printed.
+        self._batches: list[tuple[str, list[str]]] = []
         self._lock = threading.Lock()
-        host = driver.rpartition(":")[0]
-        agent = os.environ.get("TPURAY_AGENT_ADDRESS", "").rpartition(":")[0]
-        self._ip = "" if not agent or agent == host else f", ip={agent}"
 
     def write(self, s: str) -> int:
         _Forwarder.written = True
         self._inner.write(s)
+        if self._driver is None:
+            return len(s)
         with self._lock:
             text = self._partial + s
             *done, self._partial = text.split("\n")
             if done:
-                label = getattr(_task_context, "label", None) or _ActorLabel.name or "worker"
-                prefix = f"({label} pid={os.getpid()}{self._ip}) "
-                self._lines.extend(prefix + line for line in done)
+                label = getattr(_task_context, "label", None) or _ActorLabel.name or ""
+                if self._batches and self._batches[-1][0] == label:
+                    self._batches[-1][1].extend(done)
+                else:
+                    self._batches.append((label, done))
         return len(s)
 
     def flush(self) -> None:
         self._inner.flush()
         with self._lock:
-            lines, self._lines = self._lines, []
-        if lines:
+            batches, self._batches = self._batches, []
+        if batches and self._driver is not None:
             try:
-                _tpuray.report_logs(self._driver, lines, self._is_err)
+                if not _tpuray.report_logs(self._driver, batches, self._is_err):
+                    self._driver = None
             except RuntimeError:
                 pass  # the driver is gone; the log file still has the lines
 

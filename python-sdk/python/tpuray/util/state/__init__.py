@@ -30,7 +30,7 @@ __all__ = [
     "list_placement_groups", "list_jobs", "list_workers", "get_actor", "get_task", "get_node",
     "get_objects", "get_placement_group", "get_job", "get_worker", "summarize_tasks",
     "summarize_actors", "summarize_objects", "RayStateApiException", "DEFAULT_LIMIT",
-    "DEFAULT_RPC_TIMEOUT",
+    "DEFAULT_RPC_TIMEOUT", "get_log", "list_logs",
 ]
 
 #: Ray's defaults (``ray/util/state/common.py``).
@@ -396,3 +396,109 @@ def summarize_objects(address: Optional[str] = None, timeout: int = DEFAULT_RPC_
                       raise_on_missing_output: bool = True, _explain: bool = False) -> Dict:
     """Objects counted and sized (Ray's ``ObjectSummaries``), under ``"cluster"``."""
     return _summary("objects", address, timeout, raise_on_missing_output)
+
+
+def list_logs(address: Optional[str] = None, node_id: Optional[str] = None,
+              node_ip: Optional[str] = None, glob_filter: Optional[str] = None,
+              timeout: int = DEFAULT_RPC_TIMEOUT) -> Dict[str, List[str]]:
+    """The log files of one node (Ray's ``ray.util.state.list_logs``), grouped as Ray
+    groups them: ``{"worker_out": [...], "worker_err": [...], "agent": [...], ...}``;
+    names are relative to the node's ``<session>/logs``. ``glob_filter`` (default ``*``)
+    selects by name, e.g. ``"*worker*"``.
+
+    Raises:
+        AssertionError: neither ``node_id`` nor ``node_ip`` is given (as Ray's).
+        RayStateApiException: the head or the node could not list them.
+    """
+    assert node_ip is not None or node_id is not None, "At least one of node ip and node id is required"
+    params: List[Tuple[str, Any]] = []
+    if node_ip:
+        params.append(("node_ip", node_ip))
+    if node_id:
+        params.append(("node_id", node_id))
+    params.append(("glob", glob_filter or "*"))
+    params.append(("timeout", int(timeout)))
+    try:
+        return _query("logs", "logs", params, address, timeout)
+    except RuntimeError as e:
+        if isinstance(e, RayStateApiException):
+            raise
+        raise RayStateApiException(str(e)) from None
+
+
+def get_log(address: Optional[str] = None, node_id: Optional[str] = None,
+            node_ip: Optional[str] = None, filename: Optional[str] = None,
+            actor_id: Optional[str] = None, task_id: Optional[str] = None,
+            pid: Optional[int] = None, follow: bool = False, tail: int = -1,
+            timeout: int = DEFAULT_RPC_TIMEOUT, suffix: str = "out",
+            encoding: Optional[str] = "utf-8", errors: Optional[str] = "strict",
+            submission_id: Optional[str] = None, attempt_number: int = 0,
+            _interval: Optional[float] = None, filter_ansi_code: bool = False):
+    """Yields a log's text as it is read (Ray's ``ray.util.state.get_log``): a file of a
+    node (``filename`` with ``node_id`` or ``node_ip``), an actor's worker log
+    (``actor_id``), the part of its worker's log a task wrote (``task_id``,
+    ``attempt_number``), a worker's log by ``pid`` (with a node), or a submitted job's
+    driver log (``submission_id``, with a node). ``tail``: lines from the end (-1: all);
+    ``follow``: keep yielding what is appended (``_interval`` seconds between looks,
+    default 1); ``suffix``: ``"out"`` or ``"err"``; ``encoding=None`` yields bytes;
+    ``filter_ansi_code`` drops terminal colour codes.
+
+    Raises:
+        ValueError: the options do not name one log (Ray's ``GetLogOptions`` checks).
+        RayStateApiException: the head could not find or read it (its message says why).
+    """
+    if _interval is not None and not follow:
+        raise ValueError("_interval is only for follow=True")
+    if not (node_id or node_ip) and not (actor_id or task_id):
+        raise ValueError(
+            "node_id or node_ip must be provided as constructor arguments when no "
+            "actor or task_id is supplied as arguments."
+        )
+    if node_id and node_ip:
+        raise ValueError(
+            "Both node_id and node_ip are given. Only one of them can be provided. "
+            f"Given node id: {node_id}, given node ip: {node_ip}"
+        )
+    if not (actor_id or task_id or pid or filename or submission_id):
+        raise ValueError(
+            "None of actor_id, task_id, pid, submission_id or filename "
+            "is provided. At least one of them is required to fetch logs."
+        )
+    if suffix not in ("out", "err"):
+        raise ValueError(f"Invalid suffix: {suffix}. Must be one of 'out' or 'err'.")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds (got {timeout!r})")
+    import codecs
+
+    from tpuray._private.api_address import default_address
+
+    decoder = None if encoding is None else codecs.getincrementaldecoder(encoding)(errors or "strict")
+    params = [("node_id", node_id), ("node_ip", node_ip), ("filename", filename),
+              ("actor_id", actor_id), ("task_id", task_id), ("pid", pid), ("lines", int(tail)),
+              ("interval", _interval), ("timeout", int(timeout)), ("suffix", suffix),
+              ("submission_id", submission_id), ("attempt_number", int(attempt_number)),
+              ("filter_ansi_code", "true" if filter_ansi_code else "false")]
+    query = urllib.parse.urlencode([(k, str(v)) for k, v in params if v is not None])
+    media = "stream" if follow else "file"
+    client = _tpuray.JobClient(default_address(address))
+    try:
+        body = client.get_stream(f"/api/v0/logs/{media}?{query}", float(timeout) + 5)
+    except RuntimeError as e:
+        raise RayStateApiException(str(e)) from None
+    while True:
+        try:
+            chunk = body.next_chunk()
+        except RuntimeError as e:
+            raise RayStateApiException(str(e)) from None
+        if chunk is None:
+            break
+        if decoder is None:
+            yield chunk
+        else:
+            text = decoder.decode(chunk)
+            if text:
+                yield text
+    if decoder is not None:
+        rest = decoder.decode(b"", final=True)
+        if rest:
+            yield rest
