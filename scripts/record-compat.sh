@@ -7,7 +7,7 @@
 #   scripts/record-compat.sh queue_basics # one (or several) by name
 #
 # Ray runs from RAY_VENV (default bench/.ray-venv), made here with
-# `pip install ray==$RAY_VERSION numpy torch` (default 2.60.0) when it does not exist;
+# `pip install ray[serve]==$RAY_VERSION numpy torch` (default 2.60.0) when it does not exist;
 # torch is what ray.util.collective's gloo backend runs on. Each script gets a HOME of
 # its own (Ray writes ~/.ray there) and a timeout. Only stdout is recorded, cleaned by
 # compat/clean_output.py (Ray's own diagnostics dropped); stderr is shown on failure.
@@ -16,10 +16,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RAY_VERSION="${RAY_VERSION:-2.60.0}"
 RAY_VENV="${RAY_VENV:-bench/.ray-venv}"
+case "$RAY_VENV" in /*) ;; *) RAY_VENV="$PWD/$RAY_VENV" ;; esac
 compat=python-sdk/tests/compat
 if [ ! -x "$RAY_VENV/bin/python" ]; then
     python3 -m venv "$RAY_VENV"
-    "$RAY_VENV/bin/python" -m pip install -q "ray==$RAY_VERSION" numpy torch
+    "$RAY_VENV/bin/python" -m pip install -q "ray[serve]==$RAY_VERSION" numpy torch
 fi
 have=$("$RAY_VENV/bin/python" -c 'import ray; print(ray.__version__)')
 if [ "$have" != "$RAY_VERSION" ]; then
@@ -28,6 +29,9 @@ if [ "$have" != "$RAY_VERSION" ]; then
 fi
 "$RAY_VENV/bin/python" -c "import torch" 2>/dev/null ||
     "$RAY_VENV/bin/python" -m pip install -q torch
+# Ray Serve's scripts need ray[serve] (fastapi, starlette, uvicorn, requests).
+"$RAY_VENV/bin/python" -c "import ray.serve, fastapi, requests" 2>/dev/null ||
+    "$RAY_VENV/bin/python" -m pip install -q "ray[serve]==$RAY_VERSION"
 
 if [ $# -eq 0 ]; then
     set -- $(ls "$compat"/*.py | xargs -n1 basename | sed 's/\.py$//' | grep -v '^clean_output$')
@@ -40,7 +44,7 @@ for name in "$@"; do
     [ -f "$script" ] || { echo "record-compat: no script $script" >&2; exit 1; }
     mkdir -p "$work/$name/home"
     if (cd "$compat" && env -u RAY_ADDRESS HOME="$work/$name/home" RAY_DEDUP_LOGS=0 \
-            RAY_USAGE_STATS_ENABLED=0 timeout 300 "$OLDPWD/$RAY_VENV/bin/python" "$name.py") \
+            RAY_USAGE_STATS_ENABLED=0 timeout 300 "$RAY_VENV/bin/python" "$name.py") \
             >"$work/$name/out" 2>"$work/$name/err"; then
         python3 "$compat/clean_output.py" <"$work/$name/out" >"$compat/$name.expected"
         echo "recorded $name ($(wc -l <"$compat/$name.expected") lines)"

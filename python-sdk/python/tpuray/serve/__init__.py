@@ -21,7 +21,6 @@ from __future__ import annotations
 import re
 import sys
 import time
-from dataclasses import dataclass, field
 
 import tpuray
 from tpuray.serve import _common, exceptions
@@ -31,13 +30,24 @@ from tpuray.serve.batching import batch
 from tpuray.serve.deployment import Application, Deployment, deployment
 from tpuray.serve.exceptions import RayServeException
 from tpuray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
+from tpuray.serve._ingress import ingress
 from tpuray.serve.http import Request
+from tpuray.serve.multiplex import get_multiplexed_model_id, multiplexed
+from tpuray.serve.schema import (
+    ApplicationStatus,
+    ApplicationStatusOverview,
+    DeploymentStatus,
+    DeploymentStatusOverview,
+    ServeStatus,
+    status_from_doc,
+)
 
 __all__ = [
     "Application", "Deployment", "DeploymentHandle", "DeploymentResponse", "ReplicaID",
     "DeploymentResponseGenerator", "ReplicaContext", "Request", "batch", "delete",
     "deployment", "exceptions", "get_app_handle", "get_deployment_handle",
-    "get_replica_context", "run", "shutdown", "start", "status",
+    "get_multiplexed_model_id", "get_replica_context", "ingress", "multiplexed", "run",
+    "shutdown", "start", "status", "ApplicationStatus", "DeploymentStatus",
 ]
 
 _HTTP_KEYS = {"host", "port"}
@@ -234,47 +244,6 @@ def get_replica_context() -> ReplicaContext:
     return ctx
 
 
-@dataclass
-class DeploymentStatusOverview:
-    """One deployment's status (Ray's ``DeploymentStatusOverview``, plus tpuray's
-    ``target_replicas``, ``replicas`` and ``autoscaling``)."""
-
-    status: str
-    status_trigger: str
-    replica_states: dict
-    message: str
-    target_replicas: int = 0
-    replicas: list = field(default_factory=list)
-    autoscaling: dict | None = None
-
-
-@dataclass
-class ApplicationStatusOverview:
-    """One application's status (Ray's ``ApplicationStatusOverview``)."""
-
-    status: str
-    message: str
-    last_deployed_time_s: float
-    deployments: dict
-    route_prefix: str | None = None
-    ingress: str = ""
-
-
-@dataclass
-class ServeStatus:
-    """``serve.status()`` (Ray's ``ServeStatus``); ``to_dict()`` is the JSON document
-    ``tpuray serve status`` prints."""
-
-    proxies: dict
-    applications: dict
-    target_capacity: float | None = None
-    http: dict | None = None
-    _doc: dict | None = None
-
-    def to_dict(self) -> dict:
-        return dict(self._doc or {})
-
-
 def status() -> ServeStatus:
     """The applications, their deployments and replicas, as the controller has them
     (or as it last wrote them to the KV when it no longer runs; empty when serve never
@@ -286,20 +255,4 @@ def status() -> ServeStatus:
         doc = _common.read_status_from_kv() or {}
         if (doc.get("controller") or {}).get("state") == "STOPPED":
             doc = dict(doc, applications={})
-    apps = {}
-    for name, a in (doc.get("applications") or {}).items():
-        deps = {
-            dn: DeploymentStatusOverview(
-                status=d["status"], status_trigger=d["status_trigger"],
-                replica_states=dict(d["replica_states"]), message=d["message"],
-                target_replicas=d.get("target_replicas", 0), replicas=list(d.get("replicas", [])),
-                autoscaling=d.get("autoscaling"),
-            )
-            for dn, d in a["deployments"].items()
-        }
-        apps[name] = ApplicationStatusOverview(
-            status=a["status"], message=a["message"], last_deployed_time_s=a["last_deployed_time_s"],
-            deployments=deps, route_prefix=a.get("route_prefix"), ingress=a.get("ingress", ""),
-        )
-    return ServeStatus(proxies=dict(doc.get("proxies") or {}), applications=apps,
-                       target_capacity=doc.get("target_capacity"), http=doc.get("http"), _doc=doc)
+    return status_from_doc(doc)

@@ -70,6 +70,8 @@ class _Replica:
         self.stop_deadline = 0.0
         self.suspect = False
         self.ongoing = 0
+        self.reconf_ref = None
+        self.models: list = []
 
     @classmethod
     def adopt(cls, rid, actor, info):
@@ -81,6 +83,8 @@ class _Replica:
         r.health_sent = r.next_check = r.stop_deadline = 0.0
         r.suspect = False
         r.ongoing = 0
+        r.reconf_ref = None
+        r.models = []
         return r
 
 
@@ -261,11 +265,19 @@ class ServeController:
                 cfg = d["config"]
                 code_hash = hashlib.sha256(
                     d["target"] + d["init"]
-                    + json.dumps([cfg.get("user_config"), cfg.get("ray_actor_options")],
+                    + json.dumps([cfg.get("ray_actor_options"), cfg.get("placement_group_bundles"),
+                                  cfg.get("placement_group_strategy")],
                                  sort_keys=True, default=repr).encode()
                 ).hexdigest()
                 cur = self._deps.get(key)
                 if cur is not None and not cur.deleting and cur.code_hash == code_hash:
+                    if cfg.get("user_config") != cur.cfg.get("user_config"):
+                        # Ray's in-place update: the replicas stay, reconfigure() gets the
+                        # new user_config (calls from here reach a STARTING replica after
+                        # its initialize, actor calls being ordered per caller).
+                        for r in cur.replicas.values():
+                            if r.state in (STARTING, RUNNING):
+                                r.reconf_ref = r.actor.reconfigure.remote(cfg.get("user_config"))
                     cur.cfg = cfg
                     cur.target = (
                         _config.initial_target(cfg) if cfg.get("autoscaling_config") is None
@@ -377,6 +389,8 @@ class ServeController:
                 "failed": d.message if d is not None and d.failed else None,
                 "replicas": [(r.rid, r.actor) for r in d.replicas.values() if r.state == RUNNING]
                 if exists else [],
+                "models": {r.rid: list(r.models) for r in d.replicas.values() if r.models}
+                if exists else {},
                 "config": {k: d.cfg[k] for k in ("max_ongoing_requests", "max_queued_requests",
                                                   "request_router", "request_router_kwargs")}
                 if d is not None else None,
@@ -401,6 +415,14 @@ class ServeController:
         with self._cv:
             self._metrics.setdefault((app, deployment), {})[handle_id] = (float(ongoing), time.monotonic())
 
+    def record_multiplexed_models(self, app: str, deployment: str, replica_id: str, model_ids: list) -> None:
+        """A replica's multiplexed model ids (it sends them after each load)."""
+        with self._cv:
+            d = self._deps.get((app, deployment))
+            if d is not None and replica_id in d.replicas:
+                d.replicas[replica_id].models = list(model_ids)
+                self._bump((app, deployment))
+
     def report_replica_failure(self, app: str, deployment: str, replica_id: str) -> None:
         """A handle saw a request fail because the replica's actor died: look at once."""
         with self._cv:
@@ -423,7 +445,7 @@ class ServeController:
         with self._cv:
             for d in self._deps.values():
                 for r in d.replicas.values():
-                    for ref in (r.init_ref, r.health_ref, r.stop_ref):
+                    for ref in (r.init_ref, r.health_ref, r.stop_ref, r.reconf_ref):
                         if ref is not None:
                             refs.append(ref)
             if self._proxy_ref is not None:
@@ -483,6 +505,13 @@ class ServeController:
                     f"{_safe(tpuray.available_resources)}."
                 )
             elif r.state == RUNNING:
+                if r.reconf_ref is not None and r.reconf_ref in ready:
+                    ref, r.reconf_ref = r.reconf_ref, None
+                    try:
+                        tpuray.get(ref)
+                    except Exception as e:  # noqa: BLE001
+                        self._replace(key, d, r, f"failed to apply the new user_config: {_short(e)}")
+                        continue
                 self._health(key, d, r, ready, now)
             elif r.state == STOPPING:
                 if r.stop_ref in ready or now >= r.stop_deadline:
@@ -641,7 +670,7 @@ class ServeController:
 
     def _kill(self, r):
         self._kill_actor(r.actor)
-        r.init_ref = r.health_ref = r.stop_ref = None
+        r.init_ref = r.health_ref = r.stop_ref = r.reconf_ref = None
 
     @staticmethod
     def _kill_actor(actor):
@@ -701,7 +730,7 @@ class ServeController:
     def _dep_status(self, d: _Deployment) -> str:
         if d.failed:
             return "DEPLOY_FAILED"
-        running = sum(1 for r in d.replicas.values() if r.state == RUNNING)
+        running = sum(1 for r in d.replicas.values() if r.state == RUNNING and r.reconf_ref is None)
         if running >= d.target and not d.scaling:
             return "HEALTHY"
         if d.unhealthy:
@@ -810,7 +839,7 @@ def r_cfg(d: _Deployment) -> dict:
     """The options a replica needs."""
     return {k: d.cfg[k] for k in ("max_ongoing_requests", "health_check_timeout_s",
                                   "graceful_shutdown_timeout_s", "user_config",
-                                  "health_check_period_s")}
+                                  "health_check_period_s", "graceful_shutdown_wait_loop_s")}
 
 
 def _replica_resources(cfg) -> dict:
