@@ -17,7 +17,7 @@ fi
 # maturin's build hook runs `maturin` from PATH.
 export PATH="$PWD/$venv/bin:$PATH"
 # prometheus_client: its text parser reads /metrics in test_metrics.py.
-"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow selenium prometheus_client
+"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow selenium prometheus_client fastapi starlette uvicorn requests pyyaml
 # The dashboard's browser tests (tests/test_dashboard.py) drive Debian's chromium through
 # its chromedriver (selenium never downloads a browser or a driver here).
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then

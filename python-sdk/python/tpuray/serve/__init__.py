@@ -155,7 +155,7 @@ def run(target, blocking: bool = False, name: str = DEFAULT_APP_NAME, route_pref
         if st is None:
             raise RayServeException(f"application {name!r} was deleted while it was being deployed")
         if st["status"] == "DEPLOY_FAILED":
-            raise RayServeException(f"application {name!r} failed to deploy: {st['message']}")
+            raise exceptions.DeployFailedError(f"application {name!r} failed to deploy: {st['message']}")
         if route_prefix is not None and st["proxy_error"] and st["proxy_state"] != "HEALTHY":
             raise RayServeException(f"application {name!r} has no HTTP ingress: {st['proxy_error']}")
         if st["status"] == "RUNNING" and (route_prefix is None or st["proxy_state"] == "HEALTHY"):

@@ -263,11 +263,13 @@ class ServeController:
             for d in deployments:
                 key = (name, d["name"])
                 cfg = d["config"]
+                # The code's identity: the pickled class and its arguments. user_config
+                # is not part of it: a change of it alone is applied in place through
+                # reconfigure (Ray does so for config-file deploys, whose code version
+                # is the import path; its serve.run gives every deploy a new version).
+                code = d["target"] + d["init"]
                 code_hash = hashlib.sha256(
-                    d["target"] + d["init"]
-                    + json.dumps([cfg.get("ray_actor_options"), cfg.get("placement_group_bundles"),
-                                  cfg.get("placement_group_strategy")],
-                                 sort_keys=True, default=repr).encode()
+                    code + json.dumps([cfg.get("ray_actor_options")], sort_keys=True, default=repr).encode()
                 ).hexdigest()
                 cur = self._deps.get(key)
                 if cur is not None and not cur.deleting and cur.code_hash == code_hash:

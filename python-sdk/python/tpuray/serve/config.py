@@ -31,12 +31,14 @@ DEFAULTS = {
 }
 
 #: Options accepted for compatibility and ignored (documented in the package README).
-IGNORED = {"version", "logging_config", "max_replicas_per_node"}
+IGNORED = {"logging_config", "max_replicas_per_node"}
 UNSUPPORTED = {
     "placement_group_bundles": "placement groups per replica are not supported by tpuray.serve yet",
     "placement_group_strategy": "placement groups per replica are not supported by tpuray.serve yet",
     "route_prefix": "route_prefix is set per application: serve.run(app, route_prefix=...)",
     "request_router_config": "use request_router='prefix_affinity' and request_router_kwargs={...}",
+    # As Ray 2.60: "`version` in `@serve.deployment` has been removed".
+    "version": "it was removed from Ray Serve; serve manages deployment versions internally",
 }
 DEPLOYMENT_OPTIONS = set(DEFAULTS) | IGNORED | {"name"}
 

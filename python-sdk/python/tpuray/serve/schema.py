@@ -122,7 +122,7 @@ def status_from_doc(doc: dict) -> ServeStatus:
             dn: DeploymentStatusOverview(
                 status=_enum(DeploymentStatus, d["status"]),
                 status_trigger=_enum(DeploymentStatusTrigger, d["status_trigger"]),
-                replica_states={_enum(ReplicaState, k): v for k, v in d["replica_states"].items()},
+                replica_states=dict(d["replica_states"]),
                 message=d["message"],
                 target_replicas=d.get("target_replicas", 0), replicas=list(d.get("replicas", [])),
                 autoscaling=d.get("autoscaling"),
