@@ -719,3 +719,106 @@ def test_cli_build_deploy_and_run_use_rays_config_schema(tmp_path):
         assert r.returncode == 1 and "unknown application keys ['colour']" in r.stderr, r.stderr
     finally:
         c.stop()
+
+
+# ---- a replica that needs a whole TPU slice (placement_group_bundles) ----
+
+_SLICE_DRIVER = r"""
+import json, os, sys, threading, time
+import tpuray as ray
+from tpuray import serve
+
+ray.init(address=sys.argv[1])
+go = sys.argv[2]
+
+
+@ray.remote(num_cpus=0, resources={"TPU": 4})
+def host():
+    return ray.get_runtime_context().get_node_id()
+
+
+@serve.deployment(
+    num_replicas=2,
+    ray_actor_options={"num_cpus": 0},
+    placement_group_bundles=[{"TPU": 4, "TPU-v6e-16-head": 1}] + [{"TPU": 4}] * 3,
+    placement_group_strategy="STRICT_SPREAD",
+)
+class SliceModel:
+    def gang(self):
+        from tpuray.util.placement_group import get_current_placement_group
+        from tpuray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pg = get_current_placement_group()
+        nodes = ray.get([host.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote()
+                         for i in range(4)])
+        return serve.get_replica_context().replica_tag, nodes
+
+
+def states():
+    a = serve.status().applications.get("slices")
+    if a is None or "SliceModel" not in a.deployments:
+        return {}
+    return dict(a.deployments["SliceModel"].replica_states)
+
+
+done = threading.Event()
+threading.Thread(target=lambda: (serve.run(SliceModel.bind(), name="slices", route_prefix=None), done.set()),
+                 daemon=True).start()
+deadline = time.monotonic() + 120
+while states() != {"RUNNING": 1, "STARTING": 1} and time.monotonic() < deadline:
+    time.sleep(0.2)
+time.sleep(3)  # still waiting: one slice only
+print("ONE_SLICE " + json.dumps(states()), flush=True)
+while not os.path.exists(go):
+    time.sleep(0.2)
+assert done.wait(180), states()
+h = serve.get_app_handle("slices")
+gangs = {}
+for _ in range(60):
+    rid, nodes = h.gang.remote().result(timeout_s=60)
+    gangs[rid] = nodes
+    if len(gangs) == 2:
+        break
+print("GANGS " + json.dumps(gangs), flush=True)
+serve.shutdown()
+"""
+
+
+def test_a_replica_gets_a_whole_slice_as_a_gang_and_the_next_waits_for_another(tmp_path):
+    from conftest import CliCluster
+
+    c = CliCluster(tmp_path).head(num_cpus=1)
+    try:
+        c.tpu_slice("sa")
+        go = tmp_path / "go"
+        p = subprocess.Popen([sys.executable, "-c", _SLICE_DRIVER, c.address, str(go)], env=c.env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = p.stdout.readline()
+            assert line.startswith("ONE_SLICE "), line + p.stderr.read()[-3000:]
+            assert json.loads(line[10:]) == {"RUNNING": 1, "STARTING": 1}
+            c.tpu_slice("sb")
+            go.write_text("")
+            line = p.stdout.readline()
+            assert line.startswith("GANGS "), line + p.stderr.read()[-3000:]
+            gangs = json.loads(line[6:])
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+        finally:
+            if p.poll() is None:
+                p.kill()
+        r = subprocess.run([sys.executable, "-c", "import sys, json, tpuray as ray\n"
+                            "ray.init(address=sys.argv[1])\n"
+                            "print(json.dumps({n['NodeID']: (n.get('Labels') or {}).get('tpuray.io/tpu-slice-name')"
+                            " for n in ray.nodes()}))", c.address],
+                           env=c.env, capture_output=True, text=True, timeout=120)
+        slice_of = json.loads(r.stdout.strip().splitlines()[-1])
+        assert len(gangs) == 2
+        seen = []
+        for nodes in gangs.values():
+            assert len(set(nodes)) == 4, nodes  # four hosts ...
+            assert len({slice_of[n] for n in nodes}) == 1, nodes  # ... of one slice
+            seen.append(slice_of[nodes[0]])
+        assert sorted(seen) == ["sa", "sb"]
+    finally:
+        c.stop()

@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -269,7 +270,9 @@ class ServeController:
                 # is the import path; its serve.run gives every deploy a new version).
                 code = d["target"] + d["init"]
                 code_hash = hashlib.sha256(
-                    code + json.dumps([cfg.get("ray_actor_options")], sort_keys=True, default=repr).encode()
+                    code + json.dumps([cfg.get("ray_actor_options"), cfg.get("placement_group_bundles"),
+                                       cfg.get("placement_group_strategy")],
+                                      sort_keys=True, default=repr).encode()
                 ).hexdigest()
                 cur = self._deps.get(key)
                 if cur is not None and not cur.deleting and cur.code_hash == code_hash:
@@ -632,11 +635,25 @@ class ServeController:
         }
         ao.pop("object_store_memory", None)
         opts.update({k: v for k, v in ao.items() if v is not None})
+        pg = None
         try:
+            if cfg.get("placement_group_bundles"):
+                from tpuray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                pg = _replica_placement_group(cfg, _replica_name(d, rid))
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
+            rcfg = r_cfg(d)
+            if pg is not None:
+                rcfg["placement_group_id"] = pg.id.hex()
             actor = tpuray.remote(ServeReplica).options(**opts).remote(
-                d.app, d.name, rid, d.target_bytes, d.init_bytes, r_cfg(d)
+                d.app, d.name, rid, d.target_bytes, d.init_bytes, rcfg
             )
+        except _NoSliceYet as e:
+            d.message = str(e)
+            return
         except Exception as e:  # noqa: BLE001 - e.g. a bad runtime_env
+            _remove_pg(pg)
             d.failures += 1
             d.message = f"could not create a replica: {_short(e)}"
             if d.failures >= _MAX_CONSTRUCTOR_FAILURES:
@@ -645,6 +662,7 @@ class ServeController:
                 self._bump(key)
             return
         d.replicas[rid] = _Replica(rid, actor)
+        d.replicas[rid].pg = pg
 
     def _stop_replica(self, d, r):
         if r.state == STARTING:
@@ -673,6 +691,8 @@ class ServeController:
     def _kill(self, r):
         self._kill_actor(r.actor)
         r.init_ref = r.health_ref = r.stop_ref = r.reconf_ref = None
+        _remove_pg(getattr(r, "pg", None))
+        r.pg = None
 
     @staticmethod
     def _kill_actor(actor):
@@ -831,6 +851,77 @@ class ServeController:
             _tpuray.kv_put(_common.SERVE_NAMESPACE, _common.STATUS_KEY, json.dumps(doc).encode(), True)
         except Exception as e:  # noqa: BLE001 - the head is briefly unreachable
             print(f"serve controller: could not write the status to the KV: {e}", file=sys.stderr)
+
+
+_HEAD_RESOURCE = re.compile(r"^TPU-(.+)-head$")
+
+
+def _replica_placement_group(cfg: dict, name: str):
+    """The placement group of one replica (Ray's ``placement_group_bundles`` and
+    ``placement_group_strategy``, default ``PACK``; the replica runs in bundle 0 and its
+    tasks and actors in the group).
+
+    A bundle naming a slice's ``TPU-<type>-head`` (e.g. ``TPU-v6e-16-head``) asks for a
+    whole slice: the bundles must then be one per host of that slice, each with all of
+    its chips (``{"TPU": 4}`` for v6e-16), and the group is a slice group (TPU.md:
+    every host of one intact slice, in worker-id order, or nothing; SCHED-15), so
+    the replica's gang is always the four hosts of one slice.
+
+    Raises:
+        ValueError: slice bundles that do not match the slice's shape.
+    """
+    from tpuray.util.placement_group import PlacementGroup, placement_group
+
+    bundles = [dict(b) for b in cfg["placement_group_bundles"]]
+    strategy = cfg.get("placement_group_strategy") or "PACK"
+    pod = None
+    for b in bundles:
+        for k in b:
+            m = _HEAD_RESOURCE.match(k)
+            if m:
+                pod = m.group(1)
+    if pod is None:
+        return placement_group(bundles, strategy=strategy, name=name)
+    version = pod.split("-")[0]
+    topology = None
+    for n in tpuray.nodes():
+        labels = n.get("Labels") or {}
+        if labels.get("tpuray.io/tpu-pod-type") == pod and labels.get("tpuray.io/tpu-topology"):
+            topology = labels["tpuray.io/tpu-topology"]
+            break
+    if topology is None:
+        raise _NoSliceYet(f"no {pod} slice has joined the cluster yet (placement_group_bundles name "
+                         f"TPU-{pod}-head); the replica starts once one has")
+    _ty, _chips, hosts, per_host = _tpuray.tpu_slice_shape(topology=topology, version=version)
+    extra = [{k: v for k, v in b.items() if k != "TPU" and not _HEAD_RESOURCE.match(k)} for b in bundles]
+    if len(bundles) != hosts or any(b.get("TPU") != per_host for b in bundles):
+        raise ValueError(
+            f"placement_group_bundles name TPU-{pod}-head, so they ask for a whole {pod} slice: "
+            f"that is {hosts} bundles of {{'TPU': {per_host}}} (one per host), got {bundles}"
+        )
+    if any(e != extra[0] for e in extra):
+        raise ValueError(f"the bundles of a whole-slice replica must ask for the same other resources (got {extra})")
+    if strategy not in ("PACK", "SPREAD", "STRICT_SPREAD"):
+        raise ValueError(f"placement_group_strategy {strategy!r} cannot hold a slice: one bundle per host")
+    custom = dict(bundles[0], TPU=float(per_host))
+    custom = {k: float(v) for k, v in custom.items() if not _HEAD_RESOURCE.match(k)}
+    pg_id, n, _, _, _ = _tpuray.slice_placement_group(topology, version, custom if extra[0] else None, 1, name)
+    return PlacementGroup(pg_id, n)
+
+
+class _NoSliceYet(Exception):
+    """No slice of the asked-for type has joined yet: the replica waits (not a failure)."""
+
+
+def _remove_pg(pg) -> None:
+    if pg is None:
+        return
+    from tpuray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(pg)
+    except Exception:  # noqa: BLE001 - gone already
+        pass
 
 
 def _replica_name(d: _Deployment, rid: str) -> str:

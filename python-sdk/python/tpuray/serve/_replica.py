@@ -78,6 +78,16 @@ def current_context() -> ReplicaContext | None:
     return _context
 
 
+def _in_placement_group(pg_id) -> None:
+    """Marks this thread as running in the replica's placement group (the replica
+    actor runs in its bundle 0), so ``get_current_placement_group()`` in user code
+    run on the replica's event loop or thread pool returns it, as in Ray."""
+    if pg_id:
+        from tpuray._private import worker
+
+        worker._task_context.placement_group_id = pg_id
+
+
 def report_models(model_ids: list) -> None:
     """Tells the controller which multiplexed models this replica holds now (routers
     prefer a replica holding a request's model)."""
@@ -111,8 +121,10 @@ class ServeReplica:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ongoing = 0
         self._lock = threading.Lock()
+        pg_id = config.get("placement_group_id")
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(2, int(config["max_ongoing_requests"])), thread_name_prefix="serve-replica"
+            max_workers=max(2, int(config["max_ongoing_requests"])), thread_name_prefix="serve-replica",
+            initializer=_in_placement_group, initargs=(pg_id,),
         )
 
     # ---- lifecycle ----
@@ -126,6 +138,7 @@ class ServeReplica:
         """
         global _context
         self._loop = asyncio.get_running_loop()
+        _in_placement_group(self._config.get("placement_group_id"))
         target = deserialize(self._target_bytes)
         args, kwargs = deserialize(self._init_bytes)
         _context = ReplicaContext(ReplicaID(self._replica_id, self._deployment, self._app))
