@@ -37,6 +37,7 @@ pub mod jobs;
 pub mod metrics;
 pub mod placement_groups;
 pub mod replication;
+mod serve_api;
 pub mod server;
 pub mod slices;
 pub mod state;

@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -820,5 +821,94 @@ def test_a_replica_gets_a_whole_slice_as_a_gang_and_the_next_waits_for_another(t
             assert len({slice_of[n] for n in nodes}) == 1, nodes  # ... of one slice
             seen.append(slice_of[nodes[0]])
         assert sorted(seen) == ["sa", "sb"]
+    finally:
+        c.stop()
+
+
+# ---- Ray's Serve REST API on the head's dashboard port ----
+
+_REST_APP = '''
+from tpuray import serve
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, user_config={"word": "hi"})
+class Word:
+    def reconfigure(self, config):
+        self.word = config["word"]
+
+    def __call__(self, request):
+        return self.word
+
+
+app = Word.bind()
+'''
+
+_START_SERVE = r"""
+import sys
+import tpuray as ray
+from tpuray import serve
+ray.init(address=sys.argv[1])
+serve.start(http_options={"host": "127.0.0.1", "port": 0})
+"""
+
+
+def test_rest_api_put_get_delete_applications(tmp_path):
+    import socket
+
+    from conftest import CliCluster
+
+    (tmp_path / "restapp.py").write_text(_REST_APP)
+    c = CliCluster(tmp_path)
+    c.env["PYTHONPATH"] = str(tmp_path) + os.pathsep + c.env.get("PYTHONPATH", "")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dash = s.getsockname()[1]
+    c._start(["--head", "--node-ip-address", "127.0.0.1", "--port", str(c.port), "--num-cpus", "2",
+              "--dashboard-port", str(dash), "--temp-dir", str(tmp_path / "head")])
+    try:
+        token = (Path(c.env["HOME"]) / ".tpuray" / "auth_token").read_text().strip()
+        url = f"http://127.0.0.1:{dash}/api/serve/applications/"
+
+        def call(method, doc=None, auth=True):
+            req = urllib.request.Request(url, method=method, data=None if doc is None else json.dumps(doc).encode(),
+                                         headers={"Authorization": f"Bearer {token}"} if auth else {})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    return r.status, r.read()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read()
+
+        config = {"applications": [{"name": "rest", "route_prefix": "/rest", "import_path": "restapp:app",
+                                    "deployments": [{"name": "Word", "user_config": {"word": "declared"}}]}]}
+        assert call("PUT", config, auth=False)[0] == 401
+        st, body = call("PUT", {"applications": [{"name": "x"}]})
+        assert st == 400 and b"import_path" in body, body
+        st, body = call("PUT", config)
+        assert st == 503 and b"no serve controller runs" in body, body
+        r = subprocess.run([sys.executable, "-c", _START_SERVE, c.address], env=c.env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        _wait_for(lambda: call("GET")[0] == 200 and json.loads(call("GET")[1])["controller_info"], 60,
+                  "the controller's status")
+        st, body = call("PUT", config)
+        assert st == 200, body
+
+        def app_state():
+            doc = json.loads(call("GET")[1])
+            a = doc["applications"].get("rest")
+            return a and a["status"] == "RUNNING" and doc
+
+        doc = _wait_for(app_state, 120, "the declared application to run")
+        assert doc["applications"]["rest"]["deployments"]["Word"]["name"] == "Word"
+        port = doc["http_options"]["port"]
+        assert _http(port, "/rest")[2] == b"declared"
+        # A bad import path is reported, the running application stays.
+        bad = {"applications": [{"name": "rest", "import_path": "restapp:nothing"}]}
+        assert call("PUT", bad)[0] == 200
+        doc = _wait_for(lambda: json.loads(call("GET")[1])["deploy_error"], 60, "the deploy error")
+        assert "nothing" in doc, doc
+        assert _http(port, "/rest")[2] == b"declared"
+        assert call("DELETE")[0] == 200
+        _wait_for(lambda: json.loads(call("GET")[1])["applications"] == {}, 120, "serve to shut down")
     finally:
         c.stop()

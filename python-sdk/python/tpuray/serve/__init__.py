@@ -101,6 +101,27 @@ def _check_route_prefix(route_prefix):
         raise ValueError(f"route_prefix may not contain braces, spaces, '?' or '#' (got {route_prefix!r})")
 
 
+def _payload(target: Application, name: str):
+    """``(ingress name, [{"name", "target", "init", "config"}])``: the application's
+    deployments, pickled, for the controller's ``deploy_application``.
+
+    Raises:
+        TypeError: a deployment or its arguments cannot be pickled.
+    """
+    from tpuray._private.serialization import serialize
+
+    ingress, deps = target._build(name)
+    payload = []
+    for d in deps:
+        try:
+            target_bytes = serialize(d["target"])[0]
+            init_bytes = serialize((d["args"], d["kwargs"]))[0]
+        except Exception as e:
+            raise TypeError(f"deployment {d['name']!r} or its bind() arguments cannot be pickled: {e}") from e
+        payload.append({"name": d["name"], "target": target_bytes, "init": init_bytes, "config": d["config"]})
+    return ingress, payload
+
+
 def run(target, blocking: bool = False, name: str = DEFAULT_APP_NAME, route_prefix: str | None = "/",
         logging_config=None, _local_testing_mode: bool = False, http_options=None) -> DeploymentHandle:
     """Deploys an application and waits until it runs (Ray's ``serve.run``).
@@ -130,17 +151,7 @@ def run(target, blocking: bool = False, name: str = DEFAULT_APP_NAME, route_pref
     if not isinstance(name, str) or not name:
         raise TypeError(f"the application name must be a non-empty string (got {name!r})")
     _check_route_prefix(route_prefix)
-    from tpuray._private.serialization import serialize
-
-    ingress, deps = target._build(name)
-    payload = []
-    for d in deps:
-        try:
-            target_bytes = serialize(d["target"])[0]
-            init_bytes = serialize((d["args"], d["kwargs"]))[0]
-        except Exception as e:
-            raise TypeError(f"deployment {d['name']!r} or its bind() arguments cannot be pickled: {e}") from e
-        payload.append({"name": d["name"], "target": target_bytes, "init": init_bytes, "config": d["config"]})
+    ingress, payload = _payload(target, name)
     ctrl = _common.get_controller(create=True, http_options=_http_options(http_options))
     try:
         tpuray.get(ctrl.deploy_application.remote(name, route_prefix, ingress, payload))

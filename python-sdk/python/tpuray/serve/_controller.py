@@ -54,6 +54,7 @@ _MAX_CONSTRUCTOR_FAILURES = 3
 _SLOW_START_S = 30.0
 _METRIC_STALE_S = 5.0
 _LISTEN_S = 10.0
+_DECLARED_POLL_S = 0.5
 
 
 class _Replica:
@@ -141,9 +142,20 @@ class ServeController:
         self._last_write = 0.0
         self._node_id = tpuray.get_runtime_context().get_node_id()
         self._last_checkpoint = None
+        self._declared_seq = None
+        self._declared_error = None
+        self._declared_apps: set = set()
         with self._cv:
             self._restore()
+        try:
+            # SERVE-API-1: declarations older than this controller were applied (or not)
+            # by its predecessor; only newer ones are applied here.
+            raw = _tpuray.kv_get(_common.SERVE_NAMESPACE, _common.DECLARED_KEY)
+            self._declared_seq = json.loads(raw)["seq"] if raw else None
+        except Exception:  # noqa: BLE001 - a bad document: the next one is applied
+            pass
         threading.Thread(target=self._run, daemon=True, name="serve-controller").start()
+        threading.Thread(target=self._watch_declared, daemon=True, name="serve-declared").start()
 
     # ---- checkpoint (SERVE-2: a restarted controller adopts what its predecessor ran) ----
 
@@ -372,6 +384,68 @@ class ServeController:
             doc["controller"]["state"] = "STOPPED"
             self._write(doc)
             self._cv.notify_all()
+
+    # ---- Ray's REST API (SERVE-API-1: the head stores a declaration, this applies it) ----
+
+    def _watch_declared(self):
+        while not self._stopped:
+            time.sleep(_DECLARED_POLL_S)
+            try:
+                raw = _tpuray.kv_get(_common.SERVE_NAMESPACE, _common.DECLARED_KEY)
+                if raw is None:
+                    continue
+                doc = json.loads(raw)
+                if doc.get("seq") == self._declared_seq:
+                    continue
+                self._declared_seq = doc.get("seq")
+                if doc.get("shutdown"):
+                    self._shutdown_from_rest()
+                    return
+                self._apply_declared(doc.get("config") or {})
+            except Exception as e:  # noqa: BLE001 - reported in the status, never fatal
+                self._declared_error = f"{type(e).__name__}: {e}"
+                print(f"serve controller: the declared config failed: {self._declared_error}", file=sys.stderr)
+
+    def _apply_declared(self, config: dict) -> None:
+        """Deploys every application of a declaration (Ray's ``ServeDeploySchema``) and
+        deletes the applications it no longer names (Ray's declarative update).
+
+        Raises:
+            ValueError/TypeError/ImportError: a bad config or import path (reported in
+                the status document's ``declared_error``, shown by the REST API).
+        """
+        from tpuray.serve import _cli, _payload
+
+        apps = config.get("applications") or []
+        for a in apps:
+            bad = sorted(set(a) - _cli._APP_KEYS)
+            if bad:
+                raise ValueError(f"unknown application keys {bad}; expected some of {sorted(_cli._APP_KEYS)}")
+            if a.get("runtime_env"):
+                raise ValueError(f"application {a.get('name', 'default')!r}: runtime_env is not supported "
+                                 "by tpuray's serve config (install the code where the cluster runs)")
+        built = []
+        for a in apps:
+            app = _cli._import_target(a["import_path"], a.get("args"))
+            _cli._apply_overrides(app, a.get("deployments"))
+            name = a.get("name", _common.DEFAULT_APP_NAME)
+            built.append((name, a.get("route_prefix", "/"), *_payload(app, name)))
+        names = {b[0] for b in built}
+        self.delete_apps([n for n in self.list_apps() if n not in names])
+        for name, prefix, ingress, payload in built:
+            self.deploy_application(name, prefix, ingress, payload)
+        self._declared_apps = names
+        self._declared_error = None
+
+    def _shutdown_from_rest(self) -> None:
+        """``DELETE /api/serve/applications/``: as ``serve.shutdown()``, then this actor
+        ends for good."""
+        self.shutdown()
+        try:
+            tpuray.kill(tpuray.get_actor(_common.CONTROLLER_NAME, namespace=_common.SERVE_NAMESPACE),
+                        no_restart=True)
+        except Exception:  # noqa: BLE001 - already going
+            pass
 
     # ---- API for handles and the proxy ----
 
@@ -835,6 +909,7 @@ class ServeController:
             "http": self._http_info(),
             "applications": apps,
             "target_capacity": None,
+            "declared_error": self._declared_error,
         }
 
     def _maybe_write(self, doc):
