@@ -1,11 +1,14 @@
 """``tpuray.serve``: Ray Serve's core API on tpuray (``from tpuray import serve``).
 
 Deployments (classes and functions) with replicas and per-replica resources (TPU chips
-included: ``ray_actor_options={"resources": {"TPU": 4}}``), composition by binding
-deployments into others, handles whose responses can be awaited or passed on,
-streaming responses, an HTTP ingress (JSON in and out), ``@serve.batch``, autoscaling
-on ongoing requests (down to zero), replica health checks and replacement, and a
-prefix-affinity request router for LLM-style requests.
+included: ``ray_actor_options={"resources": {"TPU": 4}}``, or a whole slice per replica
+through ``placement_group_bundles``), composition by binding deployments into others,
+handles whose responses can be awaited or passed on, streaming responses, HTTP through
+Starlette and ``@serve.ingress(fastapi_app)`` (ASGI in the replica, ``http.py``),
+``@serve.batch``, ``@serve.multiplexed``, in-place ``user_config`` updates, autoscaling
+on ongoing requests (down to zero), replica health checks and replacement, a
+prefix-affinity request router for LLM-style requests, ``tpuray serve
+run|deploy|build`` (``_cli.py``) and Ray's Serve REST API on the head.
 
 Processes: a detached controller actor (``_controller.py``), one detached replica actor
 per replica (``_replica.py``), a detached HTTP proxy actor (``_proxy.py``); handles

@@ -1,20 +1,21 @@
-"""The HTTP proxy: an actor that serves every application's route prefix over HTTP/1.1,
-JSON in and JSON out (Python's ``http.server``, one thread per connection).
+"""The HTTP proxy: an actor that serves every application's route prefix over HTTP/1.1
+(Python's ``http.server``, one thread per connection).
 
 A request goes to the application whose ``route_prefix`` is the longest prefix of the
-path (``/`` matches everything; ``/a`` matches ``/a`` and ``/a/...``). The body must be
-empty or JSON (else 400); the ingress deployment's ``__call__`` gets a
-:class:`tpuray.serve.http.Request`. Its return value is the response: ``bytes`` as
-``application/octet-stream``, ``str`` as ``text/plain``, anything else as JSON (a value
-JSON cannot encode is a 500). A generator's items are sent as they come, with chunked
-transfer encoding: ``str``/``bytes`` items as they are, other items one JSON document
-per line (``application/x-ndjson``).
+path (``/`` matches everything; ``/a`` matches ``/a`` and ``/a/...``). The proxy reads
+the whole request and sends it, as a :class:`tpuray.serve.http.HTTPRequest`, to the
+application's ingress replica on a streaming call; the replica answers with the status,
+headers and body chunks (``http.py`` says how a replica turns a request into a
+response: ASGI for ``@serve.ingress`` apps, a Starlette ``Request`` and Ray's return
+value conversion for the others). A chunked response is sent with chunked transfer
+encoding as its chunks come.
 
-Errors are JSON ``{"error": ..., ...}``: 404 for a path no application serves (with
-the routes), 400 for a body that is not JSON, 500 when the deployment raised (its
-exception type and message), 503 when no replica could take the request (backpressure,
-replicas died). ``GET /-/routes`` lists the routes, ``GET /-/healthz`` answers
-``success``. A bad request never takes the proxy down: every handler catches all.
+Serve's own errors: 404 JSON ``{"error", "routes"}`` for a path no application serves,
+503 (text) when no replica could take the request (backpressure, replicas died, the
+deployment is gone), 411 for a chunked request body, 400 for a bad Content-Length.
+``GET /-/routes`` lists the routes, ``GET /-/healthz`` answers ``success``. A bad
+request never takes the proxy down: every handler catches all. The
+``serve_multiplexed_model_id`` request header sets the request's model id (Ray's).
 """
 
 from __future__ import annotations
