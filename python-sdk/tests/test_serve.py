@@ -912,3 +912,55 @@ def test_rest_api_put_get_delete_applications(tmp_path):
         _wait_for(lambda: json.loads(call("GET")[1])["applications"] == {}, 120, "serve to shut down")
     finally:
         c.stop()
+
+
+# ---- ASGI ingress: a Starlette app, a builder function, lifespan, streaming ----
+
+
+def _starlette_app():
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from contextlib import asynccontextmanager
+
+    state = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state["started"] = True
+        yield
+
+    async def hello(request):
+        return PlainTextResponse(f"started={state.get('started')} q={request.query_params.get('q')}")
+
+    async def stream(request):
+        async def gen():
+            for i in range(3):
+                yield f"{i};"
+        return StreamingResponse(gen(), media_type="text/plain")
+
+    return Starlette(routes=[Route("/hello", hello), Route("/stream", stream)], lifespan=lifespan)
+
+
+@serve.deployment(ray_actor_options=NO_CPU)
+@serve.ingress(_starlette_app)
+class StarletteIngress:
+    def plain(self):
+        return "handle call"
+
+
+def test_a_starlette_app_from_a_builder_serves_http_with_lifespan_and_streaming(serve_instance):
+    h = serve.run(StarletteIngress.bind(), name="star", route_prefix="/star")
+    port = serve_instance()
+    assert _http(port, "/star/hello?q=1")[2] == b"started=True q=1"
+    st, ctype, body = _http(port, "/star/stream")
+    assert (st, body) == (200, b"0;1;2;") and ctype.startswith("text/plain")
+    assert _http(port, "/star/none")[0] == 404
+    assert h.plain.remote().result(timeout_s=60) == "handle call"
+    with pytest.raises(ValueError, match="may not have __call__"):
+        @serve.ingress(_starlette_app)
+        class WithCall:
+            def __call__(self):
+                return 1
+    serve.delete("star")

@@ -118,6 +118,7 @@ def ingress(app):
 
     Raises:
         TypeError: ``app`` is not callable, or the decorated object is not a class.
+        ValueError: the class defines ``__call__`` (as Ray refuses it).
     """
     if not callable(app):
         raise TypeError(f"serve.ingress expects an ASGI app (FastAPI, Starlette) (got {type(app).__name__})")
@@ -130,6 +131,9 @@ def ingress(app):
             )
         from tpuray.serve.deployment import Deployment
 
+        if "__call__" in {k for klass in cls.__mro__[:-1] for k in vars(klass)}:
+            # As Ray: the app answers HTTP; a __call__ would be ambiguous.
+            raise ValueError("Classes passed to @serve.ingress may not have __call__ method.")
         if isinstance(cls, Deployment):
             raise TypeError("@serve.ingress must be applied under @serve.deployment, not above it")
         holder: dict = {}
