@@ -99,6 +99,8 @@ pub(crate) fn router(head: Arc<Head>, addresses: &str) -> Result<Router, String>
     let api = Arc::new(Api { auth_required: head.config.auth_required, head, grpc, token });
     let jobs = Router::new()
         .route("/api/version", get(version))
+        // Ray's Serve client checks this one (`ray/dashboard/modules/serve/sdk.py`).
+        .route("/api/ray/version", get(version))
         .route("/api/packages/{protocol}/{name}", get(package_exists).put(upload_package))
         .route("/api/jobs/", get(list_jobs).post(submit_job))
         .route("/api/jobs/{id}", get(job_info).delete(delete_job))

@@ -1,8 +1,7 @@
 //! Ray Serve's REST API on the dashboard port (`ray/dashboard/modules/serve/serve_head.py`):
 //! `PUT /api/serve/applications/` declares the applications (Ray's `ServeDeploySchema` as
 //! JSON, what `serve deploy` sends), `GET` answers serve's state (Ray's
-//! `ServeInstanceDetails` keys: `controller_info`, `proxy_location`, `http_options`,
-//! `proxies`, `applications` by name, `target_capacity`), `DELETE` shuts serve down.
+//! `ServeInstanceDetails`), `DELETE` shuts serve down.
 //! Behind the cluster token as the other API routes (HTTP-2).
 //!
 //! - SERVE-API-1: the head runs no Python and imports no user code. It writes the
@@ -14,6 +13,9 @@
 //!   document in the KV is missing, stopped, or older than [`CONTROLLER_STALE_S`]) `PUT`
 //!   is 503 naming how to start serve, rather than a declaration nobody would apply.
 //!   `DELETE` without a controller does nothing (200), as Ray's.
+//! - SERVE-API-3: `GET` answers in the shape of Ray's `ServeInstanceDetails` (see
+//!   [`ray_details`]); a declaration that failed shows as its applications'
+//!   `DEPLOY_FAILED` status with the error as their message.
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -180,34 +182,76 @@ async fn details(State(api): Shared) -> Response {
         Err(r) => return r,
     };
     let running = controller_runs(st.as_ref());
-    let st = st.unwrap_or(Value::Null);
+    let body = ray_details(&st.unwrap_or(Value::Null), running);
+    (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+}
+
+fn field(v: &Value, k: &str) -> Value {
+    v.get(k).cloned().unwrap_or(Value::Null)
+}
+
+/// SERVE-API-3: the controller's status document in the shape of Ray's
+/// `ServeInstanceDetails` (`ray/serve/schema.py`, whose models refuse unknown fields),
+/// so Ray's own `serve status --address http://HEAD:PORT` reads it.
+fn ray_details(st: &Value, running: bool) -> Value {
     let mut apps = serde_json::Map::new();
-    if running && let Some(a) = st.get("applications").and_then(Value::as_object) {
-        for (name, app) in a {
-            let mut app = app.clone();
-            if let Some(o) = app.as_object_mut() {
-                o.insert("name".into(), json!(name));
-                if let Some(deps) = o.get_mut("deployments").and_then(Value::as_object_mut) {
-                    for (dn, d) in deps.iter_mut() {
-                        if let Some(d) = d.as_object_mut() {
-                            d.insert("name".into(), json!(dn));
-                        }
-                    }
-                }
+    let mut proxies = serde_json::Map::new();
+    if running {
+        for (name, a) in st.get("applications").and_then(Value::as_object).into_iter().flatten() {
+            let mut deps = serde_json::Map::new();
+            for (dn, d) in a.get("deployments").and_then(Value::as_object).into_iter().flatten() {
+                let replicas: Vec<Value> = d
+                    .get("replicas")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .map(|r| {
+                        json!({
+                            "replica_id": field(r, "replica_id"), "state": field(r, "state"),
+                            "pid": field(r, "pid"), "start_time_s": field(r, "start_time_s"),
+                            "node_id": field(r, "node_id"), "actor_id": field(r, "actor_id"),
+                        })
+                    })
+                    .collect();
+                deps.insert(
+                    dn.clone(),
+                    json!({
+                        "name": dn, "status": field(d, "status"),
+                        "status_trigger": field(d, "status_trigger"), "message": field(d, "message"),
+                        "deployment_config": d.get("deployment_config").cloned().unwrap_or(json!({"name": dn})),
+                        "target_num_replicas": field(d, "target_replicas"),
+                        "required_resources": d.get("required_resources").cloned().unwrap_or(json!({})),
+                        "replicas": replicas,
+                    }),
+                );
             }
-            apps.insert(name.clone(), app);
+            apps.insert(
+                name.clone(),
+                json!({
+                    "name": name, "route_prefix": field(a, "route_prefix"), "docs_path": Value::Null,
+                    "status": field(a, "status"), "message": field(a, "message"),
+                    "last_deployed_time_s": field(a, "last_deployed_time_s"),
+                    "source": a.get("source").cloned().unwrap_or(json!("imperative")),
+                    "deployments": deps, "external_scaler_enabled": false,
+                }),
+            );
+        }
+        for (node, s) in st.get("proxies").and_then(Value::as_object).into_iter().flatten() {
+            proxies.insert(node.clone(), json!({"node_id": node, "status": s}));
         }
     }
-    let body = json!({
-        "controller_info": if running { st.get("controller").cloned().unwrap_or(Value::Null) } else { Value::Null },
+    let controller = st
+        .get("controller")
+        .filter(|_| running)
+        .map(|c| json!({"node_id": field(c, "node_id"), "actor_name": "SERVE_CONTROLLER_ACTOR"}));
+    json!({
+        "controller_info": controller.unwrap_or(Value::Null),
         "proxy_location": "EveryNode",
-        "http_options": st.get("http").cloned().unwrap_or(Value::Null),
-        "proxies": if running { st.get("proxies").cloned().unwrap_or(json!({})) } else { json!({}) },
+        "http_options": field(st, "http"),
+        "proxies": proxies,
         "applications": apps,
         "target_capacity": Value::Null,
-        "deploy_error": st.get("declared_error").cloned().unwrap_or(Value::Null),
-    });
-    (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+    })
 }
 
 #[cfg(test)]
@@ -222,6 +266,33 @@ mod tests {
         let e = check_config(&json!({"applications": [{"name": "a"}]})).unwrap_err();
         assert!(e.contains("applications[0] needs an \"import_path\""), "{e}");
         assert!(check_config(&json!({"applications": [{"import_path": "m:app"}]})).is_ok());
+    }
+
+    #[test]
+    fn details_have_rays_shape_and_nothing_without_a_controller() {
+        let st = json!({
+            "controller": {"state": "RUNNING", "updated_at": now_s(), "node_id": "n1", "pid": 7},
+            "proxies": {"n1": "HEALTHY"}, "http": {"host": "127.0.0.1", "port": 8000},
+            "applications": {"a": {"status": "RUNNING", "message": "", "route_prefix": "/a",
+                "last_deployed_time_s": 1.0, "ingress": "D", "source": "declarative",
+                "deployments": {"D": {"status": "HEALTHY", "status_trigger": "CONFIG_UPDATE_COMPLETED",
+                    "message": "", "target_replicas": 1, "replica_states": {"RUNNING": 1},
+                    "required_resources": {"CPU": 1}, "deployment_config": {"name": "D"},
+                    "replicas": [{"replica_id": "r", "state": "RUNNING", "start_time_s": 2.0,
+                                  "actor_id": "x", "node_id": "n1", "pid": 9}]}}}},
+        });
+        let d = ray_details(&st, true);
+        assert_eq!(d["proxies"]["n1"]["status"], "HEALTHY");
+        let dep = &d["applications"]["a"]["deployments"]["D"];
+        assert_eq!(dep["target_num_replicas"], 1);
+        assert_eq!(dep["replicas"][0]["start_time_s"], 2.0);
+        assert!(
+            dep.get("replica_states").is_none() && d["applications"]["a"].get("ingress").is_none()
+        );
+        assert_eq!(d["applications"]["a"]["source"], "declarative");
+        let none = ray_details(&st, false);
+        assert_eq!(none["applications"], json!({}));
+        assert_eq!(none["controller_info"], Value::Null);
     }
 
     #[test]

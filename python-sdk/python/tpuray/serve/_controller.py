@@ -74,6 +74,7 @@ class _Replica:
         self.ongoing = 0
         self.reconf_ref = None
         self.models: list = []
+        self.started_at = time.time()
 
     @classmethod
     def adopt(cls, rid, actor, info):
@@ -87,6 +88,7 @@ class _Replica:
         r.ongoing = 0
         r.reconf_ref = None
         r.models = []
+        r.started_at = time.time()
         return r
 
 
@@ -144,6 +146,7 @@ class ServeController:
         self._last_checkpoint = None
         self._declared_seq = None
         self._declared_error = None
+        self._declared_failed: dict = {}  # app name -> the error of its last declaration
         self._declared_apps: set = set()
         with self._cv:
             self._restore()
@@ -404,6 +407,12 @@ class ServeController:
                 self._apply_declared(doc.get("config") or {})
             except Exception as e:  # noqa: BLE001 - reported in the status, never fatal
                 self._declared_error = f"{type(e).__name__}: {e}"
+                # As Ray: the applications of a declaration that fails show
+                # DEPLOY_FAILED with the error; what ran before keeps serving.
+                names = [a.get("name", _common.DEFAULT_APP_NAME) for a in
+                         ((doc.get("config") or {}).get("applications") or []) if isinstance(a, dict)]
+                with self._cv:
+                    self._declared_failed = {n: self._declared_error for n in names}
                 print(f"serve controller: the declared config failed: {self._declared_error}", file=sys.stderr)
 
     def _apply_declared(self, config: dict) -> None:
@@ -436,6 +445,8 @@ class ServeController:
             self.deploy_application(name, prefix, ingress, payload)
         self._declared_apps = names
         self._declared_error = None
+        with self._cv:
+            self._declared_failed = {}
 
     def _shutdown_from_rest(self) -> None:
         """``DELETE /api/serve/applications/``: as ``serve.shutdown()``, then this actor
@@ -877,13 +888,15 @@ class ServeController:
                     counts[r.state] = counts.get(r.state, 0) + 1
                 ac = d.cfg.get("autoscaling_config")
                 deps[dn] = {
+                    "required_resources": _replica_resources(d.cfg),
+                    "deployment_config": _deployment_config(dn, d.cfg),
                     "status": self._dep_status(d),
                     "status_trigger": d.trigger,
                     "message": d.message,
                     "target_replicas": d.target,
                     "replica_states": counts,
                     "replicas": [
-                        {"replica_id": r.rid, "state": r.state,
+                        {"replica_id": r.rid, "state": r.state, "start_time_s": r.started_at,
                          "actor_id": r.actor._actor_id,
                          "node_id": r.info.get("node_id", ""), "pid": r.info.get("pid", 0)}
                         for r in d.replicas.values()
@@ -894,14 +907,22 @@ class ServeController:
                         "ongoing_requests": d.total_ongoing,
                     },
                 }
+            failed = self._declared_failed.get(name)
             apps[name] = {
-                "status": a["status"], "message": a["message"], "route_prefix": a["route_prefix"],
+                "source": "declarative" if name in self._declared_apps else "imperative",
+                "status": "DEPLOY_FAILED" if failed else a["status"],
+                "message": failed or a["message"], "route_prefix": a["route_prefix"],
                 "ingress": a["ingress"], "last_deployed_time_s": a["last_deployed_time_s"],
                 "deployments": deps,
             }
         proxies = {}
         if self._proxy_state is not None:
             proxies[self._proxy_info.get("node_id") or self._node_id] = self._proxy_state
+        for name, err in self._declared_failed.items():
+            if name not in apps:
+                apps[name] = {"source": "declarative", "status": "DEPLOY_FAILED", "message": err,
+                              "route_prefix": None, "ingress": "", "last_deployed_time_s": time.time(),
+                              "deployments": {}}
         return {
             "controller": {"state": "STOPPED" if self._stopped else "RUNNING",
                            "node_id": self._node_id, "pid": os.getpid(), "updated_at": time.time()},
@@ -1017,6 +1038,23 @@ def _replica_resources(cfg) -> dict:
         res["GPU"] = ao["num_gpus"]
     res.update(ao.get("resources") or {})
     return res
+
+
+def _deployment_config(name: str, cfg: dict) -> dict:
+    """The deployment's options as Ray's ``DeploymentSchema`` names them (JSON)."""
+    out = {"name": name}
+    for k in ("num_replicas", "max_ongoing_requests", "max_queued_requests", "user_config",
+              "autoscaling_config", "graceful_shutdown_wait_loop_s", "graceful_shutdown_timeout_s",
+              "health_check_period_s", "health_check_timeout_s", "ray_actor_options",
+              "placement_group_bundles", "placement_group_strategy"):
+        v = cfg.get(k)
+        if v is not None:
+            out[k] = v
+    try:
+        json.dumps(out)
+    except TypeError:
+        out = {"name": name}
+    return out
 
 
 def _safe(f):
