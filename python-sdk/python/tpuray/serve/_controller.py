@@ -227,10 +227,13 @@ class ServeController:
                     actor = tpuray.get_actor(actor_name, namespace=_common.SERVE_NAMESPACE)
                 except ValueError:
                     continue
+                pg = _find_pg(actor_name) if d.cfg.get("placement_group_bundles") else None
                 if state == RUNNING and not d.deleting:
                     d.replicas[rid] = _Replica.adopt(rid, actor, info)
+                    d.replicas[rid].pg = pg  # removed with the replica, as before the restart
                 else:
                     self._kill_actor(actor)
+                    _remove_pg(pg)
             self._deps[key] = d
             self._bump(key)
         if ck.get("proxy"):
@@ -1007,6 +1010,16 @@ def _replica_placement_group(cfg: dict, name: str):
 
 class _NoSliceYet(Exception):
     """No slice of the asked-for type has joined yet: the replica waits (not a failure)."""
+
+
+def _find_pg(name: str):
+    """A replica's placement group by its name (the replica's actor name), or None."""
+    from tpuray.util.placement_group import get_placement_group
+
+    try:
+        return get_placement_group(name)
+    except ValueError:
+        return None
 
 
 def _remove_pg(pg) -> None:
