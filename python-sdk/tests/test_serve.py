@@ -922,6 +922,15 @@ def test_rest_api_put_get_delete_applications(tmp_path):
                       and json.loads(call("GET")[1])["applications"]["rest"], 60, "the failed declaration")
         assert "nothing" in a["message"], a
         assert _http(port, "/rest")[2] == b"declared"
+        # tpuray's own CLI through the REST API.
+        (tmp_path / "cli.yaml").write_text(
+            "applications:\n- name: viacli\n  route_prefix: /viacli\n  import_path: restapp:app\n")
+        r = subprocess.run(CliCluster.CLI + ["serve", "deploy", str(tmp_path / "cli.yaml"), "--address",
+                                             f"http://127.0.0.1:{dash}"], env=c.env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        _wait_for(lambda: (json.loads(call("GET")[1])["applications"].get("viacli") or {}).get("status")
+                  == "RUNNING", 120, "the application tpuray's CLI declared")
         if ray_py.exists():
             # Ray's own `serve deploy` and `serve status` against this head.
             (tmp_path / "ray.yaml").write_text(

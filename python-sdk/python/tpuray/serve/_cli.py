@@ -7,7 +7,9 @@ status`` is the Rust CLI's (it prints the controller's status document).
   ``key=value`` arguments that returns one) or a config file, and blocks until Ctrl-C
   (then shuts serve down), unless ``--non-blocking``;
 - ``deploy CONFIG`` deploys every application of a config file and returns (the
-  applications keep running: serve's actors are detached);
+  applications keep running: serve's actors are detached); with ``--address
+  http://HEAD:DASHBOARD_PORT`` it sends the config to the head's Serve REST API
+  instead, as Ray's ``serve deploy`` does (a serve instance must run there);
 - ``build IMPORT_PATH...`` prints (or writes, ``-o``) the config file that deploys
   them, with each deployment's options.
 
@@ -184,6 +186,33 @@ def _build_doc(paths) -> dict:
             "applications": apps}
 
 
+def _deploy_rest(url: str, doc: dict) -> int:
+    """PUTs a config to the head's Serve REST API (``PUT /api/serve/applications/``)
+    with the cluster token (``TPURAY_AUTH_TOKEN`` or ``~/.tpuray/auth_token``)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    token = os.environ.get("TPURAY_AUTH_TOKEN")
+    path = os.path.expanduser("~/.tpuray/auth_token")
+    if not token and os.path.exists(path):
+        with open(path) as f:
+            token = f.read().strip()
+    req = urllib.request.Request(url.rstrip("/") + "/api/serve/applications/", method="PUT",
+                                 data=json.dumps(doc).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {token}"} if token else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60):
+            pass
+    except urllib.error.HTTPError as e:
+        print(f"tpuray serve deploy: {url} answered {e.code}: {e.read().decode(errors='replace')}",
+              file=sys.stderr)
+        return 1
+    print("sent the deploy request; `tpuray serve status` shows the applications")
+    return 0
+
+
 def main(argv: list) -> int:
     """``argv``: the words after ``tpuray serve``. Returns the exit code."""
     ap = argparse.ArgumentParser(prog="tpuray serve", description="Ray Serve's run/deploy/build on tpuray")
@@ -197,7 +226,8 @@ def main(argv: list) -> int:
     r.add_argument("--non-blocking", action="store_true")
     d = sub.add_parser("deploy", help="deploy a config file's applications and return")
     d.add_argument("config")
-    d.add_argument("--address", default=None)
+    d.add_argument("--address", default=None,
+                   help="the cluster (HOST:PORT), or http://HEAD:DASHBOARD_PORT for the REST API")
     b = sub.add_parser("build", help="print the config file for import paths")
     b.add_argument("import_paths", nargs="+")
     b.add_argument("-o", "--output-path", default=None)
@@ -216,6 +246,9 @@ def main(argv: list) -> int:
             else:
                 sys.stdout.write(text)
             return 0
+        if a.cmd == "deploy" and (a.address or "").startswith(("http://", "https://")):
+            # As Ray's `serve deploy -a http://HEAD:8265`: through the head's REST API.
+            return _deploy_rest(a.address, load_config(a.config))
         tpuray.init(address=a.address or os.environ.get("TPURAY_ADDRESS") or "auto")
         if a.cmd == "deploy":
             names = deploy_config(load_config(a.config))
