@@ -20,8 +20,9 @@ export PATH="$PWD/$venv/bin:$PATH"
 # of runtime_env['uv'], found beside the interpreter (tests/test_runtime_env.py). pandas,
 # pyarrow, tqdm, pillow: tpuray.data (its `data` extra; pillow for read_images).
 # kubernetes-validate and yamllint: tests/tests/k8s.rs checks deploy/k8s/examples with them
-# (scripts/test.sh).
-"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow pandas tqdm pillow selenium prometheus_client uv "kubernetes-validate==1.37.0" "yamllint>=1.35,<2"
+# (scripts/test.sh). fastapi, starlette, uvicorn, requests, pyyaml: tpuray.serve (its
+# `serve` extra).
+"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow pandas tqdm pillow selenium prometheus_client uv "kubernetes-validate==1.37.0" "yamllint>=1.35,<2" fastapi starlette uvicorn requests pyyaml
 # The dashboard's browser tests (tests/test_dashboard.py) drive Debian's chromium through
 # its chromedriver (selenium never downloads a browser or a driver here).
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then

@@ -7,7 +7,7 @@
 #   scripts/record-compat.sh queue_basics # one (or several) by name
 #
 # Ray runs from RAY_VENV (default bench/.ray-venv), made here with
-# `pip install ray[data]==$RAY_VERSION numpy torch pillow pydantic` (default 2.60.0) when it does not exist;
+# `pip install ray[data,serve]==$RAY_VERSION numpy torch pillow pydantic` (default 2.60.0) when it does not exist;
 # torch is what ray.util.collective's gloo backend runs on. Each script gets a HOME of
 # its own (Ray writes ~/.ray there) and a timeout. Only stdout is recorded, cleaned by
 # compat/clean_output.py (Ray's own diagnostics dropped); stderr is shown on failure.
@@ -22,7 +22,7 @@ case "$RAY_VENV" in /*) ;; *) RAY_VENV="$PWD/$RAY_VENV" ;; esac
 compat=python-sdk/tests/compat
 if [ ! -x "$RAY_VENV/bin/python" ]; then
     python3 -m venv "$RAY_VENV"
-    "$RAY_VENV/bin/python" -m pip install -q "ray==$RAY_VERSION" "ray[data]==$RAY_VERSION" numpy torch pillow pydantic
+    "$RAY_VENV/bin/python" -m pip install -q "ray[data,serve]==$RAY_VERSION" numpy torch pillow pydantic
 fi
 have=$("$RAY_VENV/bin/python" -c 'import ray; print(ray.__version__)')
 if [ "$have" != "$RAY_VERSION" ]; then
@@ -35,6 +35,9 @@ fi
 # pydantic for iter_torch_batches (it imports ray.train).
 "$RAY_VENV/bin/python" -c "import ray.data, pandas, pyarrow, PIL, pydantic" 2>/dev/null ||
     "$RAY_VENV/bin/python" -m pip install -q "ray[data]==$RAY_VERSION" pillow pydantic
+# Ray Serve's scripts need ray[serve] (fastapi, starlette, uvicorn, requests).
+"$RAY_VENV/bin/python" -c "import ray.serve, fastapi, requests" 2>/dev/null ||
+    "$RAY_VENV/bin/python" -m pip install -q "ray[serve]==$RAY_VERSION"
 
 if [ $# -eq 0 ]; then
     set -- $(ls "$compat"/*.py | xargs -n1 basename | sed 's/\.py$//' | grep -v '^clean_output$')

@@ -3,7 +3,7 @@
 //! `/api/healthz`), Prometheus's `/metrics` (`metrics.rs`) and Ray
 //! 2.60's Jobs REST API (`ray/dashboard/modules/job/job_head.py`), so Ray's own
 //! `JobSubmissionClient` and `ray job ...` work against tpuray unchanged. The dashboard's
-//! pages (`dashboard.rs`) join [`router`]; later routes (metrics, Serve's REST API) too.
+//! pages (`dashboard.rs`) and Serve's REST API (`serve_api.rs`) join [`router`].
 //!
 //! - HTTP-1: every head serves it. The Jobs API calls the head cluster through a
 //!   leader-following gRPC client (CLIENT-1), so on a head that is not the serving
@@ -99,6 +99,8 @@ pub(crate) fn router(head: Arc<Head>, addresses: &str) -> Result<Router, String>
     let api = Arc::new(Api { auth_required: head.config.auth_required, head, grpc, token });
     let jobs = Router::new()
         .route("/api/version", get(version))
+        // Ray's Serve client checks this one (`ray/dashboard/modules/serve/sdk.py`).
+        .route("/api/ray/version", get(version))
         .route("/api/packages/{protocol}/{name}", get(package_exists).put(upload_package))
         .route("/api/jobs/", get(list_jobs).post(submit_job))
         .route("/api/jobs/{id}", get(job_info).delete(delete_job))
@@ -107,6 +109,7 @@ pub(crate) fn router(head: Arc<Head>, addresses: &str) -> Result<Router, String>
         .route("/api/jobs/{id}/logs/tail", get(tail_logs))
         .merge(crate::logs_api::routes())
         .merge(crate::state_api::routes())
+        .merge(crate::serve_api::routes())
         .layer(middleware::from_fn_with_state(Arc::clone(&api), require_token))
         // Packages up to Ray's limit, plus room for the request around them.
         .layer(axum::extract::DefaultBodyLimit::max(packages::MAX_PACKAGE_BYTES + (1 << 20)));

@@ -38,6 +38,7 @@ pub mod logs_api;
 pub mod metrics;
 pub mod placement_groups;
 pub mod replication;
+mod serve_api;
 pub mod server;
 pub mod slices;
 pub mod state;

@@ -29,4 +29,12 @@ def main() -> None:
     os.environ.setdefault(
         "TPURAY_SELF_COMMAND", json.dumps([sys.executable, "-m", "tpuray"])
     )
-    sys.exit(_tpuray.run(["tpuray", *sys.argv[1:]]))
+    argv = sys.argv[1:]
+    if len(argv) >= 2 and argv[0] == "serve" and argv[1] in ("run", "deploy", "build"):
+        # Ray Serve's run/deploy/build are Python (they import the user's app); `serve
+        # status` stays the Rust CLI's.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        from tpuray.serve._cli import main as serve_main
+
+        sys.exit(serve_main(argv[1:]))
+    sys.exit(_tpuray.run(["tpuray", *argv]))

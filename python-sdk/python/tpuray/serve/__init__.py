@@ -1,11 +1,14 @@
 """``tpuray.serve``: Ray Serve's core API on tpuray (``from tpuray import serve``).
 
 Deployments (classes and functions) with replicas and per-replica resources (TPU chips
-included: ``ray_actor_options={"resources": {"TPU": 4}}``), composition by binding
-deployments into others, handles whose responses can be awaited or passed on,
-streaming responses, an HTTP ingress (JSON in and out), ``@serve.batch``, autoscaling
-on ongoing requests (down to zero), replica health checks and replacement, and a
-prefix-affinity request router for LLM-style requests.
+included: ``ray_actor_options={"resources": {"TPU": 4}}``, or a whole slice per replica
+through ``placement_group_bundles``), composition by binding deployments into others,
+handles whose responses can be awaited or passed on, streaming responses, HTTP through
+Starlette and ``@serve.ingress(fastapi_app)`` (ASGI in the replica, ``http.py``),
+``@serve.batch``, ``@serve.multiplexed``, in-place ``user_config`` updates, autoscaling
+on ongoing requests (down to zero), replica health checks and replacement, a
+prefix-affinity request router for LLM-style requests, ``tpuray serve
+run|deploy|build`` (``_cli.py``) and Ray's Serve REST API on the head.
 
 Processes: a detached controller actor (``_controller.py``), one detached replica actor
 per replica (``_replica.py``), a detached HTTP proxy actor (``_proxy.py``); handles
@@ -21,7 +24,6 @@ from __future__ import annotations
 import re
 import sys
 import time
-from dataclasses import dataclass, field
 
 import tpuray
 from tpuray.serve import _common, exceptions
@@ -31,13 +33,24 @@ from tpuray.serve.batching import batch
 from tpuray.serve.deployment import Application, Deployment, deployment
 from tpuray.serve.exceptions import RayServeException
 from tpuray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
+from tpuray.serve._ingress import ingress
 from tpuray.serve.http import Request
+from tpuray.serve.multiplex import get_multiplexed_model_id, multiplexed
+from tpuray.serve.schema import (
+    ApplicationStatus,
+    ApplicationStatusOverview,
+    DeploymentStatus,
+    DeploymentStatusOverview,
+    ServeStatus,
+    status_from_doc,
+)
 
 __all__ = [
     "Application", "Deployment", "DeploymentHandle", "DeploymentResponse", "ReplicaID",
     "DeploymentResponseGenerator", "ReplicaContext", "Request", "batch", "delete",
     "deployment", "exceptions", "get_app_handle", "get_deployment_handle",
-    "get_replica_context", "run", "shutdown", "start", "status",
+    "get_multiplexed_model_id", "get_replica_context", "ingress", "multiplexed", "run",
+    "shutdown", "start", "status", "ApplicationStatus", "DeploymentStatus",
 ]
 
 _HTTP_KEYS = {"host", "port"}
@@ -91,6 +104,27 @@ def _check_route_prefix(route_prefix):
         raise ValueError(f"route_prefix may not contain braces, spaces, '?' or '#' (got {route_prefix!r})")
 
 
+def _payload(target: Application, name: str):
+    """``(ingress name, [{"name", "target", "init", "config"}])``: the application's
+    deployments, pickled, for the controller's ``deploy_application``.
+
+    Raises:
+        TypeError: a deployment or its arguments cannot be pickled.
+    """
+    from tpuray._private.serialization import serialize
+
+    ingress, deps = target._build(name)
+    payload = []
+    for d in deps:
+        try:
+            target_bytes = serialize(d["target"])[0]
+            init_bytes = serialize((d["args"], d["kwargs"]))[0]
+        except Exception as e:
+            raise TypeError(f"deployment {d['name']!r} or its bind() arguments cannot be pickled: {e}") from e
+        payload.append({"name": d["name"], "target": target_bytes, "init": init_bytes, "config": d["config"]})
+    return ingress, payload
+
+
 def run(target, blocking: bool = False, name: str = DEFAULT_APP_NAME, route_prefix: str | None = "/",
         logging_config=None, _local_testing_mode: bool = False, http_options=None) -> DeploymentHandle:
     """Deploys an application and waits until it runs (Ray's ``serve.run``).
@@ -120,17 +154,7 @@ def run(target, blocking: bool = False, name: str = DEFAULT_APP_NAME, route_pref
     if not isinstance(name, str) or not name:
         raise TypeError(f"the application name must be a non-empty string (got {name!r})")
     _check_route_prefix(route_prefix)
-    from tpuray._private.serialization import serialize
-
-    ingress, deps = target._build(name)
-    payload = []
-    for d in deps:
-        try:
-            target_bytes = serialize(d["target"])[0]
-            init_bytes = serialize((d["args"], d["kwargs"]))[0]
-        except Exception as e:
-            raise TypeError(f"deployment {d['name']!r} or its bind() arguments cannot be pickled: {e}") from e
-        payload.append({"name": d["name"], "target": target_bytes, "init": init_bytes, "config": d["config"]})
+    ingress, payload = _payload(target, name)
     ctrl = _common.get_controller(create=True, http_options=_http_options(http_options))
     try:
         tpuray.get(ctrl.deploy_application.remote(name, route_prefix, ingress, payload))
@@ -145,7 +169,7 @@ def run(target, blocking: bool = False, name: str = DEFAULT_APP_NAME, route_pref
         if st is None:
             raise RayServeException(f"application {name!r} was deleted while it was being deployed")
         if st["status"] == "DEPLOY_FAILED":
-            raise RayServeException(f"application {name!r} failed to deploy: {st['message']}")
+            raise exceptions.DeployFailedError(f"application {name!r} failed to deploy: {st['message']}")
         if route_prefix is not None and st["proxy_error"] and st["proxy_state"] != "HEALTHY":
             raise RayServeException(f"application {name!r} has no HTTP ingress: {st['proxy_error']}")
         if st["status"] == "RUNNING" and (route_prefix is None or st["proxy_state"] == "HEALTHY"):
@@ -234,47 +258,6 @@ def get_replica_context() -> ReplicaContext:
     return ctx
 
 
-@dataclass
-class DeploymentStatusOverview:
-    """One deployment's status (Ray's ``DeploymentStatusOverview``, plus tpuray's
-    ``target_replicas``, ``replicas`` and ``autoscaling``)."""
-
-    status: str
-    status_trigger: str
-    replica_states: dict
-    message: str
-    target_replicas: int = 0
-    replicas: list = field(default_factory=list)
-    autoscaling: dict | None = None
-
-
-@dataclass
-class ApplicationStatusOverview:
-    """One application's status (Ray's ``ApplicationStatusOverview``)."""
-
-    status: str
-    message: str
-    last_deployed_time_s: float
-    deployments: dict
-    route_prefix: str | None = None
-    ingress: str = ""
-
-
-@dataclass
-class ServeStatus:
-    """``serve.status()`` (Ray's ``ServeStatus``); ``to_dict()`` is the JSON document
-    ``tpuray serve status`` prints."""
-
-    proxies: dict
-    applications: dict
-    target_capacity: float | None = None
-    http: dict | None = None
-    _doc: dict | None = None
-
-    def to_dict(self) -> dict:
-        return dict(self._doc or {})
-
-
 def status() -> ServeStatus:
     """The applications, their deployments and replicas, as the controller has them
     (or as it last wrote them to the KV when it no longer runs; empty when serve never
@@ -286,20 +269,4 @@ def status() -> ServeStatus:
         doc = _common.read_status_from_kv() or {}
         if (doc.get("controller") or {}).get("state") == "STOPPED":
             doc = dict(doc, applications={})
-    apps = {}
-    for name, a in (doc.get("applications") or {}).items():
-        deps = {
-            dn: DeploymentStatusOverview(
-                status=d["status"], status_trigger=d["status_trigger"],
-                replica_states=dict(d["replica_states"]), message=d["message"],
-                target_replicas=d.get("target_replicas", 0), replicas=list(d.get("replicas", [])),
-                autoscaling=d.get("autoscaling"),
-            )
-            for dn, d in a["deployments"].items()
-        }
-        apps[name] = ApplicationStatusOverview(
-            status=a["status"], message=a["message"], last_deployed_time_s=a["last_deployed_time_s"],
-            deployments=deps, route_prefix=a.get("route_prefix"), ingress=a.get("ingress", ""),
-        )
-    return ServeStatus(proxies=dict(doc.get("proxies") or {}), applications=apps,
-                       target_capacity=doc.get("target_capacity"), http=doc.get("http"), _doc=doc)
+    return status_from_doc(doc)

@@ -22,6 +22,10 @@ STATUS_KEY = b"status"
 #: KV key of the controller's checkpoint (pickled applications, deployments and replica
 #: names), read by a restarted controller.
 CHECKPOINT_KEY = b"checkpoint"
+#: KV key of the applications declared through Ray's REST API (``PUT
+#: /api/serve/applications/`` on the head's dashboard port): JSON ``{"seq", "config"}`` or
+#: ``{"seq", "shutdown": true}``, written by the head, applied by the controller.
+DECLARED_KEY = b"declared"
 #: Ray Serve's default application name.
 DEFAULT_APP_NAME = "default"
 

@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -53,6 +54,7 @@ _MAX_CONSTRUCTOR_FAILURES = 3
 _SLOW_START_S = 30.0
 _METRIC_STALE_S = 5.0
 _LISTEN_S = 10.0
+_DECLARED_POLL_S = 0.5
 
 
 class _Replica:
@@ -70,6 +72,9 @@ class _Replica:
         self.stop_deadline = 0.0
         self.suspect = False
         self.ongoing = 0
+        self.reconf_ref = None
+        self.models: list = []
+        self.started_at = time.time()
 
     @classmethod
     def adopt(cls, rid, actor, info):
@@ -81,6 +86,9 @@ class _Replica:
         r.health_sent = r.next_check = r.stop_deadline = 0.0
         r.suspect = False
         r.ongoing = 0
+        r.reconf_ref = None
+        r.models = []
+        r.started_at = time.time()
         return r
 
 
@@ -136,9 +144,21 @@ class ServeController:
         self._last_write = 0.0
         self._node_id = tpuray.get_runtime_context().get_node_id()
         self._last_checkpoint = None
+        self._declared_seq = None
+        self._declared_error = None
+        self._declared_failed: dict = {}  # app name -> the error of its last declaration
+        self._declared_apps: set = set()
         with self._cv:
             self._restore()
+        try:
+            # SERVE-API-1: declarations older than this controller were applied (or not)
+            # by its predecessor; only newer ones are applied here.
+            raw = _tpuray.kv_get(_common.SERVE_NAMESPACE, _common.DECLARED_KEY)
+            self._declared_seq = json.loads(raw)["seq"] if raw else None
+        except Exception:  # noqa: BLE001 - a bad document: the next one is applied
+            pass
         threading.Thread(target=self._run, daemon=True, name="serve-controller").start()
+        threading.Thread(target=self._watch_declared, daemon=True, name="serve-declared").start()
 
     # ---- checkpoint (SERVE-2: a restarted controller adopts what its predecessor ran) ----
 
@@ -207,10 +227,13 @@ class ServeController:
                     actor = tpuray.get_actor(actor_name, namespace=_common.SERVE_NAMESPACE)
                 except ValueError:
                     continue
+                pg = _find_pg(actor_name) if d.cfg.get("placement_group_bundles") else None
                 if state == RUNNING and not d.deleting:
                     d.replicas[rid] = _Replica.adopt(rid, actor, info)
+                    d.replicas[rid].pg = pg  # removed with the replica, as before the restart
                 else:
                     self._kill_actor(actor)
+                    _remove_pg(pg)
             self._deps[key] = d
             self._bump(key)
         if ck.get("proxy"):
@@ -259,13 +282,25 @@ class ServeController:
             for d in deployments:
                 key = (name, d["name"])
                 cfg = d["config"]
+                # The code's identity: the pickled class and its arguments. user_config
+                # is not part of it: a change of it alone is applied in place through
+                # reconfigure (Ray does so for config-file deploys, whose code version
+                # is the import path; its serve.run gives every deploy a new version).
+                code = d["target"] + d["init"]
                 code_hash = hashlib.sha256(
-                    d["target"] + d["init"]
-                    + json.dumps([cfg.get("user_config"), cfg.get("ray_actor_options")],
-                                 sort_keys=True, default=repr).encode()
+                    code + json.dumps([cfg.get("ray_actor_options"), cfg.get("placement_group_bundles"),
+                                       cfg.get("placement_group_strategy")],
+                                      sort_keys=True, default=repr).encode()
                 ).hexdigest()
                 cur = self._deps.get(key)
                 if cur is not None and not cur.deleting and cur.code_hash == code_hash:
+                    if cfg.get("user_config") != cur.cfg.get("user_config"):
+                        # Ray's in-place update: the replicas stay, reconfigure() gets the
+                        # new user_config (calls from here reach a STARTING replica after
+                        # its initialize, actor calls being ordered per caller).
+                        for r in cur.replicas.values():
+                            if r.state in (STARTING, RUNNING):
+                                r.reconf_ref = r.actor.reconfigure.remote(cfg.get("user_config"))
                     cur.cfg = cfg
                     cur.target = (
                         _config.initial_target(cfg) if cfg.get("autoscaling_config") is None
@@ -356,6 +391,76 @@ class ServeController:
             self._write(doc)
             self._cv.notify_all()
 
+    # ---- Ray's REST API (SERVE-API-1: the head stores a declaration, this applies it) ----
+
+    def _watch_declared(self):
+        while not self._stopped:
+            time.sleep(_DECLARED_POLL_S)
+            try:
+                raw = _tpuray.kv_get(_common.SERVE_NAMESPACE, _common.DECLARED_KEY)
+                if raw is None:
+                    continue
+                doc = json.loads(raw)
+                if doc.get("seq") == self._declared_seq:
+                    continue
+                self._declared_seq = doc.get("seq")
+                if doc.get("shutdown"):
+                    self._shutdown_from_rest()
+                    return
+                self._apply_declared(doc.get("config") or {})
+            except Exception as e:  # noqa: BLE001 - reported in the status, never fatal
+                self._declared_error = f"{type(e).__name__}: {e}"
+                # As Ray: the applications of a declaration that fails show
+                # DEPLOY_FAILED with the error; what ran before keeps serving.
+                names = [a.get("name", _common.DEFAULT_APP_NAME) for a in
+                         ((doc.get("config") or {}).get("applications") or []) if isinstance(a, dict)]
+                with self._cv:
+                    self._declared_failed = {n: self._declared_error for n in names}
+                print(f"serve controller: the declared config failed: {self._declared_error}", file=sys.stderr)
+
+    def _apply_declared(self, config: dict) -> None:
+        """Deploys every application of a declaration (Ray's ``ServeDeploySchema``) and
+        deletes the applications it no longer names (Ray's declarative update).
+
+        Raises:
+            ValueError/TypeError/ImportError: a bad config or import path (reported in
+                the status document's ``declared_error``, shown by the REST API).
+        """
+        from tpuray.serve import _cli, _payload
+
+        apps = config.get("applications") or []
+        for a in apps:
+            bad = sorted(set(a) - _cli._APP_KEYS)
+            if bad:
+                raise ValueError(f"unknown application keys {bad}; expected some of {sorted(_cli._APP_KEYS)}")
+            if a.get("runtime_env"):
+                raise ValueError(f"application {a.get('name', 'default')!r}: runtime_env is not supported "
+                                 "by tpuray's serve config (install the code where the cluster runs)")
+        built = []
+        for a in apps:
+            app = _cli._import_target(a["import_path"], a.get("args"))
+            _cli._apply_overrides(app, a.get("deployments"))
+            name = a.get("name", _common.DEFAULT_APP_NAME)
+            built.append((name, a.get("route_prefix", "/"), *_payload(app, name)))
+        names = {b[0] for b in built}
+        self.delete_apps([n for n in self.list_apps() if n not in names])
+        for name, prefix, ingress, payload in built:
+            self.deploy_application(name, prefix, ingress, payload)
+        self._declared_apps = names
+        self._declared_error = None
+        with self._cv:
+            self._declared_failed = {}
+
+    def _shutdown_from_rest(self) -> None:
+        """``DELETE /api/serve/applications/``: as ``serve.shutdown()``, then this actor
+        ends for good."""
+        self.shutdown()
+        try:
+            tpuray.kill(tpuray.get_actor(_common.CONTROLLER_NAME, namespace=_common.SERVE_NAMESPACE),
+                        no_restart=True)
+        except Exception:  # noqa: BLE001 - already going
+            pass
+
     # ---- API for handles and the proxy ----
 
     def listen_for_replicas(self, app: str, deployment: str, version: int):
@@ -377,6 +482,8 @@ class ServeController:
                 "failed": d.message if d is not None and d.failed else None,
                 "replicas": [(r.rid, r.actor) for r in d.replicas.values() if r.state == RUNNING]
                 if exists else [],
+                "models": {r.rid: list(r.models) for r in d.replicas.values() if r.models}
+                if exists else {},
                 "config": {k: d.cfg[k] for k in ("max_ongoing_requests", "max_queued_requests",
                                                   "request_router", "request_router_kwargs")}
                 if d is not None else None,
@@ -401,6 +508,14 @@ class ServeController:
         with self._cv:
             self._metrics.setdefault((app, deployment), {})[handle_id] = (float(ongoing), time.monotonic())
 
+    def record_multiplexed_models(self, app: str, deployment: str, replica_id: str, model_ids: list) -> None:
+        """A replica's multiplexed model ids (it sends them after each load)."""
+        with self._cv:
+            d = self._deps.get((app, deployment))
+            if d is not None and replica_id in d.replicas:
+                d.replicas[replica_id].models = list(model_ids)
+                self._bump((app, deployment))
+
     def report_replica_failure(self, app: str, deployment: str, replica_id: str) -> None:
         """A handle saw a request fail because the replica's actor died: look at once."""
         with self._cv:
@@ -423,7 +538,7 @@ class ServeController:
         with self._cv:
             for d in self._deps.values():
                 for r in d.replicas.values():
-                    for ref in (r.init_ref, r.health_ref, r.stop_ref):
+                    for ref in (r.init_ref, r.health_ref, r.stop_ref, r.reconf_ref):
                         if ref is not None:
                             refs.append(ref)
             if self._proxy_ref is not None:
@@ -483,6 +598,13 @@ class ServeController:
                     f"{_safe(tpuray.available_resources)}."
                 )
             elif r.state == RUNNING:
+                if r.reconf_ref is not None and r.reconf_ref in ready:
+                    ref, r.reconf_ref = r.reconf_ref, None
+                    try:
+                        tpuray.get(ref)
+                    except Exception as e:  # noqa: BLE001
+                        self._replace(key, d, r, f"failed to apply the new user_config: {_short(e)}")
+                        continue
                 self._health(key, d, r, ready, now)
             elif r.state == STOPPING:
                 if r.stop_ref in ready or now >= r.stop_deadline:
@@ -601,11 +723,25 @@ class ServeController:
         }
         ao.pop("object_store_memory", None)
         opts.update({k: v for k, v in ao.items() if v is not None})
+        pg = None
         try:
+            if cfg.get("placement_group_bundles"):
+                from tpuray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                pg = _replica_placement_group(cfg, _replica_name(d, rid))
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
+            rcfg = r_cfg(d)
+            if pg is not None:
+                rcfg["placement_group_id"] = pg.id.hex()
             actor = tpuray.remote(ServeReplica).options(**opts).remote(
-                d.app, d.name, rid, d.target_bytes, d.init_bytes, r_cfg(d)
+                d.app, d.name, rid, d.target_bytes, d.init_bytes, rcfg
             )
+        except _NoSliceYet as e:
+            d.message = str(e)
+            return
         except Exception as e:  # noqa: BLE001 - e.g. a bad runtime_env
+            _remove_pg(pg)
             d.failures += 1
             d.message = f"could not create a replica: {_short(e)}"
             if d.failures >= _MAX_CONSTRUCTOR_FAILURES:
@@ -614,6 +750,7 @@ class ServeController:
                 self._bump(key)
             return
         d.replicas[rid] = _Replica(rid, actor)
+        d.replicas[rid].pg = pg
 
     def _stop_replica(self, d, r):
         if r.state == STARTING:
@@ -641,7 +778,9 @@ class ServeController:
 
     def _kill(self, r):
         self._kill_actor(r.actor)
-        r.init_ref = r.health_ref = r.stop_ref = None
+        r.init_ref = r.health_ref = r.stop_ref = r.reconf_ref = None
+        _remove_pg(getattr(r, "pg", None))
+        r.pg = None
 
     @staticmethod
     def _kill_actor(actor):
@@ -701,7 +840,7 @@ class ServeController:
     def _dep_status(self, d: _Deployment) -> str:
         if d.failed:
             return "DEPLOY_FAILED"
-        running = sum(1 for r in d.replicas.values() if r.state == RUNNING)
+        running = sum(1 for r in d.replicas.values() if r.state == RUNNING and r.reconf_ref is None)
         if running >= d.target and not d.scaling:
             return "HEALTHY"
         if d.unhealthy:
@@ -752,13 +891,15 @@ class ServeController:
                     counts[r.state] = counts.get(r.state, 0) + 1
                 ac = d.cfg.get("autoscaling_config")
                 deps[dn] = {
+                    "required_resources": _replica_resources(d.cfg),
+                    "deployment_config": _deployment_config(dn, d.cfg),
                     "status": self._dep_status(d),
                     "status_trigger": d.trigger,
                     "message": d.message,
                     "target_replicas": d.target,
                     "replica_states": counts,
                     "replicas": [
-                        {"replica_id": r.rid, "state": r.state,
+                        {"replica_id": r.rid, "state": r.state, "start_time_s": r.started_at,
                          "actor_id": r.actor._actor_id,
                          "node_id": r.info.get("node_id", ""), "pid": r.info.get("pid", 0)}
                         for r in d.replicas.values()
@@ -769,14 +910,22 @@ class ServeController:
                         "ongoing_requests": d.total_ongoing,
                     },
                 }
+            failed = self._declared_failed.get(name)
             apps[name] = {
-                "status": a["status"], "message": a["message"], "route_prefix": a["route_prefix"],
+                "source": "declarative" if name in self._declared_apps else "imperative",
+                "status": "DEPLOY_FAILED" if failed else a["status"],
+                "message": failed or a["message"], "route_prefix": a["route_prefix"],
                 "ingress": a["ingress"], "last_deployed_time_s": a["last_deployed_time_s"],
                 "deployments": deps,
             }
         proxies = {}
         if self._proxy_state is not None:
             proxies[self._proxy_info.get("node_id") or self._node_id] = self._proxy_state
+        for name, err in self._declared_failed.items():
+            if name not in apps:
+                apps[name] = {"source": "declarative", "status": "DEPLOY_FAILED", "message": err,
+                              "route_prefix": None, "ingress": "", "last_deployed_time_s": time.time(),
+                              "deployments": {}}
         return {
             "controller": {"state": "STOPPED" if self._stopped else "RUNNING",
                            "node_id": self._node_id, "pid": os.getpid(), "updated_at": time.time()},
@@ -784,6 +933,7 @@ class ServeController:
             "http": self._http_info(),
             "applications": apps,
             "target_capacity": None,
+            "declared_error": self._declared_error,
         }
 
     def _maybe_write(self, doc):
@@ -802,6 +952,87 @@ class ServeController:
             print(f"serve controller: could not write the status to the KV: {e}", file=sys.stderr)
 
 
+_HEAD_RESOURCE = re.compile(r"^TPU-(.+)-head$")
+
+
+def _replica_placement_group(cfg: dict, name: str):
+    """The placement group of one replica (Ray's ``placement_group_bundles`` and
+    ``placement_group_strategy``, default ``PACK``; the replica runs in bundle 0 and its
+    tasks and actors in the group).
+
+    A bundle naming a slice's ``TPU-<type>-head`` (e.g. ``TPU-v6e-16-head``) asks for a
+    whole slice: the bundles must then be one per host of that slice, each with all of
+    its chips (``{"TPU": 4}`` for v6e-16), and the group is a slice group (TPU.md:
+    every host of one intact slice, in worker-id order, or nothing; SCHED-15), so
+    the replica's gang is always the four hosts of one slice.
+
+    Raises:
+        ValueError: slice bundles that do not match the slice's shape.
+    """
+    from tpuray.util.placement_group import PlacementGroup, placement_group
+
+    bundles = [dict(b) for b in cfg["placement_group_bundles"]]
+    strategy = cfg.get("placement_group_strategy") or "PACK"
+    pod = None
+    for b in bundles:
+        for k in b:
+            m = _HEAD_RESOURCE.match(k)
+            if m:
+                pod = m.group(1)
+    if pod is None:
+        return placement_group(bundles, strategy=strategy, name=name)
+    version = pod.split("-")[0]
+    topology = None
+    for n in tpuray.nodes():
+        labels = n.get("Labels") or {}
+        if labels.get("tpuray.io/tpu-pod-type") == pod and labels.get("tpuray.io/tpu-topology"):
+            topology = labels["tpuray.io/tpu-topology"]
+            break
+    if topology is None:
+        raise _NoSliceYet(f"no {pod} slice has joined the cluster yet (placement_group_bundles name "
+                         f"TPU-{pod}-head); the replica starts once one has")
+    _ty, _chips, hosts, per_host = _tpuray.tpu_slice_shape(topology=topology, version=version)
+    extra = [{k: v for k, v in b.items() if k != "TPU" and not _HEAD_RESOURCE.match(k)} for b in bundles]
+    if len(bundles) != hosts or any(b.get("TPU") != per_host for b in bundles):
+        raise ValueError(
+            f"placement_group_bundles name TPU-{pod}-head, so they ask for a whole {pod} slice: "
+            f"that is {hosts} bundles of {{'TPU': {per_host}}} (one per host), got {bundles}"
+        )
+    if any(e != extra[0] for e in extra):
+        raise ValueError(f"the bundles of a whole-slice replica must ask for the same other resources (got {extra})")
+    if strategy not in ("PACK", "SPREAD", "STRICT_SPREAD"):
+        raise ValueError(f"placement_group_strategy {strategy!r} cannot hold a slice: one bundle per host")
+    custom = dict(bundles[0], TPU=float(per_host))
+    custom = {k: float(v) for k, v in custom.items() if not _HEAD_RESOURCE.match(k)}
+    pg_id, n, _, _, _ = _tpuray.slice_placement_group(topology, version, custom if extra[0] else None, 1, name)
+    return PlacementGroup(pg_id, n)
+
+
+class _NoSliceYet(Exception):
+    """No slice of the asked-for type has joined yet: the replica waits (not a failure)."""
+
+
+def _find_pg(name: str):
+    """A replica's placement group by its name (the replica's actor name), or None."""
+    from tpuray.util.placement_group import get_placement_group
+
+    try:
+        return get_placement_group(name)
+    except ValueError:
+        return None
+
+
+def _remove_pg(pg) -> None:
+    if pg is None:
+        return
+    from tpuray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(pg)
+    except Exception:  # noqa: BLE001 - gone already
+        pass
+
+
 def _replica_name(d: _Deployment, rid: str) -> str:
     return f"SERVE_REPLICA::{d.app}#{d.name}#{rid}"
 
@@ -810,7 +1041,7 @@ def r_cfg(d: _Deployment) -> dict:
     """The options a replica needs."""
     return {k: d.cfg[k] for k in ("max_ongoing_requests", "health_check_timeout_s",
                                   "graceful_shutdown_timeout_s", "user_config",
-                                  "health_check_period_s")}
+                                  "health_check_period_s", "graceful_shutdown_wait_loop_s")}
 
 
 def _replica_resources(cfg) -> dict:
@@ -820,6 +1051,23 @@ def _replica_resources(cfg) -> dict:
         res["GPU"] = ao["num_gpus"]
     res.update(ao.get("resources") or {})
     return res
+
+
+def _deployment_config(name: str, cfg: dict) -> dict:
+    """The deployment's options as Ray's ``DeploymentSchema`` names them (JSON)."""
+    out = {"name": name}
+    for k in ("num_replicas", "max_ongoing_requests", "max_queued_requests", "user_config",
+              "autoscaling_config", "graceful_shutdown_wait_loop_s", "graceful_shutdown_timeout_s",
+              "health_check_period_s", "health_check_timeout_s", "ray_actor_options",
+              "placement_group_bundles", "placement_group_strategy"):
+        v = cfg.get(k)
+        if v is not None:
+            out[k] = v
+    try:
+        json.dumps(out)
+    except TypeError:
+        out = {"name": name}
+    return out
 
 
 def _safe(f):

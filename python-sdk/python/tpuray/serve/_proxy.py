@@ -1,20 +1,21 @@
-"""The HTTP proxy: an actor that serves every application's route prefix over HTTP/1.1,
-JSON in and JSON out (Python's ``http.server``, one thread per connection).
+"""The HTTP proxy: an actor that serves every application's route prefix over HTTP/1.1
+(Python's ``http.server``, one thread per connection).
 
 A request goes to the application whose ``route_prefix`` is the longest prefix of the
-path (``/`` matches everything; ``/a`` matches ``/a`` and ``/a/...``). The body must be
-empty or JSON (else 400); the ingress deployment's ``__call__`` gets a
-:class:`tpuray.serve.http.Request`. Its return value is the response: ``bytes`` as
-``application/octet-stream``, ``str`` as ``text/plain``, anything else as JSON (a value
-JSON cannot encode is a 500). A generator's items are sent as they come, with chunked
-transfer encoding: ``str``/``bytes`` items as they are, other items one JSON document
-per line (``application/x-ndjson``).
+path (``/`` matches everything; ``/a`` matches ``/a`` and ``/a/...``). The proxy reads
+the whole request and sends it, as a :class:`tpuray.serve.http.HTTPRequest`, to the
+application's ingress replica on a streaming call; the replica answers with the status,
+headers and body chunks (``http.py`` says how a replica turns a request into a
+response: ASGI for ``@serve.ingress`` apps, a Starlette ``Request`` and Ray's return
+value conversion for the others). A chunked response is sent with chunked transfer
+encoding as its chunks come.
 
-Errors are JSON ``{"error": ..., ...}``: 404 for a path no application serves (with
-the routes), 400 for a body that is not JSON, 500 when the deployment raised (its
-exception type and message), 503 when no replica could take the request (backpressure,
-replicas died). ``GET /-/routes`` lists the routes, ``GET /-/healthz`` answers
-``success``. A bad request never takes the proxy down: every handler catches all.
+Serve's own errors: 404 JSON ``{"error", "routes"}`` for a path no application serves,
+503 (text) when no replica could take the request (backpressure, replicas died, the
+deployment is gone), 411 for a chunked request body, 400 for a bad Content-Length.
+``GET /-/routes`` lists the routes, ``GET /-/healthz`` answers ``success``. A bad
+request never takes the proxy down: every handler catches all. The
+``serve_multiplexed_model_id`` request header sets the request's model id (Ray's).
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ import threading
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import tpuray
 from tpuray.serve import _common
+
+#: The request header naming the model of a multiplexed deployment (Ray's
+#: ``SERVE_MULTIPLEXED_MODEL_ID``).
+MULTIPLEXED_HEADER = "serve_multiplexed_model_id"
 
 
 class _Server(ThreadingHTTPServer):
@@ -161,70 +166,52 @@ class _Handler(BaseHTTPRequestHandler):
             })
             return
         prefix, (app, ingress) = m
-        parsed = None
-        if body.strip():
-            try:
-                parsed = json.loads(body)
-            except ValueError as e:
-                self._json(400, {
-                    "error": f"request body is not valid JSON: {e}",
-                    "expected": "a JSON document (or an empty body)",
-                })
-                return
-        from tpuray.serve.http import Request
+        from tpuray.serve.http import HTTPRequest, error_start
 
-        req = Request(self.command, path, parts.query, prefix,
-                      {k.lower(): v for k, v in self.headers.items()}, body, parsed)
-        gen = proxy.handle_for(app, ingress).remote(req)
+        headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+        req = HTTPRequest(self.command, unquote(path), parts.path.encode("latin-1") or b"/",
+                          parts.query.encode("latin-1"), headers, body, prefix,
+                          client=list(self.client_address[:2]))
+        h = proxy.handle_for(app, ingress)
+        model_id = self.headers.get(MULTIPLEXED_HEADER)
+        if model_id:
+            # Ray routes by this header as by the handle option of the same meaning.
+            h = h.options(multiplexed_model_id=model_id)
+        gen = h.remote(req)
         try:
             first = next(gen, None)
-        except Exception as e:  # noqa: BLE001
-            self._error(e)
-            return
+        except Exception as e:  # noqa: BLE001 - serve's own errors (the replica answers the user's)
+            first = error_start(e)
         if first is None:
-            self._json(200, None)
+            first = error_start(RuntimeError(f"the ingress {ingress!r} sent no response"))
+        _, status, hdrs, data, more = first
+        self.send_response(status)
+        for k, v in hdrs:
+            if k.lower() in (b"content-length", b"transfer-encoding", b"connection"):
+                continue
+            self.send_header(k.decode("latin-1"), v.decode("latin-1"))
+        if not more:
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
             return
-        kind, value = first
-        if kind == "value":
-            try:
-                data, ctype = _encode(value)
-            except (TypeError, ValueError) as e:
-                self._json(500, {"error": f"the ingress {ingress!r} returned a value that is not JSON serializable: {e}"})
-                return
-            self._send(200, data, ctype)
-            return
-        self._stream(value, gen)
-
-    def _stream(self, first, gen):
-        data, ctype = _encode(first, stream=True)
-        self.send_response(200)
-        self.send_header("Content-Type", ctype)
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         self._chunk(data)
         try:
-            for _, item in gen:
-                self._chunk(_encode(item, stream=True)[0])
-        except Exception as e:  # noqa: BLE001 - the headers are gone: end the stream with the error
-            self._chunk(json.dumps({"error": _message(e)}).encode() + b"\n")
+            for _, data, more in gen:
+                self._chunk(data)
+                if not more:
+                    break
+        except Exception as e:  # noqa: BLE001 - the headers are gone: end the stream
+            print(f"serve proxy: the stream from {ingress!r} broke: {_message(e)}", file=sys.stderr)
         self.wfile.write(b"0\r\n\r\n")
 
     def _chunk(self, data: bytes):
         if data:
             self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             self.wfile.flush()
-
-    def _error(self, e: BaseException):
-        from tpuray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaDiedError
-
-        if isinstance(e, (BackPressureError, ReplicaDiedError, DeploymentUnavailableError)):
-            self._json(503, {"error": str(e), "type": type(e).__name__})
-            return
-        cause = getattr(e, "cause", None)
-        self._json(500, {
-            "error": _message(e),
-            "type": type(cause).__name__ if cause is not None else type(e).__name__,
-        })
 
 
 def _message(e: BaseException) -> str:
@@ -233,22 +220,3 @@ def _message(e: BaseException) -> str:
         return f"{type(cause).__name__}: {cause}"
     s = str(e).strip().splitlines()
     return s[-1] if s else type(e).__name__
-
-
-def _encode(value, stream: bool = False):
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value), "application/octet-stream"
-    if isinstance(value, str):
-        return value.encode(), "text/plain; charset=utf-8"
-    data = json.dumps(value, default=_json_default).encode()
-    if stream:
-        return data + b"\n", "application/x-ndjson"
-    return data, "application/json"
-
-
-def _json_default(v):
-    """numpy arrays and scalars (anything with ``tolist``) become lists and numbers."""
-    tolist = getattr(v, "tolist", None)
-    if callable(tolist):
-        return tolist()
-    raise TypeError(f"Object of type {type(v).__name__} is not JSON serializable")

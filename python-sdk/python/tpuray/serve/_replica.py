@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
 import inspect
 import os
@@ -26,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 from tpuray._private.serialization import deserialize
+from tpuray.serve import http as _http
 
 
 @dataclass(frozen=True)
@@ -62,11 +64,43 @@ class ReplicaContext:
 
 
 _context: ReplicaContext | None = None
-_request_context = threading.local()
+#: The request being served: ``{"request_id", "multiplexed_model_id"}`` (a context
+#: variable, so each async request and each thread-pool call sees its own).
+_request_context: contextvars.ContextVar = contextvars.ContextVar("serve_request", default=None)
+
+
+def current_request() -> dict:
+    """The serving request's metadata here, ``{}`` outside a request."""
+    return _request_context.get() or {}
 
 
 def current_context() -> ReplicaContext | None:
     return _context
+
+
+def _in_placement_group(pg_id) -> None:
+    """Marks this thread as running in the replica's placement group (the replica
+    actor runs in its bundle 0), so ``get_current_placement_group()`` in user code
+    run on the replica's event loop or thread pool returns it, as in Ray."""
+    if pg_id:
+        from tpuray._private import worker
+
+        worker._task_context.placement_group_id = pg_id
+
+
+def report_models(model_ids: list) -> None:
+    """Tells the controller which multiplexed models this replica holds now (routers
+    prefer a replica holding a request's model)."""
+    ctx = _context
+    if ctx is None:
+        return
+    from tpuray.serve import _common
+
+    try:
+        _common.get_controller().record_multiplexed_models.remote(
+            ctx.app_name, ctx.deployment, ctx.replica_tag, list(model_ids))
+    except Exception:  # noqa: BLE001 - routing then just does not prefer this replica
+        pass
 
 
 class ServeReplica:
@@ -82,12 +116,15 @@ class ServeReplica:
         self._init_bytes = init_args
         self._config = config
         self._callable = None
+        self._lifespan = None
         self._is_function = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ongoing = 0
         self._lock = threading.Lock()
+        pg_id = config.get("placement_group_id")
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(2, int(config["max_ongoing_requests"])), thread_name_prefix="serve-replica"
+            max_workers=max(2, int(config["max_ongoing_requests"])), thread_name_prefix="serve-replica",
+            initializer=_in_placement_group, initargs=(pg_id,),
         )
 
     # ---- lifecycle ----
@@ -101,6 +138,7 @@ class ServeReplica:
         """
         global _context
         self._loop = asyncio.get_running_loop()
+        _in_placement_group(self._config.get("placement_group_id"))
         target = deserialize(self._target_bytes)
         args, kwargs = deserialize(self._init_bytes)
         _context = ReplicaContext(ReplicaID(self._replica_id, self._deployment, self._app))
@@ -111,20 +149,43 @@ class ServeReplica:
             self._is_function = True
         self._callable = obj
         _context.servable_object = obj
+        if _http.is_asgi_ingress(obj):
+            from tpuray.serve._ingress import Lifespan
+
+            self._lifespan = Lifespan(type(obj)._serve_asgi_app)
+            await self._lifespan.startup()
         uc = self._config.get("user_config")
         if uc is not None:
-            rc = getattr(obj, "reconfigure", None)
-            if rc is None:
-                raise ValueError(
-                    f"deployment {self._deployment!r} has a user_config but its class defines no reconfigure(config) method"
-                )
-            r = rc(uc)
-            if inspect.isawaitable(r):
-                await r
+            await self._reconfigure(uc)
         import tpuray
 
         ctx = tpuray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "actor_id": ctx.get_actor_id()}
+
+    async def _reconfigure(self, user_config) -> None:
+        rc = getattr(self._callable, "reconfigure", None) if not self._is_function else None
+        if rc is None:
+            raise ValueError(
+                f"deployment {self._deployment!r} has a user_config but its class defines no "
+                "reconfigure(config) method"
+            )
+        if inspect.iscoroutinefunction(rc):
+            await rc(user_config)
+        else:
+            r = await self._loop.run_in_executor(self._pool, rc, user_config)
+            if inspect.isawaitable(r):
+                await r
+
+    async def reconfigure(self, user_config) -> bool:
+        """Applies a new ``user_config`` in place (Ray's in-place update: the replica
+        keeps running, its ``reconfigure(config)`` is called with the new value).
+
+        Raises:
+            ValueError: the class has no ``reconfigure`` method.
+        """
+        await self._reconfigure(user_config)
+        self._config = dict(self._config, user_config=user_config)
+        return True
 
     def check_health(self) -> dict:
         """This replica's health: the event loop answers within the controller's timeout
@@ -153,8 +214,15 @@ class ServeReplica:
         deadline = time.monotonic() + float(self._config["graceful_shutdown_timeout_s"])
         # Handles may still send a request or two before they learn this replica stops.
         time.sleep(min(0.2, float(self._config["graceful_shutdown_timeout_s"])))
+        loop_s = float(self._config.get("graceful_shutdown_wait_loop_s", 2.0))
         while self._ongoing > 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+            # Ray's graceful_shutdown_wait_loop_s: how often to look again.
+            time.sleep(max(0.01, min(loop_s, deadline - time.monotonic())))
+        if self._lifespan is not None and self._loop is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._lifespan.shutdown(), self._loop).result(timeout=10)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
         d = getattr(type(self._callable), "__del__", None) if not self._is_function else None
         if d is not None:
             try:
@@ -184,8 +252,8 @@ class ServeReplica:
     def _enter(self, meta):
         with self._lock:
             self._ongoing += 1
-        _request_context.request_id = meta.get("request_id")
-        _request_context.multiplexed_model_id = meta.get("multiplexed_model_id", "")
+        _request_context.set({"request_id": meta.get("request_id"),
+                              "multiplexed_model_id": meta.get("multiplexed_model_id", "")})
 
     def _leave(self):
         with self._lock:
@@ -204,7 +272,8 @@ class ServeReplica:
             if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
                 result = await fn(*args, **kwargs)
             else:
-                result = await self._loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+                result = await self._loop.run_in_executor(
+                    self._pool, contextvars.copy_context().run, functools.partial(fn, *args, **kwargs))
                 if inspect.isawaitable(result):
                     result = await result
             return result
@@ -222,6 +291,10 @@ class ServeReplica:
         self._enter(meta)
         http = bool(meta.get("http"))
         try:
+            if http and args and isinstance(args[0], _http.HTTPRequest):
+                fn = None if _http.is_asgi_ingress(self._callable) else self._method(meta["method"])
+                yield from _http.serve_http(self._callable, fn, args[0], self._loop, self._pool)
+                return
             fn = self._method(meta["method"])
             result = fn(*args, **kwargs)
             if inspect.iscoroutine(result):

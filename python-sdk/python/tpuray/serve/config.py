@@ -28,15 +28,20 @@ DEFAULTS = {
     "ray_actor_options": None,
     "request_router": "pow2",
     "request_router_kwargs": None,
+    "placement_group_bundles": None,
+    "placement_group_strategy": None,
 }
 
 #: Options accepted for compatibility and ignored (documented in the package README).
-IGNORED = {"version", "logging_config", "max_replicas_per_node"}
+IGNORED = {"logging_config", "max_replicas_per_node"}
 UNSUPPORTED = {
-    "placement_group_bundles": "placement groups per replica are not supported by tpuray.serve yet",
-    "placement_group_strategy": "placement groups per replica are not supported by tpuray.serve yet",
+    "placement_group_bundle_label_selector": "tpuray picks a slice's hosts itself (a bundle "
+    "naming a slice's TPU-<type>-head reserves one whole intact slice)",
+    "gang_scheduling_config": "use placement_group_bundles for a replica that spans hosts",
     "route_prefix": "route_prefix is set per application: serve.run(app, route_prefix=...)",
     "request_router_config": "use request_router='prefix_affinity' and request_router_kwargs={...}",
+    # As Ray 2.60: "`version` in `@serve.deployment` has been removed".
+    "version": "it was removed from Ray Serve; serve manages deployment versions internally",
 }
 DEPLOYMENT_OPTIONS = set(DEFAULTS) | IGNORED | {"name"}
 
@@ -196,6 +201,31 @@ def deployment_options(opts: dict, base: dict | None = None) -> dict:
         for k in ("num_cpus", "num_gpus", "memory"):
             if ao.get(k) is not None:
                 _number(f"ray_actor_options[{k!r}]", ao[k], minimum=0)
+    pgb = out["placement_group_bundles"]
+    if pgb is not None:
+        if not isinstance(pgb, list) or not pgb or not all(isinstance(b, dict) and b for b in pgb):
+            raise ValueError(
+                f"placement_group_bundles must be a non-empty list of non-empty resource dicts (got {pgb!r})"
+            )
+        for i, b in enumerate(pgb):
+            for k, v in b.items():
+                _number(f"placement_group_bundles[{i}][{k!r}]", v, minimum=0)
+        bundle0 = pgb[0]
+        want = _replica_resources(out["ray_actor_options"] or {})
+        short = {k: v for k, v in want.items() if v and bundle0.get(k, 0) < v}
+        if short:
+            raise ValueError(
+                f"the replica's resources {want} must fit in placement_group_bundles[0] {bundle0} "
+                f"(Ray places the replica in bundle 0); short of {short}"
+            )
+    if out["placement_group_strategy"] is not None:
+        if pgb is None:
+            raise ValueError("placement_group_strategy is set but placement_group_bundles is not")
+        if out["placement_group_strategy"] not in PG_STRATEGIES:
+            raise ValueError(
+                f"placement_group_strategy must be one of {sorted(PG_STRATEGIES)} "
+                f"(got {out['placement_group_strategy']!r})"
+            )
     rr = out["request_router"]
     if rr not in ROUTERS:
         raise ValueError(f"request_router must be one of {sorted(ROUTERS)} (got {rr!r})")
@@ -206,6 +236,21 @@ def deployment_options(opts: dict, base: dict | None = None) -> dict:
         kw[k] = _number(f"request_router_kwargs[{k!r}]", v, minimum=0, integer=True)
     out["request_router_kwargs"] = kw
     return out
+
+
+#: Ray's placement group strategies (default ``PACK``).
+PG_STRATEGIES = {"PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"}
+
+
+def _replica_resources(ao: dict) -> dict:
+    """The resources a replica's actor asks for (Ray's default ``num_cpus`` 1)."""
+    res = {"CPU": ao.get("num_cpus", 1) if ao.get("num_cpus") is not None else 1}
+    if ao.get("num_gpus"):
+        res["GPU"] = ao["num_gpus"]
+    if ao.get("memory"):
+        res["memory"] = ao["memory"]
+    res.update(ao.get("resources") or {})
+    return res
 
 
 def initial_target(cfg: dict) -> int:

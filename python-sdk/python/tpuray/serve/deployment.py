@@ -41,6 +41,10 @@ class Deployment:
         return self._options["max_ongoing_requests"]
 
     @property
+    def max_queued_requests(self) -> int:
+        return self._options["max_queued_requests"]
+
+    @property
     def ray_actor_options(self):
         return self._options["ray_actor_options"]
 

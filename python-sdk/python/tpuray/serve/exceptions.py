@@ -21,3 +21,8 @@ class DeploymentUnavailableError(RayServeException):
 class ReplicaDiedError(RayServeException, ActorDiedError):
     """Every replica a request was tried on died while running it (it was retried on
     another replica up to the handle's retry limit first). Also an ``ActorDiedError``."""
+
+
+class DeployFailedError(RayServeException, RuntimeError):
+    """``serve.run``: the application failed to deploy (Ray raises a ``RuntimeError``;
+    this is one, and a ``RayServeException``)."""

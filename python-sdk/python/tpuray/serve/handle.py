@@ -77,9 +77,9 @@ def _prefix_of(args, kwargs, chars: int) -> str | None:
     if it is a string, else its ``prompt`` (or ``text``, or joined ``messages``
     contents) when it is a dict or an HTTP request with such a JSON body."""
     v = args[0] if args else (kwargs.get("prompt") if kwargs else None)
-    from tpuray.serve.http import Request
+    from tpuray.serve.http import HTTPRequest
 
-    if isinstance(v, Request):
+    if isinstance(v, HTTPRequest):
         v = v.json_body
     if isinstance(v, dict):
         if isinstance(v.get("prompt"), str):
@@ -103,6 +103,7 @@ class _Router:
         self.deployment = deployment
         self._cv = threading.Condition()
         self._replicas: dict = {}  # replica id -> actor handle
+        self._models: dict = {}  # replica id -> multiplexed model ids it holds
         self._ongoing: dict = {}  # replica id -> requests this process has there
         self._dead: set = set()  # ids that died here; left out until the controller drops them
         self._config = {"max_ongoing_requests": 5, "max_queued_requests": -1,
@@ -176,7 +177,17 @@ class _Router:
         free = [r for r in ids if self._ongoing.get(r, 0) < cap]
         if not free:
             return None
-        if self._config["request_router"] == "prefix_affinity":
+        model = req.meta.get("multiplexed_model_id")
+        if model:
+            # Ray's multiplexed routing: a replica that holds the model, if one has room.
+            holding = [r for r in free if model in self._models.get(r, ())]
+            if holding:
+                free = holding
+            else:
+                # Otherwise the one holding fewest models (it has room to load another).
+                least = min(len(self._models.get(r, ())) for r in free)
+                free = [r for r in free if len(self._models.get(r, ())) == least]
+        elif self._config["request_router"] == "prefix_affinity":
             kw = self._config["request_router_kwargs"]
             prefix = _prefix_of(req.args, req.kwargs, int(kw.get("prefix_chars", 64)))
             if prefix is not None:
@@ -351,6 +362,7 @@ class _Router:
                 self._exists = snap["exists"]
                 self._failed = snap.get("failed")
                 self._replicas = dict(snap["replicas"])
+                self._models = {k: set(v) for k, v in (snap.get("models") or {}).items()}
                 self._config = snap["config"] or self._config
                 self._dead &= set(self._replicas)
                 self._dispatch_pending()
