@@ -209,8 +209,12 @@ impl SledKv {
         let mut tries = 0;
         let db = loop {
             match sled::Config::new().path(dir).mode(sled::Mode::HighThroughput).open() {
+                // sled 0.34 wraps the lock's EWOULDBLOCK in an error of kind `Other`
+                // whose text says so ("could not acquire lock on ...").
                 Err(sled::Error::Io(e))
-                    if e.kind() == std::io::ErrorKind::WouldBlock && tries < 200 =>
+                    if tries < 200
+                        && (e.kind() == std::io::ErrorKind::WouldBlock
+                            || e.to_string().contains("could not acquire lock")) =>
                 {
                     tries += 1;
                     std::thread::sleep(std::time::Duration::from_millis(10));
