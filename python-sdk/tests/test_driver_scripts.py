@@ -274,3 +274,66 @@ def test_soft_node_affinity_to_a_node_that_just_joined_runs_there(tmp_path, env)
         assert r.stdout.splitlines() == ["soft True", "hard True"], r.stdout
     finally:
         c.stop()
+
+
+def test_init_keywords_are_honoured_refused_or_named_as_ray_s(tmp_path, env):
+    """init() takes Ray 2.60's keywords: an unknown one is refused as Ray refuses it, the
+    sizing options are refused when joining an existing cluster (Ray's ValueError), and a
+    Ray keyword without a tpuray counterpart is named in a warning, never dropped."""
+    r = run_script(tmp_path, env, """
+        import warnings
+        import tpuray as ray
+        try:
+            ray.init(num_cpu=2)
+        except RuntimeError as e:
+            print("unknown:", e)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            info = ray.init(num_cpus=1, include_dashboard=False, _temp_dir=None,
+                            job_config={"a": 1}, logging_level="WARNING")
+        print("warned:", [str(x.message) for x in w])
+        import logging
+        print("level:", logging.getLevelName(logging.getLogger("tpuray").level))
+        address = info["head_address"]
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+
+            @ray.remote(max_calls=1)
+            def f():
+                return 1
+
+            @ray.remote(max_calls=0)
+            def g():
+                return 1
+
+            class A:
+                @ray.method(concurrency_group="io")
+                def m(self):
+                    return 2
+
+            try:
+                ray.method(bogus=1)
+            except AssertionError as e:
+                print("method:", e)
+        print("unhonoured:", sorted(str(x.message).split(" option ")[1].split(" yet")[0] for x in w))
+        import subprocess, sys
+        for kw in ("num_cpus=2", "resources={'x': 1}", "object_store_memory=10**8"):
+            p = subprocess.run([sys.executable, "-c",
+                                f"import tpuray as ray\\ntry:\\n    ray.init({address!r}, {kw})\\n"
+                                "except ValueError as e:\\n    print(e)"],
+                               capture_output=True, text=True)
+            print("existing:", p.stdout.strip() or p.stderr.strip()[-300:])
+    """)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "unknown: Unknown keyword argument(s): num_cpu" in out
+    assert "include_dashboard=" in out and "job_config=" in out, out
+    assert "_temp_dir" not in out.split("warned:")[1].split("\n")[0], "None is not a value given"
+    assert "level: WARNING" in out
+    assert """unhonoured: ["concurrency_group='io'", 'max_calls=1']""" in out, out
+    assert "method: Unexpected keyword argument to @ray.method: 'bogus'" in out
+    assert ("existing: When connecting to an existing cluster, num_cpus and num_gpus must not "
+            "be provided.") in out
+    assert "existing: When connecting to an existing cluster, resources must not be provided." in out
+    assert ("existing: When connecting to an existing cluster, object_store_memory must not be "
+            "provided.") in out

@@ -36,13 +36,20 @@ def init(address=None, **kwargs):
     ``uv``, ``env_vars``, ``excludes``, ``config``, as Ray's; see ``tpuray.runtime_env``),
     ``ignore_reinit_error``, ``log_to_driver`` (default ``RAY_LOG_TO_DRIVER``, on: lines
     printed by the job's tasks and actors print here as ``(f pid=123) ...``, repeated
-    lines deduplicated by Ray's rules and ``RAY_DEDUP_LOGS*`` variables).
+    lines deduplicated by Ray's rules and ``RAY_DEDUP_LOGS*`` variables),
+    ``configure_logging``, ``logging_level``, ``logging_format`` (the ``tpuray`` logger, as
+    Ray configures its ``ray`` logger). Ray's other keywords (``include_dashboard``,
+    ``job_config``, ``labels``, ``_temp_dir`` ...) have no counterpart here: a warning
+    names each one given and what to use instead.
 
     Returns:
         A dict with the job, node and worker ids and addresses.
 
     Raises:
-        RuntimeError: already initialised (unless ``ignore_reinit_error``).
+        RuntimeError: already initialised (unless ``ignore_reinit_error``); a keyword
+            Ray's ``init`` does not take either (``Unknown keyword argument(s): ...``).
+        ValueError: ``num_cpus``, ``num_gpus``, ``resources`` or ``object_store_memory``
+            when connecting to an existing cluster (Ray's refusal); ``local_mode=True``.
         tpuray.exceptions.RaySystemError: the cluster could not be reached or started.
     """
     return _worker.init(address, **kwargs)

@@ -20,7 +20,26 @@ def method(*args, **kwargs):
 
     if len(args) == 1 and callable(args[0]) and not kwargs:
         return args[0]
+    for key in kwargs:
+        if key not in _METHOD_KEYS:
+            # Ray 2.60 asserts the same (ray/actor.py, ``method``).
+            raise AssertionError(
+                f"Unexpected keyword argument to @ray.method: '{key}'. The supported "
+                f"keyword arguments are {_METHOD_KEYS}"
+            )
+    _options.warn_unhonoured(
+        {k: v for k, v in kwargs.items() if k != "num_returns"}, "@method"
+    )
     return decorate
+
+
+# Ray 2.60's ``@ray.method`` keywords; tpuray honours ``num_returns`` and names the others
+# in a warning (``_options.warn_unhonoured``).
+_METHOD_KEYS = [
+    "num_returns", "concurrency_group", "max_task_retries", "retry_exceptions",
+    "_generator_backpressure_num_objects", "_num_objects_per_yield", "enable_task_events",
+    "tensor_transport",
+]
 
 
 def _is_async_class(cls) -> bool:

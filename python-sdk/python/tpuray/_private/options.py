@@ -26,6 +26,44 @@ def check(options: dict, actor: bool) -> None:
             raise ValueError(
                 f"Invalid option keyword {k} for {kind}. Valid ones are {sorted(allowed)}."
             )
+    warn_unhonoured(options, "actor" if actor else "remote function")
+
+
+# Ray's options that tpuray takes but does not act on yet (issue 23), each with the value
+# that changes nothing (Ray's default): any other value is named in a warning once per
+# process, so a script that relies on one is told, never silently ignored.
+_UNHONOURED = {
+    "max_calls": (None, 0),
+    "concurrency_groups": (None, {}),
+    "max_pending_calls": (None, -1),
+    "concurrency_group": (None,),
+    "max_task_retries@method": (None,),
+    "retry_exceptions@method": (None,),
+    "_generator_backpressure_num_objects": (None, -1),
+    "_num_objects_per_yield": (None,),
+    "enable_task_events@method": (None, True),
+    "tensor_transport": (None, "OBJECT_STORE", "object_store"),
+}
+_warned: set[str] = set()
+
+
+def warn_unhonoured(options: dict, what: str) -> None:
+    """Warns (once per option name) about each option of ``options`` that tpuray accepts
+    for Ray compatibility but does not honour yet, when its value is not Ray's default."""
+    for k, v in options.items():
+        key = f"{k}@method" if what == "@method" and f"{k}@method" in _UNHONOURED else k
+        if key not in _UNHONOURED or key in _warned:
+            continue
+        if any(v is d or (type(v) is type(d) and v == d) for d in _UNHONOURED[key]):
+            continue
+        _warned.add(key)
+        import warnings
+
+        warnings.warn(
+            f"tpuray does not honour the {what} option {k}={v!r} yet: it is accepted for "
+            "Ray compatibility and has no effect (see python-sdk/README.md)",
+            stacklevel=4,
+        )
 
 
 def _resources(o: dict) -> dict:

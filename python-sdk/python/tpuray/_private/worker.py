@@ -140,6 +140,100 @@ def _stop_local_cluster() -> None:
         shutil.rmtree(lc["dir"], ignore_errors=True)
 
 
+# Ray 2.60's ``ray.init`` keywords (``ray/_private/worker.py``) that tpuray takes but has
+# no counterpart for; each is named in a warning when given (never dropped in silence).
+_RAY_INIT_WARNED = {
+    "labels": "node labels come from `tpuray start --labels`",
+    "include_dashboard": "every head serves the dashboard (`tpuray start --dashboard-port`)",
+    "dashboard_host": "set it with `tpuray start --head --dashboard-host`",
+    "dashboard_port": "set it with `tpuray start --head --dashboard-port`",
+    "job_config": "pass runtime_env= and namespace= to init() instead",
+    "logging_config": "use logging_level= and logging_format=",
+    "enable_resource_isolation": "tpuray does not manage cgroups",
+    "cgroup_path": "tpuray does not manage cgroups",
+    "system_reserved_cpu": "tpuray does not manage cgroups",
+    "system_reserved_memory": "tpuray does not manage cgroups",
+    "_system_config": "Ray's internal settings have no tpuray counterpart",
+    "_temp_dir": "use `tpuray start --temp-dir`",
+    "_node_ip_address": "use `tpuray start --node-ip-address`",
+    "_metrics_export_port": "use `tpuray start --metrics-export-port`",
+    "_plasma_directory": "the object store lives in /dev/shm",
+    "_object_spilling_directory": "spilling goes to the session directory",
+    "_driver_object_store_memory": "drivers use their node's object store",
+    "_memory": "use `tpuray start --memory`",
+    "_redis_username": "tpuray has no Redis",
+    "_redis_password": "tpuray has no Redis",
+    "_node_name": "nodes are named by their address",
+    "_enable_object_reconstruction": "lineage reconstruction is always on",
+    "_tracing_startup_hook": "tpuray has no tracing hook",
+    "_skip_env_hook": "tpuray has no runtime-env hook",
+    "_cgroup_path": "tpuray does not manage cgroups",
+    "proxy_server_url": "tpuray has no Ray Client proxy",
+}
+
+
+def _check_init_keywords(kwargs: dict) -> None:
+    """Refuses keywords Ray's ``init`` does not take either (Ray: ``RuntimeError: Unknown
+    keyword argument(s)``) and ``local_mode=True`` (removed from Ray's execution paths;
+    tpuray always runs tasks in workers); warns naming each Ray keyword without a
+    tpuray counterpart."""
+    if kwargs.pop("local_mode", False):
+        raise ValueError(
+            "init(local_mode=True) is not supported by tpuray: tasks always run in worker "
+            "processes (Ray deprecates local mode too)"
+        )
+    unknown = [k for k in kwargs if k not in _RAY_INIT_WARNED]
+    if unknown:
+        raise RuntimeError(f"Unknown keyword argument(s): {', '.join(unknown)}")
+    # Ray's defaults (None, or False for its switches) change nothing; include_dashboard
+    # defaults to None, so False is a choice too.
+    given = {
+        k: v for k, v in kwargs.items()
+        if v is not None and (v is not False or k == "include_dashboard")
+    }
+    if given:
+        import warnings
+
+        warnings.warn(
+            "tpuray.init ignores "
+            + "; ".join(f"{k}= ({_RAY_INIT_WARNED[k]})" for k in given),
+            stacklevel=4,
+        )
+
+
+def _configure_logging(level, fmt) -> None:
+    """Ray's ``configure_logging``: the package's logger (``tpuray``, also reached as
+    ``ray`` through the shim) at ``logging_level`` (default INFO) with a handler of
+    ``logging_format`` on stderr, once per process."""
+    import logging
+
+    logger = logging.getLogger("tpuray")
+    if level is not None:
+        logger.setLevel(logging.getLevelName(level) if isinstance(level, str) else level)
+    elif logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if fmt is not None or not any(getattr(h, "_tpuray_init", False) for h in logger.handlers):
+        for h in [h for h in logger.handlers if getattr(h, "_tpuray_init", False)]:
+            logger.removeHandler(h)
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(fmt or "%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"))
+        handler._tpuray_init = True
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+def _refuse_local_cluster_options(**given) -> None:
+    """Ray's refusals (``ray/_private/worker.py``, ``init``) of options that only size a
+    new local cluster, when ``init`` connects to an existing one."""
+    if given["num_cpus"] is not None or given["num_gpus"] is not None:
+        raise ValueError(
+            "When connecting to an existing cluster, num_cpus and num_gpus must not be provided."
+        )
+    for name in ("resources", "object_store_memory"):
+        if given[name] is not None:
+            raise ValueError(f"When connecting to an existing cluster, {name} must not be provided.")
+
+
 def _current_cluster_address() -> str | None:
     reg = os.environ.get("TPURAY_REGISTRY_DIR", "/tmp/tpuray/registry")
     try:
@@ -168,9 +262,15 @@ def init(
     runtime_env=None,
     ignore_reinit_error=False,
     log_to_driver=None,
-    **_ignored,
+    configure_logging=True,
+    logging_level=None,
+    logging_format=None,
+    **kwargs,
 ):
     """Connects this process to a cluster as a driver (see :func:`tpuray.init`)."""
+    _check_init_keywords(kwargs)
+    if configure_logging:
+        _configure_logging(logging_level, logging_format)
     if isinstance(address, str) and address.startswith(("http://", "https://")):
         raise ValueError(
             f"{address} is an HTTP address (the dashboard's Jobs and state APIs); init() joins a "
@@ -203,7 +303,12 @@ def init(
             address = os.environ.get("TPURAY_ADDRESS") or os.environ.get("RAY_ADDRESS")
             if not address or address == "auto":
                 address = _current_cluster_address()
-        if not address:
+        if address:
+            _refuse_local_cluster_options(
+                num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
+                object_store_memory=object_store_memory,
+            )
+        else:
             address = _start_local_cluster(num_cpus, num_gpus, resources, object_store_memory)
         # A private cluster keeps its own process registry, which lists its node.
         registry = (state.local_cluster or {}).get("env", {}).get("TPURAY_REGISTRY_DIR")
