@@ -39,8 +39,11 @@ fi
 ray_venv="${RAY_CLIENT_VENV:-.ray-client-venv}"
 if [ ! -x "$ray_venv/bin/ray" ]; then
     "${PYTHON:-python3}" -m venv "$ray_venv"
-    "$ray_venv/bin/python" -m pip install -q "ray[default]==2.60.0"
 fi
+# ray[serve]: test_serve.py runs Ray's own `serve deploy`/`serve status` and its schema
+# models against tpuray's Serve REST API.
+"$ray_venv/bin/python" -c "import ray.serve, starlette, fastapi" 2>/dev/null ||
+    "$ray_venv/bin/python" -m pip install -q "ray[default,serve]==2.60.0"
 # No build isolation: use the maturin installed above rather than fetching a
 # fresh one into a throw-away environment on every run.
 MATURIN_PEP517_ARGS="${MATURIN_PEP517_ARGS---profile dev}" \

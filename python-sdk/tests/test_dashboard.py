@@ -286,6 +286,10 @@ def test_every_page_loads_in_a_browser_and_shows_the_real_cluster(dash):
         assert driver.current_url == url + "/login?next=%2Fslices"
         driver.find_element(By.ID, "token").send_keys("wrong")
         driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        # The click submits the form; the answer replaces the page a moment later.
+        deadline = time.time() + 15
+        while "not this cluster" not in driver.page_source and time.time() < deadline:
+            time.sleep(0.1)
         assert "not this cluster" in driver.page_source
         driver.get_log("browser")  # the refused sign-in (a 403) was logged; start afresh
         driver.find_element(By.ID, "token").send_keys(dash["token"])

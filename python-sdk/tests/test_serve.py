@@ -902,18 +902,17 @@ def test_rest_api_put_get_delete_applications(tmp_path):
         assert doc["applications"]["rest"]["deployments"]["Word"]["name"] == "Word"
         port = doc["http_options"]["port"]
         assert _http(port, "/rest")[2] == b"declared"
-        # Ray's own client reads the details (its models refuse unknown fields).
-        # (Ray 2.60 with ray[serve], as scripts/record-compat.sh makes it; checked where
-        # it is installed.)
+        # Ray's own client reads the details (its models refuse unknown fields): Ray 2.60
+        # with ray[serve] in .ray-client-venv, which scripts/python-tests.sh makes.
         root = Path(__file__).resolve().parents[2]
-        ray_py = Path(os.environ.get("RAY_VENV", root / "bench" / ".ray-venv")) / "bin" / "python"
-        if ray_py.exists():
-            check = ("import sys, json\nfrom ray.serve.schema import ServeInstanceDetails\n"
-                     "d = ServeInstanceDetails(**json.loads(sys.stdin.read()))\n"
-                     "print(d.applications['rest'].status.value)")
-            r = subprocess.run([str(ray_py), "-c", check], input=call("GET")[1].decode(),
-                               capture_output=True, text=True, timeout=120)
-            assert r.stdout.strip() == "RUNNING", r.stderr[-3000:]
+        ray_py = Path(os.environ.get("RAY_CLIENT_VENV", root / ".ray-client-venv")) / "bin" / "python"
+        assert ray_py.exists(), f"{ray_py} is missing: run scripts/python-tests.sh's setup"
+        check = ("import sys, json\nfrom ray.serve.schema import ServeInstanceDetails\n"
+                 "d = ServeInstanceDetails(**json.loads(sys.stdin.read()))\n"
+                 "print(d.applications['rest'].status.value)")
+        r = subprocess.run([str(ray_py), "-c", check], input=call("GET")[1].decode(),
+                           capture_output=True, text=True, timeout=120)
+        assert r.stdout.strip() == "RUNNING", r.stderr[-3000:]
         # A bad import path: the application shows DEPLOY_FAILED with the error (as
         # Ray), while what ran before keeps serving.
         bad = {"applications": [{"name": "rest", "import_path": "restapp:nothing"}]}
@@ -931,23 +930,22 @@ def test_rest_api_put_get_delete_applications(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         _wait_for(lambda: (json.loads(call("GET")[1])["applications"].get("viacli") or {}).get("status")
                   == "RUNNING", 120, "the application tpuray's CLI declared")
-        if ray_py.exists():
-            # Ray's own `serve deploy` and `serve status` against this head.
-            (tmp_path / "ray.yaml").write_text(
-                "applications:\n- name: viaray\n  route_prefix: /viaray\n  import_path: restapp:app\n")
-            renv = {k: v for k, v in c.env.items() if not k.startswith(("TPURAY_", "RAY_", "PYTHONPATH"))}
-            renv.update(HOME=str(tmp_path / "ray-home"), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
-            cli = [str(ray_py), "-c", "from ray.serve.scripts import cli; cli()"]
-            r = subprocess.run(cli + ["deploy", str(tmp_path / "ray.yaml"), "-a", f"http://127.0.0.1:{dash}"],
-                               env=renv, capture_output=True, text=True, timeout=120)
-            assert r.returncode == 0 and "Sent deploy request successfully" in r.stderr + r.stdout, r.stderr[-3000:]
-            _wait_for(lambda: (json.loads(call("GET")[1])["applications"].get("viaray") or {}).get("status")
-                      == "RUNNING", 120, "the application Ray's CLI declared")
-            r = subprocess.run(cli + ["status", "-a", f"http://127.0.0.1:{dash}"], env=renv,
-                               capture_output=True, text=True, timeout=120)
-            assert r.returncode == 0 and "viaray:\n    status: RUNNING" in r.stdout, r.stdout + r.stderr[-3000:]
-            # The declaration named only viaray: rest was deleted (Ray's declarative update).
-            assert "rest" not in json.loads(call("GET")[1])["applications"]
+        # Ray's own `serve deploy` and `serve status` against this head.
+        (tmp_path / "ray.yaml").write_text(
+            "applications:\n- name: viaray\n  route_prefix: /viaray\n  import_path: restapp:app\n")
+        renv = {k: v for k, v in c.env.items() if not k.startswith(("TPURAY_", "RAY_", "PYTHONPATH"))}
+        renv.update(HOME=str(tmp_path / "ray-home"), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+        cli = [str(ray_py), "-c", "from ray.serve.scripts import cli; cli()"]
+        r = subprocess.run(cli + ["deploy", str(tmp_path / "ray.yaml"), "-a", f"http://127.0.0.1:{dash}"],
+                           env=renv, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "Sent deploy request successfully" in r.stderr + r.stdout, r.stderr[-3000:]
+        _wait_for(lambda: (json.loads(call("GET")[1])["applications"].get("viaray") or {}).get("status")
+                  == "RUNNING", 120, "the application Ray's CLI declared")
+        r = subprocess.run(cli + ["status", "-a", f"http://127.0.0.1:{dash}"], env=renv,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "viaray:\n    status: RUNNING" in r.stdout, r.stdout + r.stderr[-3000:]
+        # The declaration named only viaray: rest was deleted (Ray's declarative update).
+        assert "rest" not in json.loads(call("GET")[1])["applications"]
         assert call("DELETE")[0] == 200
         _wait_for(lambda: json.loads(call("GET")[1])["applications"] == {}, 120, "serve to shut down")
     finally:
