@@ -755,6 +755,12 @@ fn nodes(py: Python<'_>) -> PyResult<Py<PyList>> {
         d.set_item("Resources", n.resources)?;
         d.set_item("Labels", n.labels)?;
         d.set_item("MetricsExportPort", n.metrics_export_port)?;
+        d.set_item("NodeManagerPort", n.node_manager_port)?;
+        d.set_item("NodeManagerHostname", n.hostname)?;
+        // Ray names a node by its IP address unless told otherwise.
+        d.set_item("NodeName", d.get_item("NodeManagerAddress")?)?;
+        d.set_item("DeathReasonMessage", n.death_reason)?;
+        d.set_item("alive", n.alive)?;
         out.append(d)?;
     }
     Ok(out.unbind())

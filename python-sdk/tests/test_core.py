@@ -271,6 +271,14 @@ def test_runtime_context_and_cluster_views():
     ctx = ray.get_runtime_context()
     assert len(ctx.get_job_id()) == 32
     assert ctx.get_node_id() in {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    for n in ray.nodes():
+        # Ray's keys, as ray.nodes() gives them (ray/_private/state.py, node_table).
+        assert {"NodeID", "Alive", "alive", "NodeManagerAddress", "NodeManagerPort",
+                "NodeManagerHostname", "NodeName", "Resources", "Labels",
+                "MetricsExportPort", "DeathReasonMessage"} <= set(n), sorted(n)
+        assert n["alive"] == n["Alive"] and n["NodeName"] == n["NodeManagerAddress"]
+        assert isinstance(n["NodeManagerPort"], int) and n["NodeManagerPort"] > 0
+        assert ":" not in n["NodeManagerAddress"] and n["NodeManagerHostname"]
     assert ray.cluster_resources()["CPU"] == 4
 
     @ray.remote

@@ -40,6 +40,15 @@ pub struct NodeSummary {
     /// The port of the node agent's `/metrics` (Ray's `MetricsExportPort`).
     #[serde(rename = "MetricsExportPort")]
     pub metrics_export_port: u32,
+    /// The node agent's gRPC port (Ray's `NodeManagerPort`, the raylet's port).
+    #[serde(rename = "NodeManagerPort")]
+    pub node_manager_port: u16,
+    /// The host name the node agent reported (Ray's `NodeManagerHostname`).
+    #[serde(rename = "NodeManagerHostname")]
+    pub hostname: String,
+    /// Why the node died, `""` while it lives (Ray's `DeathReasonMessage`).
+    #[serde(rename = "DeathReasonMessage")]
+    pub death_reason: String,
 }
 
 fn current_cluster_address() -> Option<String> {
@@ -383,13 +392,22 @@ pub fn nodes() -> Result<Vec<NodeSummary>, Error> {
     Ok(status()?
         .nodes
         .into_iter()
-        .map(|n| NodeSummary {
-            alive: n.state == pb::NodeState::Alive as i32,
-            node_id: n.node_id,
-            address: n.address.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or(n.address),
-            resources: n.total.into_iter().collect(),
-            labels: n.labels.into_iter().collect(),
-            metrics_export_port: n.metrics_export_port,
+        .map(|n| {
+            let (host, port) = match n.address.rsplit_once(':') {
+                Some((h, p)) => (h.to_string(), p.parse().unwrap_or(0)),
+                None => (n.address.clone(), 0),
+            };
+            NodeSummary {
+                alive: n.state == pb::NodeState::Alive as i32,
+                node_id: n.node_id,
+                address: host,
+                resources: n.total.into_iter().collect(),
+                labels: n.labels.into_iter().collect(),
+                metrics_export_port: n.metrics_export_port,
+                node_manager_port: port,
+                hostname: n.hostname,
+                death_reason: n.death_reason,
+            }
         })
         .collect())
 }

@@ -159,8 +159,12 @@ def get_gpu_ids() -> list:
 
 
 def nodes() -> list[dict]:
-    """Every node, alive or dead, with Ray's keys (``NodeID``, ``Alive``,
-    ``NodeManagerAddress``, ``Resources``, ``Labels``, ``MetricsExportPort``)."""
+    """Every node, alive or dead, with Ray's keys: ``NodeID``, ``Alive`` (and Ray's
+    lower-case ``alive``), ``NodeManagerAddress`` (the node's IP), ``NodeManagerPort``
+    (its agent's port), ``NodeManagerHostname``, ``NodeName`` (the IP, Ray's default),
+    ``Resources``, ``Labels``, ``MetricsExportPort``, ``DeathReasonMessage`` (``""``
+    while alive). Ray's raylet-internal keys (``ObjectManagerPort``,
+    ``ObjectStoreSocketName``, ``RayletSocketName``) have no tpuray counterpart."""
     from tpuray import _tpuray
 
     _worker.check_connected()

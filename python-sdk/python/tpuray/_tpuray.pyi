@@ -102,8 +102,9 @@ def get_actor(name: str, namespace: Optional[str] = None) -> tuple[str, str, str
 def actor_state(actor_id: str, wait: float) -> tuple[str, str, str, int]:
     """``(state, death_cause, node_id, pid)``."""
 def nodes() -> list[dict[str, Any]]:
-    """Ray's keys: ``NodeID``, ``Alive``, ``NodeManagerAddress``, ``Resources``, ``Labels``,
-    ``MetricsExportPort``."""
+    """Ray's keys: ``NodeID``, ``Alive``, ``alive``, ``NodeManagerAddress``,
+    ``NodeManagerPort``, ``NodeManagerHostname``, ``NodeName``, ``Resources``, ``Labels``,
+    ``MetricsExportPort``, ``DeathReasonMessage``."""
 def timeline_json(job_id: str | None = None) -> str:
     """The cluster's task events as Chrome trace JSON text (a JSON array)."""
 def cluster_resources() -> dict[str, float]: ...
