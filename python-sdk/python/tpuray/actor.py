@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import re
 
 from tpuray import _tpuray
 from tpuray._private import options as _options
 from tpuray._private import worker
 from tpuray._private.serialization import ObjectRef, ObjectRefGenerator
+from tpuray.exceptions import ActorAlreadyExistsError
 
 
 def method(*args, **kwargs):
@@ -83,9 +85,22 @@ class ActorClass:
         opts = _options.actor_core_options(self._options, _is_async_class(self._cls))
         if opts["get_if_exists"] and not opts["name"]:
             raise ValueError("The actor name must be specified to use `get_if_exists`.")
-        actor_id, _ = _tpuray.create_actor(
-            self._key, self._cls.__name__, worker.encode_args(args, kwargs), opts
-        )
+        try:
+            actor_id, _ = _tpuray.create_actor(
+                self._key, self._cls.__name__, worker.encode_args(args, kwargs), opts
+            )
+        except RuntimeError as e:
+            taken = re.search(r'actor named ".*" already exists in namespace "(.*)"', str(e))
+            if not (opts["name"] and taken):
+                raise
+            # Ray 2.60's error and text (ray/actor.py, ActorClass._remote), which names
+            # the namespace option as given (None when not given).
+            name, namespace = opts["name"], self._options.get("namespace")
+            raise ActorAlreadyExistsError(
+                f"The name {name} (namespace={namespace}) is already taken. Please use a "
+                f"different name or get the existing actor using "
+                f"ray.get_actor('{name}', namespace='{namespace}')"
+            ) from None
         retries = int(self._options.get("max_task_retries", 0) or 0)
         methods = [n for n, _ in inspect.getmembers(self._cls, predicate=inspect.isfunction)]
         return ActorHandle(

@@ -94,6 +94,15 @@ class ActorUnavailableError(RayActorError):
     """The actor cannot be reached right now."""
 
 
+class ActorAlreadyExistsError(ValueError, RayError):
+    """A named actor of that name already exists in the namespace (Ray 2.60's
+    ``ActorAlreadyExistsError``, a ``ValueError`` too, as Ray keeps it)."""
+
+    def __init__(self, error_message: str):
+        super().__init__(error_message)
+        self.error_message = error_message
+
+
 class TaskCancelledError(RayError):
     """The task was cancelled with ``cancel``."""
 
@@ -174,6 +183,7 @@ class AsyncioActorExit(RayError):
 
 
 __all__ = [
+    "ActorAlreadyExistsError",
     "AuthenticationError",
     "RayError",
     "RaySystemError",

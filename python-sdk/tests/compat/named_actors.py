@@ -43,6 +43,12 @@ try:
 except ValueError:
     print("gamma is not in this namespace")
 
+for ns in (None, "elsewhere"):
+    try:
+        Named.options(name="gamma" if ns else "alpha", namespace=ns).remote("again")
+    except ValueError as e:
+        print("taken", type(e).__name__, isinstance(e, ray.exceptions.RayError), e)
+
 ray.kill(b)
 time.sleep(1)
 print("after kill", sorted(list_named_actors()))
