@@ -712,7 +712,8 @@ impl Head {
                     Ok(Outcome::Rejected(r)) => {
                         // Killed while starting: stop the worker we just made.
                         tracing::info!(actor_id = %actor.actor_id, %r, "actor started after it was killed; stopping its worker");
-                        let _ = self.kill_actor_worker(&address, &actor.actor_id).await;
+                        let _ =
+                            self.kill_actor_worker(&address, &actor.actor_id, None, false).await;
                     }
                     Ok(_) => {}
                     // Not leader any more: the next leader finds the worker when it
@@ -843,24 +844,31 @@ impl Head {
         }
         for actor_id in orphans {
             tracing::warn!(%actor_id, %node_id, "stopping an actor worker that no record places on its node");
-            let _ = self.kill_actor_worker(&address, &actor_id).await;
+            let _ = self.kill_actor_worker(&address, &actor_id, None, false).await;
         }
     }
 
+    /// Kills the actor's worker on the node at `agent_address`: `worker` only, when given,
+    /// else whichever runs it. With `restart` the worker's exit is reported as not
+    /// intended, so the head restarts the actor if it may (`kill(no_restart=False)`).
+    /// Returns whether a worker was found to kill.
     pub(crate) async fn kill_actor_worker(
         &self,
         agent_address: &str,
         actor_id: &ActorId,
-    ) -> Result<(), Status> {
+        worker: Option<&WorkerId>,
+        restart: bool,
+    ) -> Result<bool, Status> {
         let mut client = self.agent_client(agent_address)?;
         let mut req = Request::new(pb::KillActorWorkerRequest {
             request_id: tpuray_proto::new_request_id(),
             actor_id: actor_id.to_string(),
             force: true,
+            worker_id: worker.map(ToString::to_string).unwrap_or_default(),
+            restart,
         });
         req.set_timeout(Duration::from_secs(10));
-        client.kill_actor_worker(req).await?;
-        Ok(())
+        Ok(client.kill_actor_worker(req).await?.into_inner().killed)
     }
 
     fn actor_info(&self, id: &ActorId) -> Option<pb::ActorInfo> {
@@ -1495,6 +1503,17 @@ impl HeadService for HeadSvc {
                 _ => None,
             }
         };
+        // kill(no_restart=False) of a running actor: the node kills its worker and reports
+        // the exit as not intended, and the head restarts the actor as after a crash. (Doing
+        // it the other way round, a commit first, let the restart land on the very worker
+        // the kill then ended, since the node still ran it for that actor.)
+        if !req.no_restart
+            && req.reason.is_empty()
+            && let Some((addr, worker_id)) = &target
+            && let Ok(true) = self.0.kill_actor_worker(addr, &actor_id, Some(worker_id), true).await
+        {
+            return Ok(Response::new(pb::KillActorReply {}));
+        }
         let cause = if !req.reason.is_empty() {
             req.reason.clone()
         } else if req.no_restart {
@@ -1517,13 +1536,15 @@ impl HeadService for HeadSvc {
         {
             return Err(rejection_status(r));
         }
-        if let Some((addr, _)) = target {
-            self.0.kill_actor_worker(&addr, &actor_id).await.map_err(|s| {
-                Status::unavailable(format!(
-                    "actor {actor_id} is marked dead but its node did not confirm the kill: {}",
-                    s.message()
-                ))
-            })?;
+        if let Some((addr, worker_id)) = target {
+            self.0.kill_actor_worker(&addr, &actor_id, Some(&worker_id), false).await.map_err(
+                |s| {
+                    Status::unavailable(format!(
+                        "actor {actor_id} is marked dead but its node did not confirm the kill: {}",
+                        s.message()
+                    ))
+                },
+            )?;
         }
         Ok(Response::new(pb::KillActorReply {}))
     }
@@ -1926,7 +1947,7 @@ impl Head {
         for (actor_id, addr) in actors {
             let head = Arc::clone(self);
             tokio::spawn(async move {
-                let _ = head.kill_actor_worker(&addr, &actor_id).await;
+                let _ = head.kill_actor_worker(&addr, &actor_id, None, false).await;
             });
         }
         if ended.is_empty() {

@@ -742,6 +742,14 @@ fn actor_state(
     Ok((state, a.death_cause, a.node_id, a.pid))
 }
 
+/// The actor's name, namespace and restart count as the head has them:
+/// `(name, namespace, num_restarts)` (`name` is `""` for an unnamed actor).
+#[pyfunction]
+fn actor_record(py: Python<'_>, actor_id: String) -> PyResult<(String, String, u32)> {
+    let a = py.detach(|| raw::actor_info(&actor_id, Duration::ZERO)).map_err(cluster_err)?;
+    Ok((a.name, a.namespace, a.num_restarts))
+}
+
 /// `ray.nodes()`: one dict per node with Ray's keys.
 #[pyfunction]
 fn nodes(py: Python<'_>) -> PyResult<Py<PyList>> {
@@ -1512,6 +1520,7 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(kill_actor, m)?,
         wrap_pyfunction!(get_actor, m)?,
         wrap_pyfunction!(actor_state, m)?,
+        wrap_pyfunction!(actor_record, m)?,
         wrap_pyfunction!(nodes, m)?,
         wrap_pyfunction!(timeline_json, m)?,
         wrap_pyfunction!(cluster_resources, m)?,

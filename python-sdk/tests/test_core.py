@@ -571,3 +571,51 @@ def test_threading_local_lives_between_calls_on_an_executor_thread():
     a = ThreadLocalKeeper.remote()
     ray.get(a.put.remote(7), timeout=60)
     assert ray.get(a.value.remote(), timeout=60) == 7
+
+
+@ray.remote(max_restarts=1)
+class _Introspective:
+    def about(self):
+        ctx = ray.get_runtime_context()
+        me = ctx.current_actor
+        return {
+            "reconstructed": ctx.was_current_actor_reconstructed(),
+            "name": ctx.get_actor_name(),
+            "same_actor": me._actor_id == ctx.get_actor_id(),
+            "env": ctx.runtime_env.env_vars(),
+            "env_string": ctx.get_runtime_env_string(),
+            "pid": os.getpid(),
+        }
+
+    def ping_self(self):
+        # A call through current_actor from inside reaches this actor (a concurrent
+        # call would deadlock a single-threaded actor, so only the handle is checked).
+        return ray.get_runtime_context().current_actor._class_name
+
+
+def test_runtime_context_of_an_actor_names_it_and_knows_a_restart():
+    """Ray's RuntimeContext members for actors: get_actor_name, current_actor,
+    was_current_actor_reconstructed (False first, True after a restart), runtime_env."""
+    a = _Introspective.options(name="introspective",
+                               runtime_env={"env_vars": {"WHO": "me"}}).remote()
+    first = ray.get(a.about.remote())
+    assert first["reconstructed"] is False
+    assert first["name"] == "introspective" and first["same_actor"]
+    assert first["env"] == {"WHO": "me"}, first
+    assert '"WHO": "me"' in first["env_string"]
+    assert ray.get(a.ping_self.remote()) == "_Introspective"
+    ray.kill(a, no_restart=False)
+    deadline = time.time() + 60
+    while True:
+        try:
+            again = ray.get(a.about.remote(), timeout=30)
+            break
+        except ray.exceptions.RayActorError:
+            assert time.time() < deadline, "the actor did not restart"
+            time.sleep(0.2)
+    assert again["reconstructed"] is True and again["pid"] != first["pid"]
+    assert ray.get_runtime_context().get_actor_name() is None
+    with pytest.raises(RuntimeError, match="only available in an actor"):
+        ray.get_runtime_context().current_actor
+    assert ":" in ray.get_runtime_context().gcs_address
+    ray.kill(a)

@@ -2020,14 +2020,19 @@ impl NodeAgentService for AgentSvc {
     ) -> Result<Response<pb::KillActorWorkerReply>, Status> {
         let req = req.into_inner();
         let actor_id = ActorId::from_wire(req.actor_id);
+        let only = (!req.worker_id.is_empty()).then(|| WorkerId::from_wire(req.worker_id));
         let pid = {
             let mut st = self.0.lock();
-            st.workers.values_mut().find(|w| w.state == WorkerState::Actor(actor_id.clone())).map(
-                |w| {
-                    w.exit_intended = true;
+            st.workers
+                .iter_mut()
+                .find(|(id, w)| {
+                    w.state == WorkerState::Actor(actor_id.clone())
+                        && only.as_ref().is_none_or(|o| o == *id)
+                })
+                .map(|(_, w)| {
+                    w.exit_intended = !req.restart;
                     w.pid
-                },
-            )
+                })
         };
         if let Some(pid) = pid {
             signal(pid, if req.force { libc::SIGKILL } else { libc::SIGTERM });

@@ -101,6 +101,8 @@ def get_actor(name: str, namespace: Optional[str] = None) -> tuple[str, str, str
     """``(actor_id, class, name)``; RuntimeError when no live actor has the name."""
 def actor_state(actor_id: str, wait: float) -> tuple[str, str, str, int]:
     """``(state, death_cause, node_id, pid)``."""
+def actor_record(actor_id: str) -> tuple[str, str, int]:
+    """``(name, namespace, num_restarts)`` of the actor, as the head has them."""
 def nodes() -> list[dict[str, Any]]:
     """Ray's keys: ``NodeID``, ``Alive``, ``alive``, ``NodeManagerAddress``,
     ``NodeManagerPort``, ``NodeManagerHostname``, ``NodeName``, ``Resources``, ``Labels``,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 
+from tpuray import _tpuray
 from tpuray._private import worker
 
 
@@ -68,7 +70,54 @@ class RuntimeContext:
         return out
 
     def was_current_actor_reconstructed(self) -> bool:
-        return False
+        """Whether the current actor was restarted at least once (Ray's meaning: this
+        process is not the actor's first); False outside an actor."""
+        actor_id = self.get_actor_id()
+        return bool(actor_id) and _tpuray.actor_record(actor_id)[2] > 0
+
+    def get_actor_name(self):
+        """The current actor's name, ``""`` for an unnamed actor, None outside an actor
+        (as Ray's ``get_actor_name``)."""
+        actor_id = self.get_actor_id()
+        return _tpuray.actor_record(actor_id)[0] if actor_id else None
+
+    @property
+    def current_actor(self):
+        """A handle to the current actor (Ray's ``current_actor``).
+
+        Raises:
+            RuntimeError: not called inside an actor (Ray's text)."""
+        actor_id = self.get_actor_id()
+        if not actor_id:
+            raise RuntimeError("This method is only available in an actor.")
+        import inspect
+
+        from tpuray.actor import ActorHandle, _method_returns
+
+        instance = getattr(worker.runtime, "actor", None)
+        cls = type(instance) if instance is not None else None
+        if cls is None:
+            return ActorHandle(actor_id, "")
+        methods = [n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction)]
+        return ActorHandle(actor_id, cls.__name__, _method_returns(cls), 0, methods)
+
+    def get_runtime_env_string(self) -> str:
+        """The runtime environment this process runs in, as JSON (Ray's
+        ``get_runtime_env_string``): a task's or actor's own, else its job's."""
+        return json.dumps(worker.state.runtime_env or {})
+
+    @property
+    def runtime_env(self):
+        """The runtime environment this process runs in, as a
+        :class:`tpuray.runtime_env.RuntimeEnv` (Ray's ``runtime_env``)."""
+        from tpuray.runtime_env import RuntimeEnv
+
+        return RuntimeEnv.deserialize(self.get_runtime_env_string())
+
+    @property
+    def gcs_address(self) -> str:
+        """The head's ``host:port`` (what Ray calls the GCS address)."""
+        return worker.process_info()["head_address"]
 
 
 def get_runtime_context() -> RuntimeContext:
