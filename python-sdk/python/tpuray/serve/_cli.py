@@ -7,7 +7,11 @@ status`` is the Rust CLI's (it prints the controller's status document).
   ``key=value`` arguments that returns one) or a config file, and blocks until Ctrl-C
   (then shuts serve down), unless ``--non-blocking``;
 - ``deploy CONFIG`` deploys every application of a config file and returns (the
-  applications keep running: serve's actors are detached); with ``--address
+  applications keep running: serve's actors are detached). It is declarative, as Ray's
+  (``ServeController.apply_config``): applications an earlier config deployed that this
+  one omits are deleted; those ``serve.run``/``serve run`` deployed stay. http_options
+  that differ from the running serve's are kept, with a warning (as Ray's dashboard,
+  ``ServeHead.validate_http_options``). With ``--address
   http://HEAD:DASHBOARD_PORT`` it sends the config to the head's Serve REST API
   instead, as Ray's ``serve deploy`` does (a serve instance must run there);
 - ``build IMPORT_PATH...`` prints (or writes, ``-o``) the config file that deploys
@@ -134,18 +138,38 @@ def load_config(path: str) -> dict:
     return doc
 
 
-def deploy_config(doc: dict) -> list:
-    """Deploys every application of a parsed config; returns their names."""
+def deploy_config(doc: dict, declarative: bool = False) -> list:
+    """Deploys every application of a parsed config; returns their names.
+
+    ``declarative`` (``serve deploy``): as Ray's ``serve deploy`` (the controller's
+    ``apply_config``), the applications an earlier config deployed that this one omits
+    are deleted first; those ``serve.run`` deployed stay. Without it (``serve run
+    CONFIG``, which Ray runs through ``serve.run``), the applications are deployed
+    imperatively and nothing is deleted. http_options that differ from the running
+    controller's are kept as they are, with a warning (as Ray).
+    """
+    import tpuray
     from tpuray import serve
+    from tpuray.serve import _common
 
     serve.start(http_options=doc.get("http_options"))
-    names = []
+    ctrl = _common.get_controller(create=False)
+    built = []
     for a in doc["applications"]:
         app = _import_target(a["import_path"], a.get("args"))
         _apply_overrides(app, a.get("deployments"))
-        name = a.get("name", "default")
-        serve.run(app, name=name, route_prefix=a.get("route_prefix", "/"))
-        names.append(name)
+        built.append((a.get("name", "default"), app, a.get("route_prefix", "/")))
+    names = [b[0] for b in built]
+    warning = None
+    if declarative:
+        warning = tpuray.get(ctrl.check_http_options.remote(doc.get("http_options")))
+        gone = tpuray.get(ctrl.delete_undeclared.remote(names))
+        if gone:
+            print(f"deleting applications {gone} (deployed by an earlier config, not in this one)")
+    for name, app, prefix in built:
+        serve.run(app, name=name, route_prefix=prefix)
+    if declarative:
+        tpuray.get(ctrl.mark_declared.remote(names, warning))
     return names
 
 
@@ -251,7 +275,7 @@ def main(argv: list) -> int:
             return _deploy_rest(a.address, load_config(a.config))
         tpuray.init(address=a.address or os.environ.get("TPURAY_ADDRESS") or "auto")
         if a.cmd == "deploy":
-            names = deploy_config(load_config(a.config))
+            names = deploy_config(load_config(a.config), declarative=True)
             print(f"deployed applications {names}")
             return 0
         if a.target.endswith((".yaml", ".yml")):
