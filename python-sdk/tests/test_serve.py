@@ -674,6 +674,28 @@ if len(sys.argv) > 3:
     serve.shutdown()
 """
 
+def test_cli_help_names_every_serve_verb_and_the_python_verbs_print_their_arguments():
+    cli = [sys.executable, "-m", "tpuray"]
+
+    def out(*args):
+        r = subprocess.run(cli + list(args), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    top = [line for line in out("--help").splitlines() if line.strip().startswith("serve ")]
+    assert top and all(v in top[0] for v in ("status", "run", "deploy", "build")), top
+    text = out("serve", "--help")
+    for verb in ("status", "run", "deploy", "build"):
+        assert f"\n  {verb} " in text, text
+    assert "tpuray serve run --help" in text, text
+    run = out("serve", "run", "--help")
+    assert "usage: tpuray serve run" in run and "--non-blocking" in run and "key=value" in run, run
+    deploy = out("serve", "help", "deploy")
+    assert "usage: tpuray serve deploy" in deploy and "declarative" in deploy, deploy
+    assert "--output-path" in out("serve", "build", "--help")
+    assert "--json" in out("serve", "status", "--help")
+
+
 _CLI_APPS = r"""
 import json, sys
 import tpuray as ray

@@ -239,22 +239,39 @@ def _deploy_rest(url: str, doc: dict) -> int:
 
 def main(argv: list) -> int:
     """``argv``: the words after ``tpuray serve``. Returns the exit code."""
-    ap = argparse.ArgumentParser(prog="tpuray serve", description="Ray Serve's run/deploy/build on tpuray")
+    ap = argparse.ArgumentParser(
+        prog="tpuray serve", description="Ray Serve's run/deploy/build on tpuray (`tpuray serve "
+        "status` is the Rust CLI's: `tpuray serve status --help`).")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="deploy module:app or a config file, block until Ctrl-C")
-    r.add_argument("target")
+    addr_help = ("the cluster to use, HOST:PORT of its head (default: TPURAY_ADDRESS, then the "
+                 "cluster `tpuray start` started on this machine)")
+    r = sub.add_parser(
+        "run", help="deploy module:app or a config file, block until Ctrl-C",
+        description="Deploys an application (as Ray's `serve run`) and blocks until Ctrl-C, "
+        "which shuts serve down; --non-blocking returns once it runs.")
+    r.add_argument("target", help="module:attribute (an Application from .bind(), or a function "
+                   "taking a dict of the key=value arguments that returns one), or a .yaml config "
+                   "file (Ray's ServeDeploySchema)")
     r.add_argument("args", nargs="*", help="key=value arguments for a builder function")
-    r.add_argument("--address", default=None)
-    r.add_argument("--route-prefix", default="/")
-    r.add_argument("--name", default="default")
-    r.add_argument("--non-blocking", action="store_true")
-    d = sub.add_parser("deploy", help="deploy a config file's applications and return")
-    d.add_argument("config")
+    r.add_argument("--address", default=None, help=addr_help)
+    r.add_argument("--route-prefix", default="/", help="the HTTP path prefix (default: /)")
+    r.add_argument("--name", default="default", help="the application's name (default: default)")
+    r.add_argument("--non-blocking", action="store_true", help="return once the application runs")
+    d = sub.add_parser(
+        "deploy", help="deploy a config file's applications and return",
+        description="Deploys a config file's applications (Ray's ServeDeploySchema) and returns. "
+        "As Ray's `serve deploy` it is declarative: applications an earlier config deployed "
+        "that this one omits are deleted (those serve.run deployed stay).")
+    d.add_argument("config", help="the .yaml config file (e.g. from `tpuray serve build`)")
     d.add_argument("--address", default=None,
-                   help="the cluster (HOST:PORT), or http://HEAD:DASHBOARD_PORT for the REST API")
-    b = sub.add_parser("build", help="print the config file for import paths")
-    b.add_argument("import_paths", nargs="+")
-    b.add_argument("-o", "--output-path", default=None)
+                   help=addr_help + "; or http://HEAD:DASHBOARD_PORT to send the config to the "
+                   "head's Serve REST API, as Ray's `serve deploy -a`")
+    b = sub.add_parser(
+        "build", help="print the config file for import paths",
+        description="Prints (or writes) the config file (Ray's ServeDeploySchema) that deploys "
+        "the applications at these import paths, with each deployment's options.")
+    b.add_argument("import_paths", nargs="+", help="module:attribute of each application")
+    b.add_argument("-o", "--output-path", default=None, help="write the config here, not to stdout")
     a = ap.parse_args(argv)
     import tpuray
     from tpuray import serve
