@@ -39,8 +39,13 @@ pub enum Command {
     Timeline(TimelineArgs),
     /// Ray's `ray microbenchmark` cases (Python SDK; `--rust`: Rust SDK), after the floor.
     Microbenchmark(MicrobenchmarkArgs),
-    /// `tpuray.serve` applications: `serve status`.
-    #[command(subcommand)]
+    /// `tpuray.serve` applications (Ray Serve's CLI): `serve status|run|deploy|build`.
+    #[command(
+        subcommand,
+        after_help = "`run`, `deploy` and `build` are the Python SDK's (they import your \
+                      application): `tpuray serve run --help`, `tpuray serve deploy --help` and \
+                      `tpuray serve build --help` list their arguments."
+    )]
     Serve(ServeCommand),
     /// Submit, stop, delete, or list jobs (Ray's `ray job`, through the head's Jobs REST API).
     #[command(subcommand)]
@@ -434,6 +439,26 @@ pub struct LogsJobArgs {
 pub enum ServeCommand {
     /// Applications, deployments and replica states that the serve controller reports.
     Status(ServeStatusArgs),
+    /// Deploy `module:app` (or a config file) and block until Ctrl-C, as Ray's `serve
+    /// run` (Python SDK; `tpuray serve run --help` lists its arguments).
+    Run(PythonServeArgs),
+    /// Deploy a config file's applications declaratively and return, as Ray's `serve
+    /// deploy` (Python SDK; `tpuray serve deploy --help` lists its arguments).
+    Deploy(PythonServeArgs),
+    /// Print (or write) the config file that deploys import paths, as Ray's `serve build`
+    /// (Python SDK; `tpuray serve build --help` lists its arguments).
+    Build(PythonServeArgs),
+}
+
+/// The arguments of a `tpuray serve` verb that the Python SDK's console script runs
+/// (`tpuray.serve._cli`) before this CLI sees them; this CLI only names the verb in its
+/// help and refuses it when run without the Python SDK (the native binary).
+#[derive(Args, Debug)]
+#[command(disable_help_flag = true)]
+pub struct PythonServeArgs {
+    /// The verb's arguments (see the Python SDK's `--help` of the verb).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<String>,
 }
 
 #[derive(Args, Debug)]
@@ -710,6 +735,13 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
         }
         Command::Serve(ServeCommand::Status(a)) => {
             serve::status(&resolve_address(a.address.address)?, a.json)
+        }
+        Command::Serve(ServeCommand::Run(_) | ServeCommand::Deploy(_) | ServeCommand::Build(_)) => {
+            bail!(
+                "`tpuray serve run|deploy|build` are the Python SDK's: run them with the `tpuray` \
+                 command that `pip install tpuray` installs (this is the native binary, which \
+                 has only `tpuray serve status`)"
+            )
         }
         Command::Job(c) => job::cmd::run(c),
         Command::K8s(K8sCommand::Manifests(a)) => {

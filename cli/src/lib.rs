@@ -40,3 +40,23 @@ pub fn run(argv: Vec<String>) -> i32 {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_python_serve_verbs_are_in_the_help_and_refused_by_name_without_the_python_sdk() {
+        let argv = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let help =
+            Cli::try_parse_from(argv(&["tpuray", "serve", "--help"])).unwrap_err().to_string();
+        for verb in ["status", "run", "deploy", "build"] {
+            assert!(help.contains(&format!("\n  {verb} ")), "{help}");
+        }
+        // The console script runs these in Python; the native binary names why it cannot.
+        let cli =
+            Cli::try_parse_from(argv(&["tpuray", "serve", "run", "m:app", "--name", "x"])).unwrap();
+        let e = args::dispatch(cli).unwrap_err().to_string();
+        assert!(e.contains("are the Python SDK's"), "{e}");
+    }
+}

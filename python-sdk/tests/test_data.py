@@ -362,3 +362,22 @@ def test_init_object_store_memory_sizes_a_new_local_clusters_store(tmp_path):
     assert r.stdout.split()[-1] == str(300 * 2**20)
     limits = data.ExecutionResources.for_limits(object_store_memory=5)
     assert limits.object_store_memory == 5 and limits.cpu is None
+
+
+def test_repr_of_a_materialized_dataset_shows_head_and_tail_rows_across_blocks_and_cuts_long_cells():
+    # Ray 2.60's repr (ray/data/_internal/dataset_repr.py): at most 10 rows, the first 5
+    # and the last 5 around a "…" row once there are more; cells cut to 40 characters.
+    long = "x" * 45
+    ds = data.from_items([{"i": i, "s": long if i == 0 else f"r{i}"} for i in range(13)],
+                         override_num_blocks=4)
+    lines = repr(ds).splitlines()
+    assert lines[0] == "shape: (13, 2)"
+    assert lines[-1] == "(Showing 10 of 13 rows)"
+    cells = [[c.strip() for c in ln.strip("│").split("┆")] for ln in lines if ln.startswith("│")]
+    assert cells[0] == ["i", "s"] and cells[2] == ["int64", "string"], cells
+    rows = cells[3:]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3", "4", "…", "8", "9", "10", "11", "12"], rows
+    assert rows[0][1] == "x" * 39 + "…"
+    # A lazy dataset whose schema is unknown prints its plan over the source's line.
+    lazy = ds.map_batches(lambda b: b)
+    assert repr(lazy) == "MapBatches(<lambda>)\n+- Dataset(num_rows=13, schema={i: int64, s: string})"

@@ -674,6 +674,42 @@ if len(sys.argv) > 3:
     serve.shutdown()
 """
 
+def test_cli_help_names_every_serve_verb_and_the_python_verbs_print_their_arguments():
+    cli = [sys.executable, "-m", "tpuray"]
+
+    def out(*args):
+        r = subprocess.run(cli + list(args), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    top = [line for line in out("--help").splitlines() if line.strip().startswith("serve ")]
+    assert top and all(v in top[0] for v in ("status", "run", "deploy", "build")), top
+    text = out("serve", "--help")
+    for verb in ("status", "run", "deploy", "build"):
+        assert f"\n  {verb} " in text, text
+    assert "tpuray serve run --help" in text, text
+    run = out("serve", "run", "--help")
+    assert "usage: tpuray serve run" in run and "--non-blocking" in run and "key=value" in run, run
+    deploy = out("serve", "help", "deploy")
+    assert "usage: tpuray serve deploy" in deploy and "declarative" in deploy, deploy
+    assert "--output-path" in out("serve", "build", "--help")
+    assert "--json" in out("serve", "status", "--help")
+
+
+_CLI_APPS = r"""
+import json, sys
+import tpuray as ray
+from tpuray import serve
+from tpuray.serve import _common
+ray.init(address=sys.argv[1])
+doc = ray.get(_common.get_controller().status.remote())
+print(json.dumps({n: {"source": a["source"], "message": a["message"]}
+                  for n, a in doc["applications"].items() if a["status"] != "DELETING"}))
+if len(sys.argv) > 2:
+    serve.shutdown()
+"""
+
+
 
 def test_cli_build_deploy_and_run_use_rays_config_schema(tmp_path):
     import yaml
@@ -710,9 +746,34 @@ def test_cli_build_deploy_and_run_use_rays_config_schema(tmp_path):
         r = cli("serve", "run", "cliapp:builder", "word=hey", "--name", "built", "--non-blocking",
                 "--address", c.address)
         assert r.returncode == 0, r.stderr[-3000:]
-        r = subprocess.run([sys.executable, "-c", _CLI_CHECK, c.address, "built", "stop"], env=env,
+        r = subprocess.run([sys.executable, "-c", _CLI_CHECK, c.address, "built"], env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "hey ann" in r.stdout, r.stdout + r.stderr[-3000:]
+        # `serve deploy` is declarative, as Ray's apply_config: the applications an earlier
+        # config deployed that this one omits (greet) are deleted, those `serve run` /
+        # serve.run deployed (built) stay. Other http_options than the running ones are
+        # kept, with a warning naming them.
+        other = tmp_path / "other.yaml"
+        other.write_text(yaml.safe_dump({
+            "http_options": {"host": "127.0.0.1", "port": 1},
+            "applications": [{"name": "other", "route_prefix": None, "import_path": "cliapp:app"}]}))
+        r = cli("serve", "deploy", str(other), "--address", c.address)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "deleting applications ['greet']" in r.stdout, r.stdout
+        assert "http_options" in r.stderr and "'port'" in r.stderr, r.stderr[-3000:]
+        r = subprocess.run([sys.executable, "-c", _CLI_APPS, c.address], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        apps = json.loads(r.stdout)
+        assert apps.keys() == {"built", "other"}, apps
+        assert apps["other"]["source"] == "declarative" and "'port'" in apps["other"]["message"], apps
+        assert apps["built"]["source"] == "imperative", apps
+        # Deploying a config again that omits `other` deletes it; `built` still stays.
+        r = cli("serve", "deploy", str(cfg), "--address", c.address)
+        assert r.returncode == 0 and "deleting applications ['other']" in r.stdout, r.stdout + r.stderr[-3000:]
+        r = subprocess.run([sys.executable, "-c", _CLI_APPS, c.address, "stop"], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and json.loads(r.stdout).keys() == {"built", "greet"}, r.stdout + r.stderr[-3000:]
         # Bad input names what is wrong.
         bad = tmp_path / "bad.yaml"
         bad.write_text(yaml.safe_dump({"applications": [{"import_path": "cliapp:app", "colour": 1}]}))
@@ -849,6 +910,9 @@ import tpuray as ray
 from tpuray import serve
 ray.init(address=sys.argv[1])
 serve.start(http_options={"host": "127.0.0.1", "port": 0})
+if len(sys.argv) > 2:
+    import restapp
+    serve.run(restapp.app, name=sys.argv[2], route_prefix=None)
 """
 
 
@@ -878,7 +942,9 @@ def test_rest_api_put_get_delete_applications(tmp_path):
             except urllib.error.HTTPError as e:
                 return e.code, e.read()
 
-        config = {"applications": [{"name": "rest", "route_prefix": "/rest", "import_path": "restapp:app",
+        # http_options other than the running ones: kept, with a warning (as Ray's dashboard).
+        config = {"http_options": {"host": "127.0.0.1", "port": 1},
+                  "applications": [{"name": "rest", "route_prefix": "/rest", "import_path": "restapp:app",
                                     "deployments": [{"name": "Word", "user_config": {"word": "declared"}}]}]}
         assert call("PUT", config, auth=False)[0] == 401
         st, body = call("PUT", {"applications": [{"name": "x"}]})
@@ -890,6 +956,10 @@ def test_rest_api_put_get_delete_applications(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         _wait_for(lambda: call("GET")[0] == 200 and json.loads(call("GET")[1])["controller_info"], 60,
                   "the controller's status")
+        # An application serve.run deployed (imperative): declarations leave it alone.
+        r = subprocess.run([sys.executable, "-c", _START_SERVE, c.address, "imp"], env=c.env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
         st, body = call("PUT", config)
         assert st == 200, body
 
@@ -900,6 +970,11 @@ def test_rest_api_put_get_delete_applications(tmp_path):
 
         doc = _wait_for(app_state, 120, "the declared application to run")
         assert doc["applications"]["rest"]["deployments"]["Word"]["name"] == "Word"
+        assert doc["applications"]["rest"]["source"] == "declarative"
+        msg = doc["applications"]["rest"]["message"]
+        assert "http_options" in msg and "'port'" in msg, msg
+        assert doc["applications"]["imp"]["source"] == "imperative", doc["applications"]
+        assert doc["http_options"]["port"] != 1
         port = doc["http_options"]["port"]
         assert _http(port, "/rest")[2] == b"declared"
         # Ray's own client reads the details (its models refuse unknown fields): Ray 2.60
@@ -946,6 +1021,9 @@ def test_rest_api_put_get_delete_applications(tmp_path):
         assert r.returncode == 0 and "viaray:\n    status: RUNNING" in r.stdout, r.stdout + r.stderr[-3000:]
         # The declaration named only viaray: rest was deleted (Ray's declarative update).
         assert "rest" not in json.loads(call("GET")[1])["applications"]
+        # The imperative application outlived every declaration (Ray deletes only
+        # applications of APIType.DECLARATIVE that a config omits).
+        assert json.loads(call("GET")[1])["applications"]["imp"]["status"] == "RUNNING"
         assert call("DELETE")[0] == 200
         _wait_for(lambda: json.loads(call("GET")[1])["applications"] == {}, 120, "serve to shut down")
     finally:

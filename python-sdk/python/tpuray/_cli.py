@@ -30,6 +30,8 @@ def main() -> None:
         "TPURAY_SELF_COMMAND", json.dumps([sys.executable, "-m", "tpuray"])
     )
     argv = sys.argv[1:]
+    if len(argv) >= 3 and argv[:2] == ["serve", "help"] and argv[2] in ("run", "deploy", "build"):
+        argv = ["serve", argv[2], "--help"]  # clap's `help VERB`, for the Python verbs
     if len(argv) >= 2 and argv[0] == "serve" and argv[1] in ("run", "deploy", "build"):
         # Ray Serve's run/deploy/build are Python (they import the user's app); `serve
         # status` stays the Rust CLI's.

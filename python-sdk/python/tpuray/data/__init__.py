@@ -161,8 +161,10 @@ def _range(n, parallelism, concurrency, override, shape) -> Dataset:
         return read
 
     fns = [reader(s, min(n, s + size)) for s in builtins.range(0, n, size)]
+    # As Ray's range datasource: rows and (for range, not range_tensor) schema known.
+    known = (["id"], ["int64"]) if shape is None and n > 0 else None
     return Dataset(PhysicalOp(name="ReadRange", kind="source", read_fns=fns,
-                              max_concurrency=concurrency))
+                              max_concurrency=concurrency, known_schema=known, known_rows=n))
 
 
 def from_numpy(ndarrays) -> MaterializedDataset:

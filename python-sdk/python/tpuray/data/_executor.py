@@ -188,6 +188,10 @@ class PhysicalOp:
     all_to_all: tuple = ()
     limit: int = 0  # "limit": the rows to pass
     max_concurrency: Optional[int] = None  # tasks of this operator at once (Ray's concurrency)
+    # sources whose output is known without reading (range): ([names], [arrow type
+    # strings]) and the row count, for repr; None: unknown
+    known_schema: Optional[tuple] = None
+    known_rows: Optional[int] = None
 
 
 class _OpState:

@@ -430,7 +430,9 @@ class Dataset:
                 raise ValueError(f"Column(s) {missing} not in the dataset's columns {list(batch)}")
             return {c: batch[c] for c in cols}
 
-        return self.map_batches(select, concurrency=concurrency, compute=compute, **ray_remote_args)
+        out = self.map_batches(select, concurrency=concurrency, compute=compute, **ray_remote_args)
+        out._ops[-1].kw["project"] = cols  # its schema is known (repr), as Ray's Project
+        return out
 
     def rename_columns(self, names: Union[dict, list], *, concurrency=None,
                        **ray_remote_args) -> "Dataset":
@@ -1102,17 +1104,18 @@ class Dataset:
                     mode=mode))
 
     def __repr__(self) -> str:
-        chain = " -> ".join([self._source.name] + [o.name for o in self._ops])
-        return f"Dataset({chain})"
+        """As Ray 2.60 prints a dataset, without running it: a table of the schema (and, once
+        materialized, of the first and last rows) when the schema is known, else the plan
+        over the source's ``Dataset(num_rows=..., schema=...)`` (see ``tpuray.data._repr``)."""
+        from tpuray.data._repr import dataset_repr
+
+        return dataset_repr(self)
 
 
 class MaterializedDataset(Dataset):
     """A dataset whose blocks are already in the object store (Ray's
     ``MaterializedDataset``): what ``materialize``, ``split`` and friends return."""
 
-    def __repr__(self) -> str:
-        return f"MaterializedDataset(num_blocks={len(self._source.blocks)}, " \
-               f"num_rows={sum(m.num_rows for _, m in self._source.blocks)})"
 
 
 def _identity(block):

@@ -7,7 +7,11 @@ status`` is the Rust CLI's (it prints the controller's status document).
   ``key=value`` arguments that returns one) or a config file, and blocks until Ctrl-C
   (then shuts serve down), unless ``--non-blocking``;
 - ``deploy CONFIG`` deploys every application of a config file and returns (the
-  applications keep running: serve's actors are detached); with ``--address
+  applications keep running: serve's actors are detached). It is declarative, as Ray's
+  (``ServeController.apply_config``): applications an earlier config deployed that this
+  one omits are deleted; those ``serve.run``/``serve run`` deployed stay. http_options
+  that differ from the running serve's are kept, with a warning (as Ray's dashboard,
+  ``ServeHead.validate_http_options``). With ``--address
   http://HEAD:DASHBOARD_PORT`` it sends the config to the head's Serve REST API
   instead, as Ray's ``serve deploy`` does (a serve instance must run there);
 - ``build IMPORT_PATH...`` prints (or writes, ``-o``) the config file that deploys
@@ -134,18 +138,38 @@ def load_config(path: str) -> dict:
     return doc
 
 
-def deploy_config(doc: dict) -> list:
-    """Deploys every application of a parsed config; returns their names."""
+def deploy_config(doc: dict, declarative: bool = False) -> list:
+    """Deploys every application of a parsed config; returns their names.
+
+    ``declarative`` (``serve deploy``): as Ray's ``serve deploy`` (the controller's
+    ``apply_config``), the applications an earlier config deployed that this one omits
+    are deleted first; those ``serve.run`` deployed stay. Without it (``serve run
+    CONFIG``, which Ray runs through ``serve.run``), the applications are deployed
+    imperatively and nothing is deleted. http_options that differ from the running
+    controller's are kept as they are, with a warning (as Ray).
+    """
+    import tpuray
     from tpuray import serve
+    from tpuray.serve import _common
 
     serve.start(http_options=doc.get("http_options"))
-    names = []
+    ctrl = _common.get_controller(create=False)
+    built = []
     for a in doc["applications"]:
         app = _import_target(a["import_path"], a.get("args"))
         _apply_overrides(app, a.get("deployments"))
-        name = a.get("name", "default")
-        serve.run(app, name=name, route_prefix=a.get("route_prefix", "/"))
-        names.append(name)
+        built.append((a.get("name", "default"), app, a.get("route_prefix", "/")))
+    names = [b[0] for b in built]
+    warning = None
+    if declarative:
+        warning = tpuray.get(ctrl.check_http_options.remote(doc.get("http_options")))
+        gone = tpuray.get(ctrl.delete_undeclared.remote(names))
+        if gone:
+            print(f"deleting applications {gone} (deployed by an earlier config, not in this one)")
+    for name, app, prefix in built:
+        serve.run(app, name=name, route_prefix=prefix)
+    if declarative:
+        tpuray.get(ctrl.mark_declared.remote(names, warning))
     return names
 
 
@@ -215,22 +239,39 @@ def _deploy_rest(url: str, doc: dict) -> int:
 
 def main(argv: list) -> int:
     """``argv``: the words after ``tpuray serve``. Returns the exit code."""
-    ap = argparse.ArgumentParser(prog="tpuray serve", description="Ray Serve's run/deploy/build on tpuray")
+    ap = argparse.ArgumentParser(
+        prog="tpuray serve", description="Ray Serve's run/deploy/build on tpuray (`tpuray serve "
+        "status` is the Rust CLI's: `tpuray serve status --help`).")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="deploy module:app or a config file, block until Ctrl-C")
-    r.add_argument("target")
+    addr_help = ("the cluster to use, HOST:PORT of its head (default: TPURAY_ADDRESS, then the "
+                 "cluster `tpuray start` started on this machine)")
+    r = sub.add_parser(
+        "run", help="deploy module:app or a config file, block until Ctrl-C",
+        description="Deploys an application (as Ray's `serve run`) and blocks until Ctrl-C, "
+        "which shuts serve down; --non-blocking returns once it runs.")
+    r.add_argument("target", help="module:attribute (an Application from .bind(), or a function "
+                   "taking a dict of the key=value arguments that returns one), or a .yaml config "
+                   "file (Ray's ServeDeploySchema)")
     r.add_argument("args", nargs="*", help="key=value arguments for a builder function")
-    r.add_argument("--address", default=None)
-    r.add_argument("--route-prefix", default="/")
-    r.add_argument("--name", default="default")
-    r.add_argument("--non-blocking", action="store_true")
-    d = sub.add_parser("deploy", help="deploy a config file's applications and return")
-    d.add_argument("config")
+    r.add_argument("--address", default=None, help=addr_help)
+    r.add_argument("--route-prefix", default="/", help="the HTTP path prefix (default: /)")
+    r.add_argument("--name", default="default", help="the application's name (default: default)")
+    r.add_argument("--non-blocking", action="store_true", help="return once the application runs")
+    d = sub.add_parser(
+        "deploy", help="deploy a config file's applications and return",
+        description="Deploys a config file's applications (Ray's ServeDeploySchema) and returns. "
+        "As Ray's `serve deploy` it is declarative: applications an earlier config deployed "
+        "that this one omits are deleted (those serve.run deployed stay).")
+    d.add_argument("config", help="the .yaml config file (e.g. from `tpuray serve build`)")
     d.add_argument("--address", default=None,
-                   help="the cluster (HOST:PORT), or http://HEAD:DASHBOARD_PORT for the REST API")
-    b = sub.add_parser("build", help="print the config file for import paths")
-    b.add_argument("import_paths", nargs="+")
-    b.add_argument("-o", "--output-path", default=None)
+                   help=addr_help + "; or http://HEAD:DASHBOARD_PORT to send the config to the "
+                   "head's Serve REST API, as Ray's `serve deploy -a`")
+    b = sub.add_parser(
+        "build", help="print the config file for import paths",
+        description="Prints (or writes) the config file (Ray's ServeDeploySchema) that deploys "
+        "the applications at these import paths, with each deployment's options.")
+    b.add_argument("import_paths", nargs="+", help="module:attribute of each application")
+    b.add_argument("-o", "--output-path", default=None, help="write the config here, not to stdout")
     a = ap.parse_args(argv)
     import tpuray
     from tpuray import serve
@@ -251,7 +292,7 @@ def main(argv: list) -> int:
             return _deploy_rest(a.address, load_config(a.config))
         tpuray.init(address=a.address or os.environ.get("TPURAY_ADDRESS") or "auto")
         if a.cmd == "deploy":
-            names = deploy_config(load_config(a.config))
+            names = deploy_config(load_config(a.config), declarative=True)
             print(f"deployed applications {names}")
             return 0
         if a.target.endswith((".yaml", ".yml")):

@@ -147,7 +147,10 @@ class ServeController:
         self._declared_seq = None
         self._declared_error = None
         self._declared_failed: dict = {}  # app name -> the error of its last declaration
+        # Ray's api_type DECLARATIVE: the applications the last config (``serve deploy``,
+        # REST PUT) deployed; only these are deleted when a later config omits them.
         self._declared_apps: set = set()
+        self._declared_warning = None
         with self._cv:
             self._restore()
         try:
@@ -173,7 +176,7 @@ class ServeController:
                              for r in d.replicas.values()],
             }
         return {"apps": self._apps, "deps": deps, "http": self._http,
-                "proxy": self._proxy is not None}
+                "proxy": self._proxy is not None, "declared": sorted(self._declared_apps)}
 
     def _checkpoint_signature(self):
         return (
@@ -184,6 +187,7 @@ class ServeController:
                 for k, d in self._deps.items()
             )),
             self._proxy is not None,
+            tuple(sorted(self._declared_apps)),
         )
 
     def _maybe_checkpoint(self) -> None:
@@ -216,6 +220,7 @@ class ServeController:
         if not ck or not ck.get("apps"):
             return
         self._http = ck.get("http") or self._http
+        self._declared_apps = set(ck.get("declared") or ())
         for name, a in ck["apps"].items():
             self._apps[name] = dict(a)
         for key, dd in ck["deps"].items():
@@ -319,6 +324,9 @@ class ServeController:
                         new.replicas = cur.replicas
                     self._deps[key] = new
                 self._bump(key)
+            # Ray: serve.run makes an application imperative (a later config that
+            # omits it leaves it running) until a config deploys it again.
+            self._declared_apps.discard(name)
             self._apps[name] = {
                 "route_prefix": route_prefix,
                 "ingress": ingress,
@@ -341,10 +349,54 @@ class ServeController:
                 if a is None:
                     continue
                 a["deleting"] = True
+                self._declared_apps.discard(name)
                 for dname in a["deployments"]:
                     self._delete_deployment(self._deps.get((name, dname)))
             self._routes_version += 1
             self._cv.notify_all()
+
+    def delete_undeclared(self, names: list) -> list:
+        """The first step of applying a config (Ray's ``apply_config``): deletes the
+        applications an earlier config deployed that ``names`` (the new config's
+        application names) omits; applications ``serve.run`` deployed stay, as in Ray
+        (``ApplicationStateManager.apply_app_configs`` deletes only those of
+        ``APIType.DECLARATIVE``). Returns the names deleted."""
+        with self._cv:
+            gone = sorted(self._declared_apps - set(names))
+            self.delete_apps(gone)
+            return gone
+
+    def mark_declared(self, names: list, warning: str | None = None) -> None:
+        """The last step of applying a config: its applications are now declarative
+        (their status ``source``), so the next config that omits them deletes them.
+        ``warning`` (from :meth:`check_http_options`) is shown as their status message
+        while they have none of their own, and as the status' ``declared_warning``."""
+        with self._cv:
+            self._declared_warning = warning
+            self._declared_apps = {n for n in names if n in self._apps}
+            self._declared_error = None
+            self._declared_failed = {}
+
+    def check_http_options(self, http_options) -> str | None:
+        """Compares a config's ``http_options`` with the running ones. As Ray's dashboard
+        (``ServeHead.validate_http_options``), the running options are kept (they cannot
+        change without restarting serve) and a warning names the differing ones; it is
+        printed to this actor's log and returned (None when they agree).
+
+        Raises:
+            ValueError/TypeError: an unknown key or a bad value (see ``serve.start``)."""
+        from tpuray.serve import _http_options
+
+        asked = _http_options(http_options) if http_options else {}
+        diff = sorted(k for k, v in asked.items()
+                      if self._http.get(k) != v and not (k == "port" and v == 0))
+        if not diff:
+            return None
+        msg = (f"serve is already running with http_options {self._http}; they cannot change "
+               f"without restarting serve, so the config's {diff} "
+               f"({ {k: asked[k] for k in diff} }) are not applied")
+        print(f"serve controller: warning: {msg}", file=sys.stderr)
+        return msg
 
     def app_status(self, name: str):
         """``{"status", "message", "ingress", "route_prefix", "proxy"}`` of one
@@ -442,14 +494,12 @@ class ServeController:
             _cli._apply_overrides(app, a.get("deployments"))
             name = a.get("name", _common.DEFAULT_APP_NAME)
             built.append((name, a.get("route_prefix", "/"), *_payload(app, name)))
-        names = {b[0] for b in built}
-        self.delete_apps([n for n in self.list_apps() if n not in names])
+        warning = self.check_http_options(config.get("http_options"))
+        names = [b[0] for b in built]
+        self.delete_undeclared(names)
         for name, prefix, ingress, payload in built:
             self.deploy_application(name, prefix, ingress, payload)
-        self._declared_apps = names
-        self._declared_error = None
-        with self._cv:
-            self._declared_failed = {}
+        self.mark_declared(names, warning)
 
     def _shutdown_from_rest(self) -> None:
         """``DELETE /api/serve/applications/``: as ``serve.shutdown()``, then this actor
@@ -911,10 +961,13 @@ class ServeController:
                     },
                 }
             failed = self._declared_failed.get(name)
+            message = failed or a["message"]
+            if not message and name in self._declared_apps and self._declared_warning:
+                message = self._declared_warning
             apps[name] = {
                 "source": "declarative" if name in self._declared_apps else "imperative",
                 "status": "DEPLOY_FAILED" if failed else a["status"],
-                "message": failed or a["message"], "route_prefix": a["route_prefix"],
+                "message": message, "route_prefix": a["route_prefix"],
                 "ingress": a["ingress"], "last_deployed_time_s": a["last_deployed_time_s"],
                 "deployments": deps,
             }
@@ -934,6 +987,7 @@ class ServeController:
             "applications": apps,
             "target_capacity": None,
             "declared_error": self._declared_error,
+            "declared_warning": self._declared_warning,
         }
 
     def _maybe_write(self, doc):
