@@ -28,10 +28,10 @@ import json
 import logging
 import os
 from pathlib import Path
-from types import ModuleType
 from typing import Any, AsyncIterator, Dict, List, Optional, Union
 
 from tpuray import _tpuray
+from tpuray._private.runtime_env import _module_path
 
 logger = logging.getLogger(__name__)
 
@@ -209,24 +209,6 @@ class JobInfo:
                 JobStatus.SUCCEEDED: "Job finished successfully.",
                 JobStatus.FAILED: "Job failed.",
             }[self.status]
-
-
-def _module_path(m) -> str:
-    """A ``py_modules`` entry as a path or URI (Ray accepts imported modules too)."""
-    if isinstance(m, Path):
-        return str(m)
-    if isinstance(m, ModuleType):
-        if not hasattr(m, "__path__"):
-            return m.__file__
-        paths = list(m.__path__)
-        if len(paths) > 1:
-            raise ValueError(
-                "py_modules only supports modules whose __path__ has length 1 or those who are single-file."
-            )
-        return paths[0]
-    if isinstance(m, str):
-        return m
-    raise TypeError(f"py_modules must be a list of file paths, URIs, or imported modules, got {type(m)}.")
 
 
 def _check_number(name: str, v) -> None:
