@@ -12,6 +12,10 @@ ray.init(num_cpus=4)
 
 @ray.remote
 def f(i):
+    # Held a moment first so the 10 tasks spread over several worker processes: lines
+    # repeated by one process print as they come (Ray's rule); only those from other
+    # processes are counted.
+    time.sleep(0.5)
     for _ in range(10):
         print("hello from the tasks")
     return i
