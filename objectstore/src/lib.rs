@@ -336,14 +336,41 @@ impl LocalStore {
     /// # Errors
     /// [`StoreError::Io`] when the folder or its ledger cannot be created.
     pub fn open(dir: impl Into<PathBuf>) -> Result<Self> {
-        let store = Self::attach(dir.into(), None)?;
-        let mut g = store.lock()?;
+        Self::attach(dir.into(), None)?.with_settings()
+    }
+
+    /// Gives a store whose ledger is new the default settings.
+    fn with_settings(self) -> Result<Self> {
+        let mut g = self.lock()?;
         if g.fresh {
-            g.write_settings(Settings::default()).map_err(|e| store.io(e))?;
-            store.rescan(&mut g)?;
+            g.write_settings(Settings::default()).map_err(|e| self.io(e))?;
+            self.rescan(&mut g)?;
         }
         drop(g);
-        Ok(store)
+        Ok(self)
+    }
+
+    /// Attaches to the store folder `dir` that a node agent made (with
+    /// [`LocalStore::open_with`]), as drivers and workers of its node do. Unlike
+    /// [`LocalStore::open`] it never creates the folder: when the agent is gone and its
+    /// store was removed, attaching fails instead of leaving an orphan folder in
+    /// `/dev/shm` that no sweep would know as an agent's (OBJ-13).
+    ///
+    /// # Errors
+    /// [`StoreError::Io`] when the folder is missing (`NotFound`) or its ledger cannot
+    /// be opened.
+    pub fn join(dir: impl Into<PathBuf>) -> Result<Self> {
+        let dir = dir.into();
+        if !dir.is_dir() {
+            return Err(StoreError::Io {
+                source: io::Error::new(
+                    io::ErrorKind::NotFound,
+                    "no object store there: its node agent has exited",
+                ),
+                dir,
+            });
+        }
+        Self::attach_existing(dir, None)?.with_settings()
     }
 
     /// Opens (creating) the store folder `config.dir` with a capacity and a
@@ -382,6 +409,12 @@ impl LocalStore {
     fn attach(dir: PathBuf, creator: Option<File>) -> Result<Self> {
         std::fs::create_dir_all(&dir)
             .map_err(|e| StoreError::Io { dir: dir.clone(), source: e })?;
+        Self::attach_existing(dir, creator)
+    }
+
+    /// [`LocalStore::attach`] without creating `dir` (the ledger cannot be opened in a
+    /// folder removed meanwhile, so nothing is made again).
+    fn attach_existing(dir: PathBuf, creator: Option<File>) -> Result<Self> {
         let ledger = Ledger::open(&dir.join(LEDGER))
             .map_err(|e| StoreError::Io { dir: dir.clone(), source: e })?;
         let inner = Inner { dir, ledger, maps: Default::default(), _creator: creator };
@@ -745,6 +778,24 @@ mod tests {
     fn default_capacity_is_thirty_percent_capped_at_200_gb() {
         assert_eq!(default_capacity(1000), 300);
         assert_eq!(default_capacity(10_000_000_000_000), 200_000_000_000);
+    }
+
+    #[test]
+    fn joining_a_removed_store_fails_and_makes_no_folder_obj_13() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("tpuray-gone");
+        let made = LocalStore::open_with(StoreConfig {
+            dir: dir.clone(),
+            capacity_bytes: Some(1 << 20),
+            spill_dir: None,
+        })
+        .unwrap();
+        assert_eq!(LocalStore::join(&dir).unwrap().dir(), dir.as_path());
+        drop(made);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let e = LocalStore::join(&dir).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("node agent has exited"), "{e}");
+        assert!(!dir.exists(), "join made the folder again");
     }
 
     #[test]

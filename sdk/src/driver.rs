@@ -258,7 +258,7 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
         (store, format!("driver-{worker_id}"), served)
     } else {
         let store =
-            LocalStore::open(&node.object_store_dir).map_err(|e| Error::Cluster(e.to_string()))?;
+            LocalStore::join(&node.object_store_dir).map_err(|e| Error::Cluster(e.to_string()))?;
         (store, node.node_id.clone(), node.address.clone())
     };
     let mut core = Core::new(

@@ -69,7 +69,7 @@ pub fn run_worker() -> Result<(), WorkerError> {
         .block_on(tokio::net::TcpListener::bind((host.as_str(), 0)))
         .map_err(WorkerError::Listen)?;
     let address = listener.local_addr().map_err(WorkerError::Listen)?.to_string();
-    let store = LocalStore::open(&store_dir).map_err(|e| WorkerError::Serve(e.to_string()))?;
+    let store = LocalStore::join(&store_dir).map_err(|e| WorkerError::Serve(e.to_string()))?;
     let core = Core::new(
         rt,
         job_id,

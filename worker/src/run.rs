@@ -408,7 +408,7 @@ pub async fn serve_agent(
         .port();
     let node_id = NodeId::random();
     let max_idle = total.get("CPU").to_f64().ceil().max(1.0) as usize;
-    // Drivers and workers of this node attach with `LocalStore::open` and
+    // Drivers and workers of this node attach with `LocalStore::join` and
     // follow the capacity and spill folder written here.
     let store = tpuray_objectstore::LocalStore::open_with(tpuray_objectstore::StoreConfig {
         dir: tpuray_objectstore::LocalStore::default_dir(node_id.as_str(), &session_dir),
