@@ -17,18 +17,7 @@ use serde_json::Value;
 use crate::args::{LogsArgs, LogsClusterArgs, LogsCommon, LogsKind, LogsNode};
 use crate::job::{ClientOptions, JobClient};
 
-/// Percent-encodes a query value.
-fn enc(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
+use crate::job::client::segment as enc;
 
 fn query(params: &[(&str, String)]) -> String {
     params.iter().map(|(k, v)| format!("{k}={}", enc(v))).collect::<Vec<_>>().join("&")

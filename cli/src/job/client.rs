@@ -91,8 +91,9 @@ fn header_pair(k: &str, v: &str) -> Result<(HeaderName, HeaderValue), JobError> 
     Ok((name, value))
 }
 
-/// Percent-encodes one path segment (a job or package id).
-fn segment(s: &str) -> String {
+/// Percent-encodes one path segment (a job or package id) or query value: every byte
+/// but RFC 3986's unreserved characters.
+pub(crate) fn segment(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
@@ -192,21 +193,20 @@ impl JobClient {
         self.request_within(method, path, body, REQUEST_TIMEOUT).await
     }
 
-    async fn request_within(
+    /// An HTTP/1 connection to the server (driven by a task of its own) and a request to
+    /// `path` with this client's headers, ready for its body.
+    async fn http1(
         &self,
         method: Method,
         path: &str,
-        body: Option<(&'static str, Bytes)>,
-        timeout: Duration,
-    ) -> Result<(StatusCode, Bytes), JobError> {
+    ) -> Result<
+        (hyper::client::conn::http1::SendRequest<Full<Bytes>>, http::request::Builder),
+        JobError,
+    > {
         let tcp = self.connect_tcp().await?;
-        let url = self.address.url();
-        let broken = |e: hyper::Error| JobError::Connect {
-            address: url.clone(),
-            reason: format!("the connection failed: {e}"),
-        };
-        let (mut sender, conn) =
-            hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.map_err(broken)?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+            .await
+            .map_err(|e| self.broken(e))?;
         tokio::spawn(async move {
             let _ = conn.await;
         });
@@ -217,6 +217,26 @@ impl JobClient {
         for (k, v) in &self.headers {
             req = req.header(k, v);
         }
+        Ok((sender, req))
+    }
+
+    /// The error of a connection that broke mid-exchange.
+    fn broken(&self, e: hyper::Error) -> JobError {
+        JobError::Connect {
+            address: self.address.url(),
+            reason: format!("the connection failed: {e}"),
+        }
+    }
+
+    async fn request_within(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<(&'static str, Bytes)>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), JobError> {
+        let (mut sender, mut req) = self.http1(method, path).await?;
+        let broken = |e| self.broken(e);
         let data = match body {
             Some((content_type, data)) => {
                 req = req.header(CONTENT_TYPE, content_type);
@@ -281,24 +301,9 @@ impl JobClient {
             )));
         }
         block_on(async {
-            let tcp = self.connect_tcp().await?;
+            let (mut sender, req) = self.http1(Method::GET, path_and_query).await?;
             let url = self.address.url();
-            let broken = |e: hyper::Error| JobError::Connect {
-                address: url.clone(),
-                reason: format!("the connection failed: {e}"),
-            };
-            let (mut sender, conn) =
-                hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await.map_err(broken)?;
-            tokio::spawn(async move {
-                let _ = conn.await;
-            });
-            let mut req = Request::builder()
-                .method(Method::GET)
-                .uri(format!("{}{}", self.address.prefix, path_and_query))
-                .header(HOST, self.address.authority());
-            for (k, v) in &self.headers {
-                req = req.header(k, v);
-            }
+            let broken = |e| self.broken(e);
             let req = req.body(Full::new(Bytes::new())).map_err(|e| {
                 JobError::Invalid(format!("cannot build the request for {path_and_query}: {e}"))
             })?;

@@ -29,9 +29,7 @@ def method(*args, **kwargs):
                 f"Unexpected keyword argument to @ray.method: '{key}'. The supported "
                 f"keyword arguments are {_METHOD_KEYS}"
             )
-    _options.warn_unhonoured(
-        {k: v for k, v in kwargs.items() if k != "num_returns"}, "@method"
-    )
+    _options.warn_unhonoured(kwargs, "@method", _options.UNHONOURED_METHOD)
     return decorate
 
 

@@ -29,34 +29,36 @@ def check(options: dict, actor: bool) -> None:
     warn_unhonoured(options, "actor" if actor else "remote function")
 
 
-# Ray's options that tpuray takes but does not act on yet (issue 23), each with the value
-# that changes nothing (Ray's default): any other value is named in a warning once per
+# Ray's options that tpuray takes but does not act on yet (issue 23), each with the values
+# that change nothing (Ray's defaults): any other value is named in a warning once per
 # process, so a script that relies on one is told, never silently ignored.
 _UNHONOURED = {
     "max_calls": (None, 0),
     "concurrency_groups": (None, {}),
     "max_pending_calls": (None, -1),
+}
+# The same for ``@method``'s keywords (tpuray honours its ``num_returns``).
+UNHONOURED_METHOD = {
     "concurrency_group": (None,),
-    "max_task_retries@method": (None,),
-    "retry_exceptions@method": (None,),
+    "max_task_retries": (None,),
+    "retry_exceptions": (None,),
     "_generator_backpressure_num_objects": (None, -1),
     "_num_objects_per_yield": (None,),
-    "enable_task_events@method": (None, True),
+    "enable_task_events": (None, True),
     "tensor_transport": (None, "OBJECT_STORE", "object_store"),
 }
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()
 
 
-def warn_unhonoured(options: dict, what: str) -> None:
-    """Warns (once per option name) about each option of ``options`` that tpuray accepts
-    for Ray compatibility but does not honour yet, when its value is not Ray's default."""
+def warn_unhonoured(options: dict, what: str, table: dict = _UNHONOURED) -> None:
+    """Warns (once per option of ``what``) about each option of ``options`` in ``table``
+    whose value is not one of those that change nothing there."""
     for k, v in options.items():
-        key = f"{k}@method" if what == "@method" and f"{k}@method" in _UNHONOURED else k
-        if key not in _UNHONOURED or key in _warned:
+        if k not in table or (what, k) in _warned:
             continue
-        if any(v is d or (type(v) is type(d) and v == d) for d in _UNHONOURED[key]):
+        if any(v is d or (type(v) is type(d) and v == d) for d in table[k]):
             continue
-        _warned.add(key)
+        _warned.add((what, k))
         import warnings
 
         warnings.warn(

@@ -132,81 +132,59 @@ class Count(_Column):
         return int(acc)
 
 
-class Sum(_Column):
+class _Reduce(_Column):
+    """An aggregation that reduces each block's values of ``on`` with ``_block`` and
+    combines partial results with ``_combine``; ``None`` when there are no values."""
+
+    _block: Callable = staticmethod(np.sum)
+    _combine: Callable = staticmethod(lambda a, b: a + b)
+
+    def init(self, key):
+        self._need_on()
+        return None
+
+    def accumulate_block(self, acc, block):
+        v = _values(block, self.on, self.ignore_nulls)
+        if len(v) == 0:
+            return acc
+        r = self._block(v)
+        return r if acc is None else self._combine(acc, r)
+
+    def merge(self, a, b):
+        return b if a is None else a if b is None else self._combine(a, b)
+
+    def finalize(self, acc):
+        return _py(acc)
+
+
+class Sum(_Reduce):
     """Sum of ``on`` (Ray's ``Sum``); column ``sum(on)``; ``None`` when there are no values."""
 
     prefix = "sum"
 
-    def init(self, key):
-        self._need_on()
-        return None
 
-    def accumulate_block(self, acc, block):
-        v = _values(block, self.on, self.ignore_nulls)
-        if len(v) == 0:
-            return acc
-        s = v.sum()
-        return s if acc is None else acc + s
-
-    def merge(self, a, b):
-        return b if a is None else a if b is None else a + b
-
-    def finalize(self, acc):
-        return _py(acc)
-
-
-class Min(_Column):
+class Min(_Reduce):
     """Smallest value of ``on`` (Ray's ``Min``); column ``min(on)``."""
 
     prefix = "min"
-    _pick = staticmethod(min)
-
-    def init(self, key):
-        self._need_on()
-        return None
-
-    def accumulate_block(self, acc, block):
-        v = _values(block, self.on, self.ignore_nulls)
-        if len(v) == 0:
-            return acc
-        m = v.min() if type(self) is Min else v.max()
-        return m if acc is None else self._pick(acc, m)
-
-    def merge(self, a, b):
-        return b if a is None else a if b is None else self._pick(a, b)
-
-    def finalize(self, acc):
-        return _py(acc)
+    _block = staticmethod(np.min)
+    _combine = staticmethod(min)
 
 
-class Max(Min):
+class Max(_Reduce):
     """Largest value of ``on`` (Ray's ``Max``); column ``max(on)``."""
 
     prefix = "max"
-    _pick = staticmethod(max)
+    _block = staticmethod(np.max)
+    _combine = staticmethod(max)
 
 
-class AbsMax(_Column):
+class AbsMax(_Reduce):
     """Largest absolute value of ``on`` (Ray's ``AbsMax``); column ``abs_max(on)``."""
 
     prefix = "abs_max"
-
-    def init(self, key):
-        self._need_on()
-        return None
-
-    def accumulate_block(self, acc, block):
-        v = _values(block, self.on, self.ignore_nulls)
-        if len(v) == 0:
-            return acc
-        m = np.abs(v).max()
-        return m if acc is None else max(acc, m)
-
-    def merge(self, a, b):
-        return b if a is None else a if b is None else max(a, b)
-
-    def finalize(self, acc):
-        return _py(acc)
+    _block = staticmethod(lambda v: np.abs(v).max())
+    _combine = staticmethod(max)
 
 
 class Mean(_Column):
