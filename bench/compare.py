@@ -152,6 +152,21 @@ def ensure_tpuray(venv: Path) -> Path:
     return py
 
 
+def require_optimized(py: str | Path, what: str) -> None:
+    """Exit (status 2, with tpuray's message) when the tpuray that interpreter ``py``
+    imports is a debug build, unless TPURAY_ALLOW_DEBUG_BUILD=1
+    (``tpuray._private.build.require_optimized_build``)."""
+    r = subprocess.run(
+        [str(py), "-c",
+         f"from tpuray._private.build import require_optimized_build as r; r({what!r})"],
+        stderr=subprocess.PIPE, text=True,
+    )
+    if r.stderr:
+        print(r.stderr.rstrip(), file=sys.stderr)
+    if r.returncode != 0:
+        sys.exit(2)
+
+
 def parse(text: str) -> tuple[dict[str, float], dict[str, str]]:
     """Case name -> mean, and case name -> why it was skipped, from text or JSON lines."""
     means, skipped = {}, {}
@@ -229,6 +244,7 @@ def main() -> int:
 
     ray_py = None if a.skip_ray else ensure_ray(Path(a.ray_venv), a.ray_version)
     tp_py = ensure_tpuray(Path(a.tpuray_venv))
+    require_optimized(tp_py, "bench/compare.py")
     tpuray = [a.tpuray_cli] if a.tpuray_cli else [str(tp_py), "-m", "tpuray"]
     common = ["--json", "--warmup-sleep", str(pause)]
     if a.quick:

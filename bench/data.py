@@ -152,6 +152,9 @@ def shuffles(args) -> None:
         import tpuray
         import tpuray.data as rd
         from tpuray._private import worker
+        from tpuray._private.build import require_optimized_build
+
+        require_optimized_build("bench/data.py --shuffles")
 
         tpuray.init(num_cpus=args.num_cpus, object_store_memory=store)
         rd.DataContext.get_current().enable_progress_bars = False
@@ -203,7 +206,9 @@ def main() -> None:
         return
     import tpuray
     import tpuray.data as rd
+    from tpuray._private.build import require_optimized_build
 
+    require_optimized_build("bench/data.py")
     n, r = args.rows or 2_000_000, args.rounds
     tpuray.init(address=args.address)
     rd.DataContext.get_current().enable_progress_bars = False

@@ -215,6 +215,7 @@ def main() -> int:
     pys = {}
     if "tpuray" in systems:
         pys["tpuray"] = a.tpuray_python or str(compare.ensure_tpuray(ROOT / "bench/.tpuray-venv"))
+        compare.require_optimized(pys["tpuray"], "bench/host_failover.py")
     if "ray" in systems:
         pys["ray"] = a.ray_python or str(compare.ensure_ray(ROOT / "bench/.ray-venv", "2.60.0"))
     results: dict[str, list[dict]] = {s: [] for s in systems}

@@ -15,8 +15,8 @@ environment unless the environment's Python already has it (Ray 2.60's ``uv.py``
     python3 bench/job_env.py                       # both systems, pip and uv
     python3 bench/job_env.py --system tpuray --installer uv --package tinydb
 
-tpuray: the ``tpuray`` of ``--tpuray-python`` (default: .venv, as scripts/test.sh makes
-it); Ray: ``ray[default]==2.60.0`` in ``--ray-venv`` (default bench/.ray-jobs-venv, made
+tpuray: the ``tpuray`` of ``--tpuray-python`` (default: .venv, where scripts/demo.sh
+installs a release build; a debug build is refused); Ray: ``ray[default]==2.60.0`` in ``--ray-venv`` (default bench/.ray-jobs-venv, made
 when missing; Ray's job server needs the dashboard's extras).
 """
 
@@ -169,6 +169,11 @@ def main() -> None:
     RAY_VENV = Path(a.ray_venv)
     systems = ["tpuray", "ray"] if a.system == "both" else [a.system]
     installers = ["pip", "uv"] if a.installer == "both" else [a.installer]
+    if "tpuray" in systems:
+        sys.path.insert(0, str(ROOT / "bench"))
+        import compare
+
+        compare.require_optimized(a.tpuray_python, "bench/job_env.py")
     res = {s: run(s, a.package, a.runs, a.tpuray_python, installers) for s in systems}
     for inst in installers:
         for label, i in (("new env", 0), ("cached env", a.runs - 1)):

@@ -80,6 +80,9 @@ ray.shutdown()
 
 
 def main() -> None:
+    from tpuray._private.build import require_optimized_build
+
+    require_optimized_build("bench/metrics_scrape.py")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=7)
     ap.add_argument("--tasks", type=int, default=10_000)

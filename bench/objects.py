@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 import tpuray as ray
+from tpuray._private.build import require_optimized_build
 
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
 CLIENTS = 4
@@ -149,6 +150,7 @@ def bench_size(size: int) -> None:
 
 
 def main() -> None:
+    require_optimized_build("bench/objects.py")
     sizes = [int(a) * MB for a in sys.argv[1:]] or [100 * MB, 800 * MB]
     tmp = tempfile.mkdtemp(prefix="tpuray-objbench-")
     env = dict(os.environ)

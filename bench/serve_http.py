@@ -32,6 +32,9 @@ def main():
     else:
         import tpuray as ray
         from tpuray import serve
+        from tpuray._private.build import require_optimized_build
+
+        require_optimized_build("bench/serve_http.py")
 
     if a.kind == "plain":
         @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Builds the Python package (python-sdk/, the `tpuray` wheel with its Rust
-# extension) into a virtual environment at .venv and runs its pytest suite.
+# extension) into a virtual environment of the tests' own, .venv-test
+# (TPURAY_TEST_VENV names another), and runs its pytest suite. It never touches
+# .venv, where scripts/demo.sh installs the release build that the demo and the
+# benchmarks use (a debug build there would be measured as tpuray's).
 # Needs only Python >= 3.9 with venv and pip, and cargo; maturin and pytest
 # come from PyPI. Arguments go to pytest.
 #
@@ -10,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-venv=.venv
+venv="${TPURAY_TEST_VENV:-.venv-test}"
 if [ ! -x "$venv/bin/python" ]; then
     "${PYTHON:-python3}" -m venv "$venv"
 fi

@@ -29,13 +29,16 @@ cargo fmt --all -- --check
 # The Python extension is a workspace of its own (python-sdk/Cargo.toml).
 (cd python-sdk && cargo fmt -- --check)
 cargo clippy --workspace --all-targets -- -D warnings
+# The tests' own virtual environment (scripts/python-tests.sh builds the package into
+# it); .venv, where the demo installs its release build, is never touched.
+export TPURAY_TEST_VENV="${TPURAY_TEST_VENV:-$PWD/.venv-test}"
 # tests/tests/k8s.rs checks the rendered Kubernetes examples with kubernetes-validate
-# (offline, against the schemas it bundles) and yamllint, both from PyPI into .venv
-# (scripts/python-tests.sh installs them there too).
-if [ ! -x .venv/bin/python ]; then
-    "${PYTHON:-python3}" -m venv .venv
+# (offline, against the schemas it bundles) and yamllint, both from PyPI into the test
+# venv (scripts/python-tests.sh installs them there too).
+if [ ! -x "$TPURAY_TEST_VENV/bin/python" ]; then
+    "${PYTHON:-python3}" -m venv "$TPURAY_TEST_VENV"
 fi
-.venv/bin/python -m pip install -q "kubernetes-validate==1.37.0" "yamllint>=1.35,<2"
+"$TPURAY_TEST_VENV/bin/python" -m pip install -q "kubernetes-validate==1.37.0" "yamllint>=1.35,<2"
 # The integration tests run the real `tpuray` binary.
 cargo build -p tpuray-cli
 if cargo nextest --version >/dev/null 2>&1; then

@@ -660,6 +660,9 @@ pub struct MicrobenchmarkArgs {
     /// Do not measure the floor (loopback RPC, memcpy).
     #[arg(long)]
     pub no_floor: bool,
+    /// Measure a debug build anyway (refused by default: its figures are not tpuray's).
+    #[arg(long)]
+    pub allow_debug_build: bool,
 }
 
 #[derive(Args, Debug)]

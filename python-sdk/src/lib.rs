@@ -1550,5 +1550,8 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     jobs::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Ray's `ray._raylet.OPTIMIZED`: whether this extension was compiled with
+    // optimisations (benchmarks refuse a debug build: tpuray._private.build).
+    m.add("OPTIMIZED", !cfg!(debug_assertions))?;
     Ok(())
 }

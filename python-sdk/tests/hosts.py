@@ -6,7 +6,7 @@ A helper, not a test module. :class:`Hosts` starts ``tpuray-hosts`` (the Rust ha
 when missing), which makes the hosts and prints them as one JSON line. Each host has
 its own address in 198.18.0.0/15 (``host0`` is 198.18.0.1, ...), its own ``/dev/shm``,
 ``/tmp``, ``HOME`` and hostname, and every host's name is in the shared ``/etc/hosts``.
-The checkout, ``target/`` and ``.venv`` are shared. Needs root.
+The checkout, ``target/`` and its virtual environments are shared. Needs root.
 
 Usage::
 

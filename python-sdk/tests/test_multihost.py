@@ -34,16 +34,18 @@ import queue
 import re
 import secrets
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from hosts import REPO, Hosts
+from hosts import Hosts
 
 PORT = 6379
-PY = str(REPO / ".venv" / "bin" / "python")
+# The interpreter running the tests: the checkout (and its venvs) is shared with the hosts.
+PY = sys.executable
 CLI = [PY, "-m", "tpuray"]
 #: Bound for one ``tpuray start`` (s).
 START_TIMEOUT = 120

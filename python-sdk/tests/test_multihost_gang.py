@@ -15,12 +15,14 @@ and torch (``scripts/python-tests.sh`` installs the CPU build).
 from __future__ import annotations
 
 import json
+import sys
 import time
 
-from hosts import REPO, hosts_fixture
+from hosts import hosts_fixture
 
 PORT = 6379
-PY = str(REPO / ".venv" / "bin" / "python")
+# The interpreter running the tests: the checkout (and its venvs) is shared with the hosts.
+PY = sys.executable
 #: Bound for one ``tpuray start`` (s).
 START_TIMEOUT = 120
 #: Bound for the whole driver run (s): four torch imports and a gloo rendezvous.

@@ -13,7 +13,7 @@
 //! namespace's interfaces, routes and mounts are never changed.
 //!
 //! What the hosts share is what is not under `/tmp`: the checkout, `./target`,
-//! `.venv`, `/root/.pyenv`. Each has its own `HOME` (a folder of the work dir, set
+//! the virtual environments in it, `/root/.pyenv`. Each has its own `HOME` (a folder of the work dir, set
 //! in the environment of [`Host::command`]), its own `/tmp` and so its own
 //! `/tmp/tpuray/registry`.
 //!

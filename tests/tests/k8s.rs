@@ -4,7 +4,7 @@
 //! --block` (the environment a slice StatefulSet gives its pods) advertises what the
 //! hand-made start of the same worker does; SIGTERM drains a node (AGENT-16).
 //!
-//! `kubernetes-validate` and `yamllint` come from PyPI into the repository's `.venv`
+//! `kubernetes-validate` and `yamllint` come from PyPI into the tests' venv (`.venv-test`)
 //! (`scripts/test.sh` installs them); they validate offline, against the schemas bundled
 //! with kubernetes-validate, for Kubernetes 1.34 (`tpuray_cli::k8s::KUBERNETES_VERSION`).
 
@@ -19,11 +19,17 @@ fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
 }
 
-/// A tool from the repository's `.venv` (where scripts/test.sh installs it), else PATH.
+/// A tool from the tests' virtual environment (`$TPURAY_TEST_VENV`, default
+/// `.venv-test`, where scripts/test.sh installs it), else from `.venv`, else PATH.
 fn venv_tool(name: &str) -> PathBuf {
-    let p = repo_root().join(".venv/bin").join(name);
-    if p.exists() {
-        return p;
+    let test_venv = std::env::var_os("TPURAY_TEST_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join(".venv-test"));
+    for venv in [test_venv, repo_root().join(".venv")] {
+        let p = venv.join("bin").join(name);
+        if p.exists() {
+            return p;
+        }
     }
     let found = std::env::var_os("PATH")
         .into_iter()
@@ -32,8 +38,8 @@ fn venv_tool(name: &str) -> PathBuf {
         .find(|p| p.exists());
     found.unwrap_or_else(|| {
         panic!(
-            "{name} is not installed: run scripts/test.sh's setup, or `.venv/bin/python -m pip \
-             install kubernetes-validate yamllint`"
+            "{name} is not installed: run scripts/test.sh's setup, or `.venv-test/bin/python -m \
+             pip install kubernetes-validate yamllint`"
         )
     })
 }

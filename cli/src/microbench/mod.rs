@@ -177,6 +177,7 @@ pub fn mean_sd(xs: &[f64]) -> (f64, f64) {
 /// No Python with tpuray installed, a cluster that does not start, or a failed case.
 pub fn run(a: MicrobenchmarkArgs) -> Result<i32> {
     let timing = Timing::from_args(&a)?;
+    check_build(OPTIMIZED, a.allow_debug_build)?;
     if !a.no_floor {
         let floor_timing =
             Timing { pause: Duration::ZERO, filter: None, skip: None, ..timing.clone() };
@@ -187,6 +188,39 @@ pub fn run(a: MicrobenchmarkArgs) -> Result<i32> {
         return Ok(0);
     }
     run_python(&a, &timing)
+}
+
+/// Whether this binary was compiled with optimisations (cargo's release profile).
+pub const OPTIMIZED: bool = !cfg!(debug_assertions);
+
+/// Refuses to measure a debug build (`optimized` false) unless `allow`; then warns.
+/// Ray's `ray microbenchmark` warns about the same (`ray._raylet.OPTIMIZED`,
+/// `check_optimized_build` in `ray/_private/ray_perf.py`); a debug build here runs the
+/// core several times slower, so its figures would be read as tpuray's.
+///
+/// # Errors
+/// A debug build without `--allow-debug-build`, naming the binary and the way out.
+fn check_build(optimized: bool, allow: bool) -> Result<()> {
+    if optimized {
+        return Ok(());
+    }
+    let exe = std::env::current_exe().map(|p| p.display().to_string()).unwrap_or_default();
+    // Under `python -m tpuray` this CLI is the Python package's extension.
+    let exe = if std::env::var_os("TPURAY_SELF_COMMAND").is_some() {
+        format!("the Python package's extension, run by {exe}")
+    } else {
+        exe
+    };
+    if !allow {
+        bail!(
+            "refusing to measure a debug build of tpuray ({exe}): its figures would not be \
+             tpuray's. Build a release one (`cargo build --release -p tpuray-cli`, or \
+             `pip install ./python-sdk` with MATURIN_PEP517_ARGS unset, as ./scripts/demo.sh \
+             does), or pass --allow-debug-build to measure it anyway"
+        );
+    }
+    eprintln!("tpuray microbenchmark: WARNING: measuring a debug build ({exe})");
+    Ok(())
 }
 
 /// The Python interpreter that runs the Python cases: `--python`, else the one this CLI
@@ -231,6 +265,10 @@ fn run_python(a: &MicrobenchmarkArgs, t: &Timing) -> Result<i32> {
         .env("TESTS_TO_RUN", t.filter.as_deref().unwrap_or(""))
         .env("TESTS_TO_SKIP", t.skip.as_deref().unwrap_or(""))
         .env_remove("TPURAY_ADDRESS");
+    if a.allow_debug_build {
+        // The interpreter's extension may be a debug build while this binary is not.
+        cmd.env("TPURAY_ALLOW_DEBUG_BUILD", "1");
+    }
     let status = cmd.status().with_context(|| format!("cannot run {}", python.display()))?;
     Ok(status.code().unwrap_or(1))
 }
@@ -238,6 +276,14 @@ fn run_python(a: &MicrobenchmarkArgs, t: &Timing) -> Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_debug_build_is_refused_unless_allowed() {
+        assert!(check_build(true, false).is_ok());
+        let e = check_build(false, false).unwrap_err().to_string();
+        assert!(e.contains("debug build") && e.contains("--allow-debug-build"), "{e}");
+        assert!(check_build(false, true).is_ok());
+    }
 
     #[test]
     fn bad_trial_counts_and_durations_are_refused_with_what_was_expected() {

@@ -9,6 +9,8 @@ every 100 ms, so Ctrl-C interrupts them.
 from typing import Any, List, Optional, Tuple
 
 __version__: str
+#: Compiled with optimisations (cargo's release profile); Ray's ``ray._raylet.OPTIMIZED``.
+OPTIMIZED: bool
 """The version of the tpuray Rust crates this module was built from."""
 
 def run(argv: list[str]) -> int:

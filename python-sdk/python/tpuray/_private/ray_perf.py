@@ -5,8 +5,9 @@ case names, same workloads and multipliers, same timing
 ``ray.init()`` starts (``address="local"``: a private one even when another cluster
 runs on this machine, as ``ray.init()`` gives on a machine without one).
 
-Left out: Ray's build check (``ray._raylet.OPTIMIZED``) and its Ray Client cases
-(tpuray has no Ray Client). ``Actor._remote()`` is written ``Actor.remote()``. Ray
+Ray's build check (``ray._raylet.OPTIMIZED``, a warning there) refuses a debug build
+here unless ``TPURAY_ALLOW_DEBUG_BUILD=1`` (:mod:`tpuray._private.build`). Left out:
+Ray's Ray Client cases (tpuray has no Ray Client). ``Actor._remote()`` is written ``Actor.remote()``. Ray
 shuts down and starts a second cluster with ``{"custom": 100}`` for the placement
 group case; a tpuray process cannot initialize twice, so the one cluster has that
 resource from the start (no other case asks for it).
@@ -19,6 +20,7 @@ import multiprocessing
 import sys
 
 import tpuray as ray
+from tpuray._private.build import require_optimized_build
 from tpuray._private.ray_microbenchmark_helpers import skipped, timeit
 
 try:
@@ -93,6 +95,7 @@ def create_object_containing_ref():
 
 
 def main(results=None):
+    require_optimized_build("tpuray microbenchmark")
     results = results or []
 
     ray.init(address="local", resources={"custom": 100})
