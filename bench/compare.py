@@ -133,8 +133,12 @@ def ensure_ray(venv: Path, version: str) -> Path:
 
 
 def ensure_tpuray(venv: Path) -> Path:
+    # Absolute: pip runs maturin from another folder, so a relative PATH entry misses it.
+    venv = venv.absolute()
     py = venv / "bin" / "python"
-    if not py.exists():
+    ready = py.exists() and subprocess.run(
+        [str(py), "-c", "import tpuray._tpuray"], capture_output=True).returncode == 0
+    if not ready:  # missing, or left half-made by a failed build
         print(f"creating {venv} with a release build of python-sdk/", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         subprocess.run(
