@@ -153,8 +153,8 @@ pub struct StartArgs {
     /// The node agent's port (default: any free port).
     #[arg(long, default_value_t = 0)]
     pub node_manager_port: u16,
-    /// Root folder for session files and logs.
-    #[arg(long, default_value = "/tmp/tpuray")]
+    /// Root folder for session files and logs (Ray's `--temp-dir`; `RAY_TMPDIR` there).
+    #[arg(long, env = "TPURAY_TEMP_DIR", default_value = "/tmp/tpuray")]
     pub temp_dir: PathBuf,
     /// Stay in the foreground until the started processes stop.
     #[arg(long)]

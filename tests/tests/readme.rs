@@ -45,6 +45,9 @@ impl Env {
         let mut c = Command::new(program);
         c.env("HOME", self.path().join("home"))
             .env("TPURAY_REGISTRY_DIR", self.path().join("registry"))
+            // A block's `tpuray start` without --temp-dir leaves its session here, not in
+            // /tmp/tpuray (a head's session holds a few hundred MB of Raft data).
+            .env("TPURAY_TEMP_DIR", self.path().join("tpuray"))
             .env("TPURAY_NODE_IP_ADDRESS", "127.0.0.1")
             .env("PATH", path)
             .env_remove("TPURAY_ADDRESS")
