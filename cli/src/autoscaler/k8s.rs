@@ -1,0 +1,1 @@
+//! The `kubernetes` provider (behind the `kubernetes` cargo feature).
