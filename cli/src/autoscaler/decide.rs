@@ -138,7 +138,8 @@ pub struct Terminate {
 pub struct Report {
     /// Instances not yet whole: (instance, node type, hosts up, hosts, why launched).
     pub pending_launches: Vec<(String, String, u32, u32, String)>,
-    /// Idle instances: (instance, node type, idle ms, why kept or when removed).
+    /// Idle instances: (instance, node type, idle since (ms since the epoch), why kept or
+    /// when removed).
     pub idle: Vec<(String, String, u64, String)>,
     /// Demand no node type can hold, with why.
     pub infeasible: Vec<String>,
@@ -227,17 +228,23 @@ impl Sim<'_> {
         true
     }
 
-    /// First fit of `b` on the hosts allowed by `ok`, CPU-only work on hosts without
-    /// accelerators first (SCHED-6); takes from `free` (or from the hosts' totals with
-    /// `of_total`, for `request_resources`, which then uses `left`).
+    /// First fit of `b` on the hosts not in `skip`, taking from `left` (each host's free
+    /// resources, or its totals for `request_resources`). CPU-only work tries hosts
+    /// without accelerators first (SCHED-6); with `plain_only` it never takes an
+    /// accelerator host (AUTOSCALE-6: a CPU-only request must not keep a slice).
     fn place(
         &mut self,
         b: &ResourceSet,
         left: &mut [ResourceSet],
         skip: &BTreeSet<usize>,
+        plain_only: bool,
     ) -> Option<usize> {
-        let mut order: Vec<usize> = (0..self.hosts.len()).filter(|i| !skip.contains(i)).collect();
-        if cpu_only(b) {
+        let cpu = cpu_only(b);
+        let mut order: Vec<usize> = (0..self.hosts.len())
+            .filter(|i| !skip.contains(i))
+            .filter(|&i| !(plain_only && cpu && self.hosts[i].has_accelerator()))
+            .collect();
+        if cpu {
             order.sort_by_key(|&i| self.hosts[i].has_accelerator());
         }
         let i = order.into_iter().find(|&i| left[i].is_superset_of(b))?;
@@ -300,6 +307,12 @@ pub fn decide(input: &Input<'_>, memory: &mut Memory) -> Decision {
     let mut replace: Vec<(NodeType, String)> = Vec::new();
     let mut count: BTreeMap<String, u32> = BTreeMap::new();
     let mut live_instances: Vec<&InstanceView> = Vec::new();
+    // Ids stay unique over a restart that found instances already running.
+    for inst in input.instances {
+        if let Some(n) = inst.id.rsplit('-').next().and_then(|n| n.parse::<u64>().ok()) {
+            memory.next_seq = memory.next_seq.max(n);
+        }
+    }
     for inst in input.instances {
         let Some(t) = cfg.node_types.get(&inst.node_type) else {
             terminate.push(Terminate {
@@ -417,7 +430,7 @@ pub fn decide(input: &Input<'_>, memory: &mut Memory) -> Decision {
         let mut left: Vec<ResourceSet> = sim.hosts.iter().map(|h| h.total.clone()).collect();
         let mut unmet: Vec<ResourceSet> = Vec::new();
         for b in input.requested {
-            if sim.place(b, &mut left, &BTreeSet::new()).is_some() {
+            if sim.place(b, &mut left, &BTreeSet::new(), true).is_some() {
                 continue;
             }
             let types: Vec<NodeType> = sim.types_for(b).into_iter().cloned().collect();
@@ -432,7 +445,7 @@ pub fn decide(input: &Input<'_>, memory: &mut Memory) -> Decision {
             if launched {
                 let new = sim.hosts.len() - left.len();
                 left.extend(sim.hosts[sim.hosts.len() - new..].iter().map(|h| h.total.clone()));
-                if sim.place(b, &mut left, &BTreeSet::new()).is_some() {
+                if sim.place(b, &mut left, &BTreeSet::new(), true).is_some() {
                     continue;
                 }
             }
@@ -487,7 +500,7 @@ pub fn decide(input: &Input<'_>, memory: &mut Memory) -> Decision {
         } else {
             format!("removed after {} s idle", cfg.idle_timeout_ms / 1000)
         };
-        report.idle.push((inst.id.clone(), t.name.clone(), idle_ms, note));
+        report.idle.push((inst.id.clone(), t.name.clone(), since, note));
     }
     for inst in &live_instances {
         let t = &cfg.node_types[&inst.node_type];
@@ -558,7 +571,7 @@ fn place_bundles(
         let skip =
             if placement == Placement::StrictSpread { taken.clone() } else { BTreeSet::new() };
         let mut free: Vec<ResourceSet> = sim.hosts.iter().map(|h| h.free.clone()).collect();
-        if let Some(i) = sim.place(b, &mut free, &skip) {
+        if let Some(i) = sim.place(b, &mut free, &skip, false) {
             sim.hosts[i].free = free[i].clone();
             taken.insert(i);
             continue;
@@ -575,7 +588,7 @@ fn place_bundles(
         if types.iter().any(|t| sim.try_launch(t, format!("{what}: {b}"))) {
             let mut free: Vec<ResourceSet> = sim.hosts.iter().map(|h| h.free.clone()).collect();
             let skip: BTreeSet<usize> = (0..before).collect();
-            if let Some(i) = sim.place(b, &mut free, &skip) {
+            if let Some(i) = sim.place(b, &mut free, &skip, false) {
                 sim.hosts[i].free = free[i].clone();
                 taken.insert(i);
                 continue;
@@ -992,6 +1005,24 @@ available_node_types:
         assert!(kept.terminate.is_empty(), "{kept:?}");
         let gone = run(&cfg, &idle, &inst, &[], &[], 600_000, &mut m);
         assert_eq!(gone.terminate.len(), 2, "{gone:?}");
+    }
+
+    #[test]
+    fn autoscale_6_a_cpu_request_is_not_held_by_slice_hosts_and_keeps_no_slice() {
+        let cfg = config();
+        let mut m = Memory::default();
+        let first = run(&cfg, &[], &[], &[slice_demand("g", "v6e-16", "4x4")], &[], 0, &mut m);
+        let inst = instances(&first.launch, 0);
+        let nodes = up(&cfg, &first.launch, &[]);
+        run(&cfg, &nodes, &inst, &[], &[], 1_000, &mut m);
+        // Six one-CPU bundles: the slice's four hosts have a CPU each, but CPU workers come.
+        let req = vec![res(r#"{"CPU": 1}"#); 6];
+        let out = run(&cfg, &nodes, &inst, &[], &req, 2_000, &mut m);
+        assert_eq!(out.launch.len(), 4, "{out:?}");
+        assert!(out.launch.iter().all(|l| l.node_type == "cpu"));
+        // And the idle slice still goes.
+        let later = run(&cfg, &nodes, &inst, &[], &req, 200_000, &mut m);
+        assert!(later.terminate.iter().any(|t| t.node_type == "v6e-16"), "{later:?}");
     }
 
     #[test]

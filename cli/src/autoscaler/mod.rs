@@ -22,7 +22,6 @@
 
 pub mod config;
 pub mod decide;
-#[cfg(feature = "kubernetes")]
 pub mod k8s;
 pub mod local;
 pub mod provider;
@@ -104,7 +103,8 @@ impl Autoscaler {
     }
 }
 
-fn now_ms() -> u64 {
+/// Milliseconds since the epoch.
+pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -132,13 +132,9 @@ fn run(
     while !stop.load(Ordering::SeqCst) {
         match &client {
             Ok(head) => {
-                if let Err(e) = rt.block_on(round(
-                    &config,
-                    provider.as_mut(),
-                    head.clone(),
-                    &mut memory,
-                    &mut published,
-                )) {
+                if let Err(e) =
+                    round(&rt, &config, provider.as_mut(), head, &mut memory, &mut published)
+                {
                     tracing::warn!("autoscaler: {e:#}");
                 }
             }
@@ -161,23 +157,39 @@ fn req<T>(m: T) -> Request<T> {
     r
 }
 
-async fn round(
+/// What one round reads from the head.
+struct Seen {
+    status: pb::GetClusterStatusReply,
+    groups: Vec<pb::PlacementGroupInfo>,
+    requested: Vec<ResourceSet>,
+}
+
+async fn read(mut head: Head) -> Result<Seen> {
+    let status = head.get_cluster_status(req(pb::GetClusterStatusRequest {})).await?.into_inner();
+    let groups = head
+        .list_placement_groups(req(pb::ListPlacementGroupsRequest {}))
+        .await?
+        .into_inner()
+        .placement_groups;
+    let kv = pb::KvGetRequest { namespace: KV_NAMESPACE.into(), key: REQUEST_KEY.to_vec() };
+    let r = head.kv_get(req(kv)).await?.into_inner();
+    let requested = if r.found { parse_request(&r.value)? } else { Vec::new() };
+    Ok(Seen { status, groups, requested })
+}
+
+/// One round: read the head (async), decide, then call the provider outside the runtime
+/// (a provider may run a runtime of its own), then publish the report.
+fn round(
+    rt: &tokio::runtime::Runtime,
     config: &AutoscalingConfig,
     provider: &mut dyn Provider,
-    mut head: Head,
+    head: &Head,
     memory: &mut Memory,
     published: &mut String,
 ) -> Result<()> {
-    let st = head.get_cluster_status(req(pb::GetClusterStatusRequest {})).await?.into_inner();
-    let groups =
-        head.list_placement_groups(req(pb::ListPlacementGroupsRequest {})).await?.into_inner();
-    let requested = head
-        .kv_get(req(pb::KvGetRequest { namespace: KV_NAMESPACE.into(), key: REQUEST_KEY.to_vec() }))
-        .await?
-        .into_inner();
-    let requested = if requested.found { parse_request(&requested.value)? } else { Vec::new() };
-    let nodes = node_views(&st.nodes);
-    let demands = demands(&st, &groups.placement_groups);
+    let seen = rt.block_on(read(head.clone()))?;
+    let nodes = node_views(&seen.status.nodes);
+    let demands = demands(&seen.status, &seen.groups);
     let instances = provider.instances()?;
     let now = now_ms();
     let input = decide::Input {
@@ -185,9 +197,9 @@ async fn round(
         nodes: &nodes,
         instances: &instances,
         demands: &demands,
-        requested: &requested,
+        requested: &seen.requested,
         now_ms: now,
-        id_prefix: "",
+        id_prefix: &provider.id_prefix(),
     };
     let decision = decide::decide(&input, memory);
     for t in &decision.terminate {
@@ -198,6 +210,10 @@ async fn round(
         tracing::info!(instance = %l.instance, node_type = %l.node_type, "autoscaler: launching: {}", l.reason);
         if let Err(e) = provider.launch(&config.node_types[&l.node_type], &l.instance, now) {
             tracing::warn!(instance = %l.instance, "autoscaler: launch failed: {e:#}");
+            if let Some(n) = memory.launched.get_mut(&l.node_type) {
+                *n = n.saturating_sub(1);
+            }
+            memory.launch_reason.remove(&l.instance);
         }
     }
     let text = serde_json::to_string(&decision.report)?;
@@ -209,7 +225,8 @@ async fn round(
             value: text.clone().into_bytes(),
             overwrite: true,
         };
-        head.kv_put(req(put)).await?;
+        let mut head = head.clone();
+        rt.block_on(head.kv_put(req(put)))?;
         *published = text;
     }
     Ok(())
@@ -315,9 +332,91 @@ pub fn demands(st: &pb::GetClusterStatusReply, groups: &[pb::PlacementGroupInfo]
     out
 }
 
+/// The `Autoscaler` section of `tpuray status`: pending launches, idle instances and
+/// demand it cannot or will not scale for, each with its reason; launches and removals so
+/// far by node type. `now_ms` turns idle-since times into durations.
+pub fn render_report(r: &decide::Report, now_ms: u64) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(s, "Autoscaler");
+    let _ = writeln!(s, "---------------------------------------------------------------");
+    let _ = writeln!(s, "Pending launches:");
+    if r.pending_launches.is_empty() {
+        let _ = writeln!(s, " (none)");
+    }
+    for (id, ty, up, hosts, why) in &r.pending_launches {
+        let _ = writeln!(s, " {id} ({ty}): {up} of {hosts} host(s) up -- {why}");
+    }
+    let _ = writeln!(s, "Idle:");
+    if r.idle.is_empty() {
+        let _ = writeln!(s, " (none)");
+    }
+    for (id, ty, since, note) in &r.idle {
+        let secs = now_ms.saturating_sub(*since) / 1000;
+        let _ = writeln!(s, " {id} ({ty}): idle {secs} s -- {note}");
+    }
+    for (title, lines) in
+        [("Infeasible (never scaled for):", &r.infeasible), ("Waiting:", &r.waiting)]
+    {
+        if !lines.is_empty() {
+            let _ = writeln!(s, "{title}");
+            for l in lines {
+                let _ = writeln!(s, " {l}");
+            }
+        }
+    }
+    let types: std::collections::BTreeSet<&String> =
+        r.launched.keys().chain(r.removed.keys()).collect();
+    if !types.is_empty() {
+        let parts: Vec<String> = types
+            .iter()
+            .map(|t| {
+                let l = r.launched.get(*t).copied().unwrap_or(0);
+                let d = r.removed.get(*t).copied().unwrap_or(0);
+                format!("{t}: {l} launched, {d} removed")
+            })
+            .collect();
+        let _ = writeln!(s, "Totals: {}", parts.join("; "));
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_status_section_names_each_pending_launch_idle_instance_and_reason() {
+        let r = decide::Report {
+            pending_launches: vec![(
+                "v6e-16-1".into(),
+                "v6e-16".into(),
+                2,
+                4,
+                "placement group gang:g:0: v6e-16 slice(s) of topology 4x4".into(),
+            )],
+            idle: vec![("cpu-2".into(), "cpu".into(), 1_000, "removed after 6 s idle".into())],
+            infeasible: vec!["placement group gang:big:0: no node type has v6e-64 slice(s)".into()],
+            waiting: vec![],
+            launched: [("v6e-16".to_string(), 1u64), ("cpu".to_string(), 1)].into(),
+            removed: [("cpu".to_string(), 0u64)].into(),
+        };
+        let text = render_report(&r, 5_000);
+        assert!(
+            text.contains(" v6e-16-1 (v6e-16): 2 of 4 host(s) up -- placement group gang:g:0"),
+            "{text}"
+        );
+        assert!(text.contains(" cpu-2 (cpu): idle 4 s -- removed after 6 s idle"), "{text}");
+        assert!(
+            text.contains("Infeasible (never scaled for):\n placement group gang:big:0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("Totals: cpu: 1 launched, 0 removed; v6e-16: 1 launched, 0 removed"),
+            "{text}"
+        );
+        assert!(!text.contains("Waiting:"), "{text}");
+    }
 
     #[test]
     fn demand_is_read_once_per_waiting_thing_and_bundle_resources_are_skipped() {

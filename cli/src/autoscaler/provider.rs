@@ -9,6 +9,11 @@ use super::decide::InstanceView;
 
 /// Starts and stops instances: one host of a CPU type, every host of a slice together.
 pub trait Provider: Send {
+    /// What instance ids start with (Kubernetes: the cluster's name, since objects are
+    /// named by them).
+    fn id_prefix(&self) -> String {
+        String::new()
+    }
     /// Starts every host of `instance` (AUTOSCALE-1: a slice's hosts together, named
     /// `instance`). `now_ms` is recorded as its launch time.
     fn launch(&mut self, t: &NodeType, instance: &str, now_ms: u64) -> Result<()>;
