@@ -542,7 +542,7 @@ fn cpu_worker_template(
 /// # Errors
 /// A name that is not a DNS-1035 label of at most 52 characters (a StatefulSet pod's
 /// name adds `-<index>`), a generation GKE has no node selector for.
-pub(crate) fn autoscaled_objects(
+pub fn autoscaled_objects(
     spec: &ClusterSpec,
     instance: &str,
     accel: Option<AcceleratorType>,
@@ -579,7 +579,7 @@ pub(crate) fn autoscaled_objects(
 
 /// What [`autoscaled_objects`] builds.
 #[derive(Clone, Debug)]
-pub(crate) enum AutoscaledObjects {
+pub enum AutoscaledObjects {
     Worker(Box<Pod>),
     Slice(Box<(Service, StatefulSet)>),
 }
@@ -587,7 +587,7 @@ pub(crate) enum AutoscaledObjects {
 impl ClusterSpec {
     /// The spec the autoscaler's `kubernetes` provider builds objects from: the cluster
     /// `tpuray k8s manifests --name NAME --namespace NS --image IMAGE` rendered (one head).
-    pub(crate) fn for_autoscaler(name: &str, namespace: &str, image: &str) -> ClusterSpec {
+    pub fn for_autoscaler(name: &str, namespace: &str, image: &str) -> ClusterSpec {
         ClusterSpec {
             name: name.to_string(),
             namespace: namespace.to_string(),

@@ -66,7 +66,7 @@ pub fn agent_args(t: &NodeType, instance: &str) -> Vec<String> {
 
 /// The objects of `instance` of type `t`. Errors: a slice topology other than the
 /// accelerator type's default (the manifests render the default), a bad name.
-pub(crate) fn objects(
+pub fn objects(
     spec: &ClusterSpec,
     t: &NodeType,
     instance: &str,
