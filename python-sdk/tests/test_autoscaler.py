@@ -80,7 +80,7 @@ def scaled(tmp_path_factory):
 
 
 def ps():
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [l.strip() for l in out.splitlines()[1:]]
 
 
@@ -230,6 +230,8 @@ def test_two_gangs_two_slices_a_third_waits_v6e_64_is_infeasible_and_a_lost_host
 
 def test_request_resources_brings_cpu_workers_up_to_max_workers(scaled):
     c = scaled
+    # The last test's slices go once idle; none comes back for CPU work.
+    wait_for("the idle slices to go", lambda: not scaled_nodes(c, "v6e-16"), 120)
     script = """
         import sys
         import tpuray as ray
