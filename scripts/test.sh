@@ -29,6 +29,8 @@ cargo fmt --all -- --check
 # The Python extension is a workspace of its own (python-sdk/Cargo.toml).
 (cd python-sdk && cargo fmt -- --check)
 cargo clippy --workspace --all-targets -- -D warnings
+# The autoscaler's kubernetes provider (the kube client) is behind a feature: lint it too.
+cargo clippy -p tpuray-cli --features kubernetes --all-targets -- -D warnings
 # tests/tests/k8s.rs checks the rendered Kubernetes examples with kubernetes-validate
 # (offline, against the schemas it bundles) and yamllint, both from PyPI into .venv
 # (scripts/python-tests.sh installs them there too).
