@@ -66,11 +66,7 @@ pub fn agent_args(t: &NodeType, instance: &str) -> Vec<String> {
 
 /// The objects of `instance` of type `t`. Errors: a slice topology other than the
 /// accelerator type's default (the manifests render the default), a bad name.
-pub fn objects(
-    spec: &ClusterSpec,
-    t: &NodeType,
-    instance: &str,
-) -> Result<AutoscaledObjects> {
+pub fn objects(spec: &ClusterSpec, t: &NodeType, instance: &str) -> Result<AutoscaledObjects> {
     if let Some(s) = &t.slice
         && s.accelerator_type.default_topology().as_ref() != Some(&s.topology)
     {
