@@ -296,6 +296,9 @@ pub fn start(mut a: StartArgs) -> Result<i32> {
     // Check every flag before anything starts, so bad input fails fast.
     tpuray_worker::build_resources(&a.resources.options())?;
     if let Some(path) = &a.autoscaling_config {
+        if !a.head {
+            bail!("--autoscaling-config needs --head (the autoscaler runs in the head process)");
+        }
         crate::autoscaler::config::load(path)?;
         if a.head_peers.is_some() {
             bail!("--autoscaling-config is for a lone head (not with --head-peers)");
