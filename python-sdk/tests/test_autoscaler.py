@@ -66,8 +66,14 @@ def scaled(tmp_path_factory):
     c = CliCluster(tmp)
     cfg = tmp / "autoscaling.yaml"
     cfg.write_text(CONFIG)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        c.dashboard_port = s.getsockname()[1]
     c._start(["--head", "--node-ip-address", "127.0.0.1", "--port", str(c.port), "--num-cpus", "0",
-              "--temp-dir", str(tmp / "head"), "--autoscaling-config", str(cfg)])
+              "--temp-dir", str(tmp / "head"), "--autoscaling-config", str(cfg),
+              "--dashboard-port", str(c.dashboard_port)])
     try:
         yield c
     finally:
@@ -173,6 +179,14 @@ def test_a_gang_brings_one_whole_slice_that_goes_whole_once_idle(scaled):
             if n["node_id"] in ids]
     assert all(n["state"] == "DEAD" for n in dead), dead
     wait_for("the totals", lambda: "v6e-16: 1 launched, 1 removed" in autoscaler_section(c), 30)
+    # The head's /metrics counts them by node type.
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{c.dashboard_port}/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    for family in ("tpuray_autoscaler_launches_total", "tpuray_autoscaler_removals_total"):
+        line = [l for l in metrics.splitlines() if l.startswith(family) and 'NodeType="v6e-16"' in l]
+        assert len(line) == 1 and line[0].endswith(" 1"), (family, line)
 
 
 def test_two_gangs_two_slices_a_third_waits_v6e_64_is_infeasible_and_a_lost_host_replaces_the_slice(scaled):
