@@ -4,10 +4,13 @@
 //! `TPU_WORKER_ID`, `TPU_TOPOLOGY`, and `--resources '{"TPU": chips}'`). For tests, and for
 //! trying the autoscaler on a laptop.
 //!
-//! AUTOSCALE-8: nothing it starts outlives the head. Every process is a child of the
+//! AUTOSCALE-8: nothing it starts outlives the head. Every host is a child of the
 //! autoscaler's own thread with `PR_SET_PDEATHSIG=SIGTERM`, so a head that dies (even by
-//! SIGKILL) has its `start --block` processes told to stop their agents; a head that
-//! stops calls [`Provider::shutdown`], which stops them all and waits for them.
+//! SIGKILL) has its `start --block` processes told to stop their agents; each host is a
+//! process group of its own (the `start` process and its agent), signalled as a group, so
+//! a `start` stopped while it still waits for its agent to register leaves no agent
+//! behind; a head that stops calls [`Provider::shutdown`], which stops them all and waits
+//! for them.
 //! Blocking: every call spawns, signals or reaps processes; run it on the autoscaler's
 //! thread, never on an async executor.
 
@@ -25,6 +28,17 @@ use super::provider::Provider;
 /// How long a stopped host's `start --block` gets to stop its agent before SIGKILL: the
 /// agent's own 10 s stop margin (the provider starts agents with a 0 s drain) and more.
 const STOP_WAIT: Duration = Duration::from_secs(30);
+
+/// Signals the process group a host's `start` process leads (it and its agent).
+fn signal_group(pid: u32, sig: i32) {
+    if let Ok(pid) = i32::try_from(pid) {
+        // SAFETY: kill(2) with a negative pid signals that process group; no memory is
+        // touched.
+        unsafe {
+            libc::kill(-pid, sig);
+        }
+    }
+}
 
 struct Host {
     worker_id: u32,
@@ -127,7 +141,7 @@ impl LocalProvider {
                 return false;
             }
             if since.elapsed() > STOP_WAIT {
-                let _ = c.kill();
+                signal_group(c.id(), libc::SIGKILL);
                 let _ = c.wait();
                 return false;
             }
@@ -167,6 +181,7 @@ impl Provider for LocalProvider {
             // the head) goes.
             unsafe {
                 cmd.pre_exec(|| {
+                    libc::setpgid(0, 0);
                     libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0);
                     Ok(())
                 });
@@ -175,7 +190,7 @@ impl Provider for LocalProvider {
                 Ok(child) => hosts.push(Host { worker_id: w, child }),
                 Err(e) => {
                     for h in hosts {
-                        tpuray_worker::agent::signal(h.child.id(), libc::SIGTERM);
+                        signal_group(h.child.id(), libc::SIGTERM);
                         self.stopping.push((h.child, Instant::now()));
                     }
                     return Err(e).context(format!("cannot start host {w} of {instance}"));
@@ -192,8 +207,10 @@ impl Provider for LocalProvider {
     fn terminate(&mut self, instance: &str) -> Result<()> {
         if let Some(inst) = self.instances.remove(instance) {
             for mut h in inst.hosts {
+                // The group, even when the `start` process already exited (its agent may not
+                // have).
+                signal_group(h.child.id(), libc::SIGTERM);
                 if matches!(h.child.try_wait(), Ok(None)) {
-                    tpuray_worker::agent::signal(h.child.id(), libc::SIGTERM);
                     self.stopping.push((h.child, Instant::now()));
                 }
             }
