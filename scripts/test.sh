@@ -29,6 +29,8 @@ cargo fmt --all -- --check
 # The Python extension is a workspace of its own (python-sdk/Cargo.toml).
 (cd python-sdk && cargo fmt -- --check)
 cargo clippy --workspace --all-targets -- -D warnings
+# The autoscaler's kubernetes provider (the kube client) is behind a feature: lint it too.
+cargo clippy -p tpuray-cli --features kubernetes --all-targets -- -D warnings
 # The tests' own virtual environment (scripts/python-tests.sh builds the package into
 # it); .venv, where the demo installs its release build, is never touched.
 export TPURAY_TEST_VENV="${TPURAY_TEST_VENV:-$PWD/.venv-test}"

@@ -203,6 +203,11 @@ pub struct StartArgs {
     /// default terminationGracePeriodSeconds of 30 with 5 s to stop the workers.
     #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_DRAIN_GRACE_S)]
     pub drain_grace_period: u64,
+    /// Run the autoscaler in the head (with --head): a cluster config in Ray's shape,
+    /// YAML or JSON (`provider: {type: local | kubernetes}`, `idle_timeout_minutes`,
+    /// `available_node_types`; README "Autoscaling"). Nodes it starts stop with the head.
+    #[arg(long, value_name = "FILE", requires = "head")]
+    pub autoscaling_config: Option<PathBuf>,
     #[command(flatten)]
     pub resources: ResourceFlags,
 }
@@ -687,6 +692,9 @@ pub struct HeadArgs {
     pub dashboard_port: Option<u16>,
     #[arg(long)]
     pub dashboard_host: Option<String>,
+    /// The autoscaler's cluster config (checked by `tpuray start`).
+    #[arg(long)]
+    pub autoscaling_config: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]

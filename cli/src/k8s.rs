@@ -23,7 +23,7 @@ use anyhow::{Result, anyhow, bail};
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, StatefulSet, StatefulSetSpec};
 use k8s_openapi::api::core::v1::{
     Affinity, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction,
-    ObjectFieldSelector, PersistentVolumeClaim, PersistentVolumeClaimSpec, PodAffinity,
+    ObjectFieldSelector, PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod, PodAffinity,
     PodAffinityTerm, PodAntiAffinity, PodSpec, PodTemplateSpec, Probe, ResourceRequirements,
     SecretKeySelector, Service, ServicePort, ServiceSpec, Toleration, Volume, VolumeMount,
     VolumeResourceRequirements,
@@ -472,27 +472,46 @@ fn head_objects(spec: &ClusterSpec) -> (Service, StatefulSet, PodDisruptionBudge
 fn cpu_workers(spec: &ClusterSpec) -> Deployment {
     let name = format!("{}-cpu-worker", spec.name);
     let labels = spec.labels("cpu-worker");
+    Deployment {
+        metadata: spec.meta(&name, &labels),
+        spec: Some(DeploymentSpec {
+            replicas: Some(spec.cpu_workers as i32),
+            selector: selector(&labels),
+            template: cpu_worker_template(spec, &labels, CPU_WORKER_CPUS, &[]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The pod of one CPU worker: a node agent with `cpus` CPUs (`--num-cpus`, and the pod's
+/// request), the manifests' memory and object store, and `extra` agent flags.
+fn cpu_worker_template(
+    spec: &ClusterSpec,
+    labels: &BTreeMap<String, String>,
+    cpus: u32,
+    extra: &[String],
+) -> PodTemplateSpec {
     let gib = 1u64 << 30;
     let (shm, shm_mount) = shm_volume(Some(format!("{CPU_WORKER_STORE_GIB}Gi")));
+    let mut args = vec![
+        "--num-cpus".into(),
+        cpus.to_string(),
+        "--memory".into(),
+        ((CPU_WORKER_MEMORY_GIB - CPU_WORKER_STORE_GIB) * gib).to_string(),
+        "--object-store-memory".into(),
+        (CPU_WORKER_STORE_GIB * gib).to_string(),
+    ];
+    args.extend(extra.iter().cloned());
     let mut container = Container {
         name: "agent".into(),
         image: Some(spec.image.clone()),
-        args: Some(agent_command(
-            spec,
-            &[
-                "--num-cpus".into(),
-                CPU_WORKER_CPUS.to_string(),
-                "--memory".into(),
-                ((CPU_WORKER_MEMORY_GIB - CPU_WORKER_STORE_GIB) * gib).to_string(),
-                "--object-store-memory".into(),
-                (CPU_WORKER_STORE_GIB * gib).to_string(),
-            ],
-        )),
+        args: Some(agent_command(spec, &args)),
         env: Some(common_env(spec)),
         ports: Some(vec![port("agent", AGENT_PORT), port("metrics", METRICS_PORT)]),
         resources: Some(ResourceRequirements {
             requests: Some(quantities(&[
-                ("cpu", CPU_WORKER_CPUS.to_string()),
+                ("cpu", cpus.to_string()),
                 ("memory", format!("{CPU_WORKER_MEMORY_GIB}Gi")),
             ])),
             limits: Some(quantities(&[("memory", format!("{CPU_WORKER_MEMORY_GIB}Gi"))])),
@@ -502,23 +521,82 @@ fn cpu_workers(spec: &ClusterSpec) -> Deployment {
         ..Default::default()
     };
     agent_probes(&mut container);
-    Deployment {
-        metadata: spec.meta(&name, &labels),
-        spec: Some(DeploymentSpec {
-            replicas: Some(spec.cpu_workers as i32),
-            selector: selector(&labels),
-            template: PodTemplateSpec {
-                metadata: Some(ObjectMeta { labels: Some(labels.clone()), ..Default::default() }),
-                spec: Some(PodSpec {
-                    containers: vec![container],
-                    volumes: Some(vec![shm]),
-                    termination_grace_period_seconds: Some(DRAIN_GRACE_S + TERMINATION_MARGIN_S),
-                    ..Default::default()
-                }),
-            },
+    PodTemplateSpec {
+        metadata: Some(ObjectMeta { labels: Some(labels.clone()), ..Default::default() }),
+        spec: Some(PodSpec {
+            containers: vec![container],
+            volumes: Some(vec![shm]),
+            termination_grace_period_seconds: Some(DRAIN_GRACE_S + TERMINATION_MARGIN_S),
             ..Default::default()
         }),
-        ..Default::default()
+    }
+}
+
+/// The objects of one autoscaled instance (the autoscaler's `kubernetes` provider),
+/// built by the same code as `tpuray k8s manifests`: a CPU worker is one Pod named
+/// `instance` with the CPU workers' pod template; a slice (`accel`) is its headless
+/// Service and StatefulSet named `instance` (its hosts, `podManagementPolicy: Parallel`).
+/// Every pod carries `labels` (Kubernetes labels, for listing) and passes
+/// `agent_args` (`--labels`, `--resources` of the node type) to its node agent.
+///
+/// # Errors
+/// A name that is not a DNS-1035 label of at most 52 characters (a StatefulSet pod's
+/// name adds `-<index>`), a generation GKE has no node selector for.
+pub fn autoscaled_objects(
+    spec: &ClusterSpec,
+    instance: &str,
+    accel: Option<AcceleratorType>,
+    cpus: u32,
+    labels: &BTreeMap<String, String>,
+    agent_args: &[String],
+) -> Result<AutoscaledObjects> {
+    check_name("the instance name", instance, 52)?;
+    match accel {
+        None => {
+            let mut all = spec.labels("cpu-worker");
+            all.extend(labels.clone());
+            let t = cpu_worker_template(spec, &all, cpus, agent_args);
+            let pod =
+                Pod { metadata: spec.meta(instance, &all), spec: t.spec, ..Default::default() };
+            Ok(AutoscaledObjects::Worker(Box::new(pod)))
+        }
+        Some(accel) => {
+            let shape = SliceShape { name: instance.to_string(), accel };
+            let (mut svc, mut set) =
+                slice_objects(spec, &shape, 0, std::slice::from_ref(&shape), agent_args)?;
+            for meta in [&mut svc.metadata, &mut set.metadata] {
+                meta.labels.get_or_insert_default().extend(labels.clone());
+            }
+            if let Some(s) = set.spec.as_mut()
+                && let Some(m) = s.template.metadata.as_mut()
+            {
+                m.labels.get_or_insert_default().extend(labels.clone());
+            }
+            Ok(AutoscaledObjects::Slice(Box::new((svc, set))))
+        }
+    }
+}
+
+/// What [`autoscaled_objects`] builds.
+#[derive(Clone, Debug)]
+pub enum AutoscaledObjects {
+    Worker(Box<Pod>),
+    Slice(Box<(Service, StatefulSet)>),
+}
+
+impl ClusterSpec {
+    /// The spec the autoscaler's `kubernetes` provider builds objects from: the cluster
+    /// `tpuray k8s manifests --name NAME --namespace NS --image IMAGE` rendered (one head).
+    pub fn for_autoscaler(name: &str, namespace: &str, image: &str) -> ClusterSpec {
+        ClusterSpec {
+            name: name.to_string(),
+            namespace: namespace.to_string(),
+            image: image.to_string(),
+            heads: 1,
+            cpu_workers: 0,
+            slices: Vec::new(),
+            multislice: false,
+        }
     }
 }
 
@@ -532,6 +610,7 @@ fn slice_objects(
     slice: &SliceShape,
     index: usize,
     all: &[SliceShape],
+    agent_args: &[String],
 ) -> Result<(Service, StatefulSet)> {
     let accel = slice.accel;
     let topology = accel.default_topology().ok_or_else(|| anyhow!("{accel}: no topology"))?;
@@ -601,7 +680,7 @@ fn slice_objects(
     let mut container = Container {
         name: "agent".into(),
         image: Some(spec.image.clone()),
-        args: Some(agent_command(spec, &[])),
+        args: Some(agent_command(spec, agent_args)),
         env: Some(envs),
         ports: Some(ports),
         resources: Some(ResourceRequirements {
@@ -718,7 +797,7 @@ pub fn render(spec: &ClusterSpec) -> Result<String> {
     }
     let slices = spec.slice_shapes();
     for (i, s) in slices.iter().enumerate() {
-        let (svc, set) = slice_objects(spec, s, i, &slices)?;
+        let (svc, set) = slice_objects(spec, s, i, &slices, &[])?;
         push_doc(&mut out, &format!("slice {}'s Service", s.name), &svc)?;
         push_doc(&mut out, &format!("slice {}'s StatefulSet", s.name), &set)?;
     }

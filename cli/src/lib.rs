@@ -9,6 +9,7 @@
 //! processes that `start` spawns; they are not for users.
 
 mod args;
+pub mod autoscaler;
 pub mod job;
 pub mod k8s;
 mod logs;

@@ -295,6 +295,19 @@ pub fn start(mut a: StartArgs) -> Result<i32> {
     }
     // Check every flag before anything starts, so bad input fails fast.
     tpuray_worker::build_resources(&a.resources.options())?;
+    if let Some(path) = &a.autoscaling_config {
+        if !a.head {
+            bail!("--autoscaling-config needs --head (the autoscaler runs in the head process)");
+        }
+        crate::autoscaler::config::load(path)?;
+        if a.head_peers.is_some() {
+            bail!("--autoscaling-config is for a lone head (not with --head-peers)");
+        }
+        a.autoscaling_config = Some(
+            std::path::absolute(path)
+                .with_context(|| format!("--autoscaling-config {}", path.display()))?,
+        );
+    }
     if let Some(addr) = &a.address {
         for part in addr.split(',') {
             tpuray_proto::client::check_address(part).map_err(|e| anyhow!("--address: {e}"))?;
@@ -367,6 +380,9 @@ pub fn start(mut a: StartArgs) -> Result<i32> {
         }
         if let Some(h) = &a.dashboard_host {
             args.extend(["--dashboard-host".into(), h.clone()]);
+        }
+        if let Some(c) = &a.autoscaling_config {
+            args.extend(["--autoscaling-config".into(), c.display().to_string()]);
         }
         let s = spawn_with(&session, "head", "head", args, detach, "", Wait::Ready, &[], "")?;
         let addr = s.ready["address"].as_str().unwrap_or_default().to_string();
@@ -707,17 +723,42 @@ pub fn run_head(a: HeadArgs) -> Result<i32> {
         }),
         session_dir: Some(a.session_dir.clone()),
     };
+    let autoscaling = match &a.autoscaling_config {
+        Some(p) => Some(crate::autoscaler::config::load(p)?),
+        None => None,
+    };
+    let token = config.token.clone();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let ready = a.ready_file.clone();
+    // The autoscaler starts once the head listens, and stops (with every node it
+    // started, AUTOSCALE-8) before the head does.
+    let scaler: std::sync::Arc<std::sync::Mutex<Option<crate::autoscaler::Autoscaler>>> =
+        Default::default();
+    let slot = scaler.clone();
+    let session = a.session_dir.clone();
+    let stopping = async move {
+        shutdown_signal().await;
+        let taken = scaler.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(s) = taken {
+            let _ = tokio::task::spawn_blocking(move || s.stop()).await;
+        }
+    };
     rt.block_on(tpuray_head::serve(
         config,
         move |r| {
+            if let Some(c) = autoscaling {
+                match crate::autoscaler::Autoscaler::start(c, r.address.to_string(), token, session)
+                {
+                    Ok(s) => *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(s),
+                    Err(e) => tracing::error!("the autoscaler did not start: {e:#}"),
+                }
+            }
             write_ready(
                 &ready,
                 serde_json::json!({ "address": r.address.to_string(), "dashboard_url": r.dashboard_url }),
             )
         },
-        shutdown_signal(),
+        stopping,
     ))
     .map_err(|e| anyhow!("{e}"))?;
     Ok(0)

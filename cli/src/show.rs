@@ -234,7 +234,7 @@ pub(crate) fn render_tpu_slices(
 pub fn status(address: &str) -> Result<i32> {
     let rt = runtime()?;
     let replicas = rt.block_on(replica_statuses(address));
-    let (st, groups) = rt.block_on(async {
+    let (st, groups, autoscaler_report) = rt.block_on(async {
         let mut head = head_client(address)?;
         let mut req = Request::new(pb::GetClusterStatusRequest {});
         req.set_timeout(Duration::from_secs(10));
@@ -253,7 +253,16 @@ pub fn status(address: &str) -> Result<i32> {
                 Vec::new()
             }
         };
-        Ok::<_, anyhow::Error>((st, groups))
+        // The autoscaler's report, when the head runs one (`--autoscaling-config`).
+        let key = crate::autoscaler::STATUS_KEY.to_vec();
+        let kv = pb::KvGetRequest { namespace: crate::autoscaler::KV_NAMESPACE.into(), key };
+        let mut req = Request::new(kv);
+        req.set_timeout(Duration::from_secs(10));
+        let report = match head.kv_get(req).await {
+            Ok(r) if r.get_ref().found => serde_json::from_slice(&r.into_inner().value).ok(),
+            _ => None,
+        };
+        Ok::<_, anyhow::Error>((st, groups, report))
     })?;
     let alive: Vec<&pb::NodeInfo> =
         st.nodes.iter().filter(|n| n.state == pb::NodeState::Alive as i32).collect();
@@ -307,6 +316,10 @@ pub fn status(address: &str) -> Result<i32> {
     }
     for d in &st.infeasible {
         println!(" {}: {}+ infeasible -- {}", fmt_shape(&d.shape), d.count.max(1), d.reason);
+    }
+    if let Some(report) = autoscaler_report {
+        println!();
+        print!("{}", crate::autoscaler::render_report(&report, crate::autoscaler::now_ms()));
     }
     println!();
     print_replicas(&replicas);

@@ -249,6 +249,27 @@ struct ClusterSnapshot {
     nodes_dead: u64,
     tpu_hosts: Vec<TpuHost>,
     gangs: BTreeMap<String, (u64, bool)>,
+    /// The autoscaler's launches and removals by node type (its report in the KV).
+    autoscaler: Option<(BTreeMap<String, u64>, BTreeMap<String, u64>)>,
+}
+
+/// The KV namespace and key of the autoscaler's report (`cli/src/autoscaler`, which runs
+/// in the head's process when `--autoscaling-config` is given).
+pub(crate) const AUTOSCALER_REPORT: (&str, &[u8]) = ("autoscaler", b"status");
+
+/// `launched` and `removed` (node type to count) of the autoscaler's report.
+pub(crate) fn autoscaler_totals(
+    report: &[u8],
+) -> Option<(BTreeMap<String, u64>, BTreeMap<String, u64>)> {
+    #[derive(serde::Deserialize)]
+    struct Totals {
+        #[serde(default)]
+        launched: BTreeMap<String, u64>,
+        #[serde(default)]
+        removed: BTreeMap<String, u64>,
+    }
+    let t: Totals = serde_json::from_slice(report).ok()?;
+    Some((t.launched, t.removed))
 }
 
 fn snapshot(head: &Head) -> (String, Option<ClusterSnapshot>) {
@@ -261,6 +282,11 @@ fn snapshot(head: &Head) -> (String, Option<ClusterSnapshot>) {
         tasks: inner.task_tally.entries().collect(),
         tasks_kept: inner.tasks.len(),
         tasks_dropped: inner.tasks_dropped,
+        autoscaler: inner
+            .sm
+            .kv
+            .get(&(AUTOSCALER_REPORT.0.to_string(), AUTOSCALER_REPORT.1.to_vec()))
+            .and_then(|r| autoscaler_totals(r)),
         ..Default::default()
     };
     for a in inner.sm.actors.values() {
@@ -567,6 +593,24 @@ fn cluster_families(e: &mut Exposition, mem: &mut ScrapeMemory, s: ClusterSnapsh
         "1 while the gang's newest generation holds its slices",
         reserved,
     );
+    if let Some((launched, removed)) = &s.autoscaler {
+        let types: BTreeSet<&String> = launched.keys().chain(removed.keys()).collect();
+        for t in types {
+            let l = labels(&[("NodeType", t)]);
+            e.counter(
+                "tpuray_autoscaler_launches_total",
+                "Instances (CPU workers, or whole slices) the autoscaler launched, by node type",
+                &l,
+                launched.get(t).copied().unwrap_or(0) as f64,
+            );
+            e.counter(
+                "tpuray_autoscaler_removals_total",
+                "Instances the autoscaler removed (idle, lost a host, failed to start), by node type",
+                &l,
+                removed.get(t).copied().unwrap_or(0) as f64,
+            );
+        }
+    }
 }
 
 // ---- service discovery ----
@@ -686,6 +730,16 @@ mod tests {
         assert_eq!(gang_of("gang:train:3"), Some(("train", 3)));
         assert_eq!(gang_of("gang:a:b:0"), Some(("a:b", 0)));
         assert_eq!(gang_of("train:3"), None);
+    }
+
+    #[test]
+    fn the_autoscaler_report_gives_launches_and_removals_by_node_type() {
+        let (l, r) = autoscaler_totals(
+            br#"{"pending_launches": [], "launched": {"cpu": 3, "v6e-16": 1}, "removed": {"cpu": 2}}"#,
+        )
+        .unwrap();
+        assert_eq!((l["cpu"], l["v6e-16"], r["cpu"]), (3, 1, 2));
+        assert!(autoscaler_totals(b"not json").is_none());
     }
 
     #[test]

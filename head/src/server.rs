@@ -1178,6 +1178,7 @@ impl HeadService for HeadSvc {
                     count: 1,
                     infeasible: *is_infeasible,
                     reason: format!("actor {}: {reason}", a.class_name),
+                    placement_group_id: String::new(),
                 };
                 if *is_infeasible {
                     infeasible.push(d);
@@ -1208,6 +1209,7 @@ impl HeadService for HeadSvc {
                     count,
                     infeasible: *is_infeasible,
                     reason: format!("placement group {label} ({}): {reason}", pg.strategy.name()),
+                    placement_group_id: pg.pg_id.to_string(),
                 };
                 if *is_infeasible {
                     infeasible.push(d);

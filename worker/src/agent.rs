@@ -320,6 +320,7 @@ impl Agent {
                 count: d.waiting.max(1),
                 infeasible: d.infeasible,
                 reason: d.reason.clone(),
+                placement_group_id: String::new(),
             })
             .collect();
         (st.total.clone(), st.available.clone(), demands, st.workers.len() as u32)
