@@ -2108,6 +2108,8 @@ impl Core {
         opts: &TaskOptions,
         streaming: bool,
     ) -> Result<Submitted, Error> {
+        let captured = captured_options(opts);
+        let opts = captured.as_ref().unwrap_or(opts);
         let class = self.class_for(opts)?;
         let mut spec = self.base_spec(
             function,
@@ -2870,6 +2872,18 @@ impl Core {
         args: Vec<Arg>,
         opts: &crate::options::ActorOptions,
     ) -> Result<crate::actor::ActorHandle, Error> {
+        let captured =
+            captured_group().filter(|_| opts.scheduling == Scheduling::Default).map(|pg| {
+                crate::options::ActorOptions {
+                    scheduling: Scheduling::PlacementGroup {
+                        placement_group_id: pg,
+                        bundle_index: -1,
+                    },
+                    capture_child_tasks: true,
+                    ..opts.clone()
+                }
+            });
+        let opts = captured.as_ref().unwrap_or(opts);
         let mut spec = self.base_spec(class, Some(display), 0, false);
         spec.actor_creation = true;
         spec.function = Some(pb::FunctionDescriptor {
@@ -3299,6 +3313,30 @@ pub(crate) fn next_generator_item(
 ) -> Option<Result<RawRef, Error>> {
     let c = try_core()?;
     c.rt.block_on(c.next_item(task_id, function, index))
+}
+
+/// The group a Rust task running on this thread captures what it submits into (Ray's
+/// `placement_group_capture_child_tasks`). Other languages decide it themselves (Python
+/// tells an explicit `"DEFAULT"` strategy from none, which the core cannot).
+fn captured_group() -> Option<String> {
+    if crate::foreign::language() != "rust" {
+        return None;
+    }
+    crate::executor::current_capture_group()
+}
+
+/// `opts` for a task submitted now by a Rust task whose group captures its children:
+/// without a strategy of its own, it goes to that group (any bundle) and captures too.
+fn captured_options(opts: &TaskOptions) -> Option<TaskOptions> {
+    if opts.scheduling != Scheduling::Default {
+        return None;
+    }
+    let pg = captured_group()?;
+    Some(TaskOptions {
+        scheduling: Scheduling::PlacementGroup { placement_group_id: pg, bundle_index: -1 },
+        capture_child_tasks: true,
+        ..opts.clone()
+    })
 }
 
 /// Blocks for the next item of a streaming task as a ref, a failure included (see

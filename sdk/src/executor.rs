@@ -61,9 +61,18 @@ impl QueuedTask {
     }
 }
 
+/// The task or actor call an executor thread runs: its id, the placement group it runs
+/// in ("" for none), and whether that group captures what it submits.
+#[derive(Clone)]
+struct Current {
+    task_id: String,
+    placement_group: String,
+    capture: bool,
+}
+
 thread_local! {
     /// The task or actor call this executor thread runs now.
-    static CURRENT_TASK: RefCell<Option<String>> = const { RefCell::new(None) };
+    static CURRENT_TASK: RefCell<Option<Current>> = const { RefCell::new(None) };
 }
 
 /// Tasks of this process told to stop (`cancel` without `force`, CORE-12), until they end.
@@ -75,7 +84,26 @@ fn cancelled_set() -> &'static Mutex<HashSet<String>> {
 /// The task or actor call running on this thread, if any (a task submitted from here is
 /// its child, for `cancel(recursive=True)`).
 pub(crate) fn current_task_id() -> Option<String> {
-    CURRENT_TASK.with(|c| c.borrow().clone())
+    CURRENT_TASK.with(|c| c.borrow().as_ref().map(|t| t.task_id.clone()))
+}
+
+/// The placement group of the task or actor call running on this thread (Ray's
+/// `get_current_placement_group`), if it runs in one.
+pub(crate) fn current_placement_group() -> Option<String> {
+    CURRENT_TASK.with(|c| {
+        c.borrow().as_ref().map(|t| t.placement_group.clone()).filter(|pg| !pg.is_empty())
+    })
+}
+
+/// The group that what the running task submits without a strategy goes to (Ray's
+/// `placement_group_capture_child_tasks`), if it captures.
+pub(crate) fn current_capture_group() -> Option<String> {
+    CURRENT_TASK.with(|c| {
+        c.borrow()
+            .as_ref()
+            .filter(|t| t.capture && !t.placement_group.is_empty())
+            .map(|t| t.placement_group.clone())
+    })
 }
 
 /// Whether the task running on this thread was cancelled (see [`crate::is_cancelled`]).
@@ -92,8 +120,8 @@ pub(crate) fn task_cancelled(task_id: &str) -> bool {
 struct CurrentTask;
 
 impl CurrentTask {
-    fn enter(task_id: &str) -> Self {
-        CURRENT_TASK.with(|c| *c.borrow_mut() = Some(task_id.to_string()));
+    fn enter(current: Current) -> Self {
+        CURRENT_TASK.with(|c| *c.borrow_mut() = Some(current));
         CurrentTask
     }
 }
@@ -141,6 +169,9 @@ pub(crate) struct Executor {
     /// Set once a task's `max_calls` ran out: this worker runs nothing more (what is
     /// queued goes back unrun) and exits when its lease returns.
     retiring: AtomicBool,
+    /// The hosted actor's placement group ("" for none) and whether it captures what
+    /// its methods submit.
+    actor_group: (String, bool),
     /// The actor's `max_concurrency` (1 for a task worker): how many of its calls run at
     /// once, on executor threads (at most [`MAX_EXECUTOR_THREADS`]) or on its event loop.
     max_concurrency: usize,
@@ -318,9 +349,11 @@ impl Executor {
         let mut max_concurrency = 1;
         let mut group_limits: BTreeMap<String, u32> = BTreeMap::new();
         let mut method_groups = HashMap::new();
+        let mut actor_group = (String::new(), false);
         if let Some(spec) = &creation {
             group_limits = spec.concurrency_groups.iter().map(|(k, v)| (k.clone(), *v)).collect();
             method_groups = spec.method_groups.clone().into_iter().collect();
+            actor_group = (spec.placement_group_id.clone(), spec.capture_child_tasks);
         }
         if let Some(f) = creation.as_ref().and_then(|s| s.function.as_ref()) {
             crate::metrics::set_actor_class(&f.class_name);
@@ -379,6 +412,7 @@ impl Executor {
             method_groups,
             calls: Mutex::new(HashMap::new()),
             retiring: AtomicBool::new(false),
+            actor_group,
             max_concurrency,
             on_loop: Mutex::new(HashMap::new()),
         });
@@ -577,7 +611,16 @@ impl Executor {
         self.core.event(spec, "RUNNING", "");
         let log = crate::logs::TaskLog::start(spec);
         let result = {
-            let _current = CurrentTask::enter(&spec.task_id);
+            let (placement_group, capture) = if spec.actor_id.is_empty() {
+                (task_info(spec).placement_group_id, spec.capture_child_tasks)
+            } else {
+                self.actor_group.clone()
+            };
+            let _current = CurrentTask::enter(Current {
+                task_id: spec.task_id.clone(),
+                placement_group,
+                capture,
+            });
             self.invoke(spec)
         };
         if let Some(log) = log {

@@ -184,6 +184,12 @@ pub fn is_cancelled() -> bool {
     executor::current_task_cancelled()
 }
 
+/// The id of the placement group the task or actor call running on this thread runs in
+/// (Ray's `get_current_placement_group`); `None` outside one, and in a driver.
+pub fn current_placement_group_id() -> Option<String> {
+    executor::current_placement_group()
+}
+
 /// Kills an actor by id (Ray's `kill`).
 ///
 /// # Errors

@@ -73,8 +73,8 @@ pub struct TaskOptions {
     /// `max_calls`: reclaims what a library leaks, GPU memory say; 0: no limit).
     pub max_calls: u32,
     /// Tasks and actors this task creates without a scheduling strategy go to its
-    /// placement group (Ray's `placement_group_capture_child_tasks`). The Python SDK
-    /// acts on it; a Rust task reads it in [`crate::foreign::TaskInfo`].
+    /// placement group, any bundle, and capture theirs in turn (Ray's
+    /// `placement_group_capture_child_tasks`).
     pub capture_child_tasks: bool,
 }
 

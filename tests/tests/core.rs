@@ -310,6 +310,25 @@ fn core_13_max_pending_calls_refuses_a_call_at_submission_and_groups_route_calls
 }
 
 #[test]
+fn children_of_a_task_whose_group_captures_them_run_in_that_group() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "4"]);
+    let out = start_driver(&c, "capture", &[]).finish(RUN);
+    out.assert_success();
+    let pg = out.line("GROUP ").trim_start_matches("GROUP ").to_string();
+    assert_eq!(
+        out.line("FAMILY capture=true"),
+        format!("FAMILY capture=true own={pg} child={pg:?} grandchild={pg:?}"),
+        "captured children and grandchildren run in the group:\n{out}"
+    );
+    assert_eq!(
+        out.line("FAMILY capture=false"),
+        format!("FAMILY capture=false own={pg} child=\"\" grandchild=\"\""),
+        "without capture children run outside it:\n{out}"
+    );
+}
+
+#[test]
 fn driver_binary_moved_away_still_runs_tasks() {
     let mut c = Cluster::new();
     c.start_head(&["--num-cpus", "0"]);

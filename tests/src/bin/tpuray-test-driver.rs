@@ -153,6 +153,31 @@ impl Journal {
     }
 }
 
+/// The placement group this task runs in ("" for none).
+#[tpuray::remote]
+fn my_group() -> String {
+    tpuray::current_placement_group_id().unwrap_or_default()
+}
+
+/// (its own group, its child's, its grandchild's): children are submitted with no
+/// strategy, so they run in the group only when it captures them.
+#[tpuray::remote]
+fn family_groups() -> Result<(String, String, String), String> {
+    let e = |e: tpuray::Error| e.to_string();
+    let own = tpuray::current_placement_group_id().unwrap_or_default();
+    let opts = TaskOptions::default().num_cpus(0.0);
+    let child = tpuray::get(&my_group::options(opts.clone()).remote()).map_err(e)?;
+    let grandchild = tpuray::get(&child_group::options(opts).remote()).map_err(e)?;
+    Ok((own, child, grandchild))
+}
+
+/// Its child's group (the grandchild of [`family_groups`]).
+#[tpuray::remote]
+fn child_group() -> Result<String, String> {
+    let opts = TaskOptions::default().num_cpus(0.0);
+    tpuray::get(&my_group::options(opts).remote()).map_err(|e| e.to_string())
+}
+
 /// Waits for files to appear (CORE-13's test: calls that stay unfinished).
 #[derive(Default)]
 pub struct Waiter;
@@ -689,6 +714,27 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             match tpuray::get_timeout(&add::remote(40, 2), Duration::from_secs(30)) {
                 Ok(v) => say(&format!("AFTER {v} ms={}", t.elapsed().as_millis())),
                 Err(e) => print_error(&e, t),
+            }
+        }
+        // placement_group_capture_child_tasks for Rust tasks.
+        "capture" => {
+            let bundles = vec![tpuray::placement_group::BundleSpec::from([("CPU".into(), 2.0)])];
+            let pg = tpuray::placement_group(&bundles, "PACK")?;
+            anyhow::ensure!(pg.wait(Duration::from_secs(60))?, "group not created");
+            say(&format!("GROUP {}", pg.id()));
+            for capture in [true, false] {
+                let opts = TaskOptions {
+                    scheduling: Scheduling::placement_group(&pg, 0),
+                    capture_child_tasks: capture,
+                    ..TaskOptions::default()
+                };
+                let (own, child, grandchild) = tpuray::get_timeout(
+                    &family_groups::options(opts).remote(),
+                    Duration::from_secs(60),
+                )?;
+                say(&format!(
+                    "FAMILY capture={capture} own={own} child={child:?} grandchild={grandchild:?}"
+                ));
             }
         }
         // CORE-13 and concurrency groups through the Rust actor API.
