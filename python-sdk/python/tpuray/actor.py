@@ -183,7 +183,10 @@ def _method_meta(cls) -> dict:
             "retry_exceptions": getattr(m, "__tpuray_retry_exceptions__", None),
             "is_generator": inspect.isgeneratorfunction(m) or inspect.isasyncgenfunction(m),
         }
-        if any(v for v in meta.values()):
+        # An explicit max_task_retries=0 or retry_exceptions=False still overrides the
+        # actor's: kept whenever set.
+        keys = ("concurrency_group", "max_task_retries", "retry_exceptions")
+        if meta["is_generator"] or any(meta[k] is not None for k in keys):
             out[name] = meta
     return out
 

@@ -57,3 +57,8 @@ print("method type", type(g).__name__)
 print("method values", ray.get(list(g)))
 print("method whole", ray.get(p.whole.remote()))
 print("method options streaming", [ray.get(r) for r in p.items.options(num_returns="streaming").remote(2)])
+
+named = Producer.options(name="producer").remote()
+again = ray.get_actor("producer")
+print("through get_actor", type(again.items.remote(1)).__name__,
+      [ray.get(r) for r in again.items.remote(2)])
