@@ -430,7 +430,6 @@ impl Executor {
             return self.enqueue_task(spec).reply().await;
         }
         let (tx, rx) = oneshot::channel();
-        self.running.lock().unwrap().insert(spec.task_id.clone(), ());
         let job = Job { spec, reply: tx, state: Arc::new(AtomicU8::new(QUEUED)) };
         let Some(actor) = &self.actor else {
             return failure(
@@ -439,6 +438,7 @@ impl Executor {
                 TaskFailure::new(Kind::ActorDied, "this worker hosts no actor"),
             );
         };
+        self.running.lock().unwrap().insert(job.spec.task_id.clone(), ());
         // CORE-4: release each caller's calls in sequence order.
         {
             let mut callers = actor.callers.lock().unwrap();
