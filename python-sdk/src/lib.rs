@@ -167,6 +167,8 @@ fn task_options(d: &Bound<'_, PyDict>) -> PyResult<TaskOptions> {
     }
     o.runtime_env_hash = get_opt(d, "runtime_env_hash")?.unwrap_or_default();
     o.scheduling = scheduling_from(d.get_item("scheduling")?.as_ref())?;
+    o.max_calls = get_opt(d, "max_calls")?.unwrap_or(0);
+    o.capture_child_tasks = get_opt(d, "capture_child_tasks")?.unwrap_or(false);
     Ok(o)
 }
 
@@ -189,7 +191,28 @@ fn actor_options(d: &Bound<'_, PyDict>) -> PyResult<ActorOptions> {
         o.label_selector = v;
     }
     o.scheduling = scheduling_from(d.get_item("scheduling")?.as_ref())?;
+    o.max_pending_calls = get_opt(d, "max_pending_calls")?.unwrap_or(-1);
+    o.concurrency_groups = get_opt(d, "concurrency_groups")?.unwrap_or_default();
+    o.method_groups = get_opt(d, "method_groups")?.unwrap_or_default();
+    o.capture_child_tasks = get_opt(d, "capture_child_tasks")?.unwrap_or(false);
     Ok(o)
+}
+
+/// A submission error as Python raises it: `PendingCallsLimitExceeded` (from
+/// `tpuray.exceptions`) for a call over the actor's `max_pending_calls`, else as
+/// [`cluster_err`].
+fn call_err(py: Python<'_>, e: Error) -> PyErr {
+    if let Error::PendingCallsLimitExceeded { message, .. } = &e {
+        let cls = py
+            .import("tpuray.exceptions")
+            .and_then(|m| m.getattr("PendingCallsLimitExceeded"))
+            .and_then(|c| c.call1((message.clone(),)));
+        return match cls {
+            Ok(v) => PyErr::from_value(v),
+            Err(err) => err,
+        };
+    }
+    cluster_err(e)
 }
 
 /// Joins the cluster as a Python driver (no binary upload: workers are Python processes).
@@ -296,8 +319,14 @@ fn create_actor(
 }
 
 /// Calls `method` on actor `actor_id` (class shown as `display`); returns its refs.
+/// `concurrency_group` ("": the method's), `retry_exceptions` (retry when the method
+/// raises, up to `max_task_retries`), `max_pending_calls` (-1: no limit) as Ray's.
+///
+/// Raises `PendingCallsLimitExceeded` when this process has `max_pending_calls`
+/// unfinished calls to the actor.
 #[pyfunction]
-#[pyo3(signature = (actor_id, display, method, args, num_returns, max_task_retries=0))]
+#[pyo3(signature = (actor_id, display, method, args, num_returns, max_task_retries=0, concurrency_group=String::new(), retry_exceptions=false, max_pending_calls=-1))]
+#[allow(clippy::too_many_arguments)]
 fn call_actor(
     py: Python<'_>,
     actor_id: String,
@@ -306,11 +335,26 @@ fn call_actor(
     args: &Bound<'_, PyList>,
     num_returns: u32,
     max_task_retries: i32,
+    concurrency_group: String,
+    retry_exceptions: bool,
+    max_pending_calls: i32,
 ) -> PyResult<Vec<PyRef>> {
     let args = args_from(args)?;
-    let h = ActorHandle { actor_id, class: display, name: String::new(), max_task_retries };
-    let refs =
-        py.detach(|| raw::call_actor(&h, &method, args, num_returns)).map_err(cluster_err)?;
+    let h = ActorHandle {
+        actor_id,
+        class: display,
+        name: String::new(),
+        max_task_retries,
+        max_pending_calls,
+    };
+    let call = tpuray::CallOptions {
+        concurrency_group,
+        max_task_retries: Some(max_task_retries),
+        retry_exceptions,
+    };
+    let refs = py
+        .detach(|| raw::call_actor(&h, &method, args, num_returns, &call))
+        .map_err(|e| call_err(py, e))?;
     Ok(refs.into_iter().map(wrap).collect())
 }
 
@@ -327,34 +371,69 @@ fn submit_streaming(
     py.detach(|| raw::submit_streaming(&function, args, &opts)).map_err(cluster_err)
 }
 
-/// Calls a streaming actor method; returns its task id.
+/// Calls a streaming actor method; returns its task id. Options as [`call_actor`]'s.
 #[pyfunction]
+#[pyo3(signature = (actor_id, display, method, args, concurrency_group=String::new(), max_pending_calls=-1))]
 fn call_actor_streaming(
     py: Python<'_>,
     actor_id: String,
     display: String,
     method: String,
     args: &Bound<'_, PyList>,
+    concurrency_group: String,
+    max_pending_calls: i32,
 ) -> PyResult<String> {
     let args = args_from(args)?;
-    let h = ActorHandle { actor_id, class: display, name: String::new(), max_task_retries: 0 };
-    py.detach(|| raw::call_actor_streaming(&h, &method, args)).map_err(cluster_err)
+    let h = ActorHandle {
+        actor_id,
+        class: display,
+        name: String::new(),
+        max_task_retries: 0,
+        max_pending_calls,
+    };
+    let call = tpuray::CallOptions { concurrency_group, ..Default::default() };
+    py.detach(|| raw::call_actor_streaming_with(&h, &method, args, &call))
+        .map_err(|e| call_err(py, e))
 }
 
-/// The `index`-th item of a streaming task: `None` after the last, `(0, RefCore)`, or
-/// `(1, error tuple)` when the task failed there.
+/// Whether streaming task `task_id` has an item after its first `index`, or ended
+/// (`wait` on an `ObjectRefGenerator`). Does not block.
 #[pyfunction]
-fn next_item(
-    py: Python<'_>,
-    task_id: String,
-    name: String,
-    index: u64,
-) -> PyResult<Option<Py<PyAny>>> {
-    match py.detach(|| raw::next_item(&task_id, &name, index)) {
-        None => Ok(None),
-        Some(Ok(r)) => Ok(Some((0, wrap(r)).into_pyobject(py)?.into_any().unbind())),
-        Some(Err(e)) => Ok(Some((1, error_tuple(py, e)?).into_pyobject(py)?.into_any().unbind())),
+fn generator_ready(task_id: String, index: u64) -> bool {
+    raw::generator_ready(&task_id, index)
+}
+
+/// Cancels streaming task `task_id` (an `ObjectRefGenerator`'s), as [`cancel`].
+#[pyfunction]
+fn cancel_task(py: Python<'_>, task_id: String, force: bool, recursive: bool) -> PyResult<()> {
+    py.detach(|| raw::cancel_task(&task_id, force, recursive)).map_err(cancel_err)
+}
+
+/// Whether the task running on this thread (or task `task_id`, running in this
+/// process) was cancelled (Ray's `RuntimeContext.is_canceled`).
+#[pyfunction]
+#[pyo3(signature = (task_id=None))]
+fn is_cancelled(task_id: Option<String>) -> bool {
+    raw::is_cancelled(task_id.as_deref())
+}
+
+/// A refused cancel as Python raises it: `force` for an actor call is Ray's
+/// `ValueError`.
+fn cancel_err(e: Error) -> PyErr {
+    match &e {
+        Error::Cluster(m) if m.starts_with("force=True is not supported") => {
+            PyValueError::new_err(m.clone())
+        }
+        _ => cluster_err(e),
     }
+}
+
+/// The `index`-th item of a streaming task as a ref: `None` after the last. A failure of
+/// the task is one more item, a ref whose `get` raises it (Ray 2.60's streaming
+/// generators). Blocks without the GIL.
+#[pyfunction]
+fn next_item(py: Python<'_>, task_id: String, name: String, index: u64) -> Option<PyRef> {
+    py.detach(|| raw::next_item_ref(&task_id, &name, index)).map(wrap)
 }
 
 /// Forgets a streaming task once its consumer took `consumed` items.
@@ -377,6 +456,9 @@ fn error_tuple(py: Python<'_>, e: Error) -> PyResult<Py<PyAny>> {
         }
         Error::Cancelled { function } => {
             ("cancelled", String::new(), vec![], function, String::new(), 0)
+        }
+        Error::PendingCallsLimitExceeded { function, message } => {
+            ("pending_calls", message, vec![], function, String::new(), 0)
         }
         Error::Timeout(d, n) => (
             "timeout",
@@ -659,10 +741,14 @@ fn deserialize_ref(id: String, owner: String) -> PyRef {
     wrap(raw::deserialized_ref(id, owner))
 }
 
+/// Cancels the task that makes `r` (Ray's `cancel`: `force` kills its worker,
+/// `recursive` cancels what it submitted). Raises `ValueError` for `force` on an actor
+/// call.
 #[pyfunction]
-fn cancel(py: Python<'_>, r: Bound<'_, PyRef>, force: bool) -> PyResult<()> {
+#[pyo3(signature = (r, force, recursive=true))]
+fn cancel(py: Python<'_>, r: Bound<'_, PyRef>, force: bool, recursive: bool) -> PyResult<()> {
     let raw = r.get().inner.clone();
-    py.detach(|| raw::cancel(&raw, force)).map_err(cluster_err)
+    py.detach(|| raw::cancel(&raw, force, recursive)).map_err(cancel_err)
 }
 
 #[pyfunction]
@@ -1168,6 +1254,7 @@ fn info_dict<'py>(py: Python<'py>, t: &TaskInfo) -> PyResult<Bound<'py, PyDict>>
     d.set_item(pyo3::intern!(py, "num_returns"), t.num_returns)?;
     d.set_item(pyo3::intern!(py, "streaming"), t.streaming)?;
     d.set_item(pyo3::intern!(py, "placement_group_id"), &t.placement_group_id)?;
+    d.set_item(pyo3::intern!(py, "capture_child_tasks"), t.capture_child_tasks)?;
     Ok(d)
 }
 
@@ -1237,6 +1324,7 @@ fn parse_reply(r: &Bound<'_, PyAny>) -> PyResult<Result<ForeignReturn, TaskFailu
 
 /// A method call waiting for the async actor's event loop.
 struct AsyncCall {
+    task_id: String,
     function: String,
     num_returns: u32,
     args: Vec<Vec<u8>>,
@@ -1283,6 +1371,7 @@ impl AsyncCalls {
         let wake = {
             let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
             q.0.push(AsyncCall {
+                task_id: t.task_id.clone(),
                 function: t.function.clone(),
                 num_returns: t.num_returns,
                 args,
@@ -1366,7 +1455,8 @@ fn enable_async_calls(methods: Vec<String>, wake_fd: i32) -> PyResult<()> {
         .map_err(|_| PyRuntimeError::new_err("async calls are already enabled in this worker"))
 }
 
-/// The queued async method calls, each `(reply, method, num_returns, [arg bytes...])`.
+/// The queued async method calls, each `(reply, method, num_returns, [arg bytes...],
+/// task id)`.
 #[pyfunction]
 fn take_async_calls(py: Python<'_>) -> PyResult<Py<PyList>> {
     let out = PyList::empty(py);
@@ -1379,7 +1469,7 @@ fn take_async_calls(py: Python<'_>) -> PyResult<Py<PyList>> {
     for c in calls {
         let args = PyList::new(py, c.args.iter().map(|b| PyBytes::new(py, b)))?;
         let reply = Py::new(py, AsyncReply { tx: Mutex::new(Some(c.reply)) })?;
-        out.append((reply, &c.function, c.num_returns, args))?;
+        out.append((reply, &c.function, c.num_returns, args, &c.task_id))?;
     }
     Ok(out.unbind())
 }
@@ -1468,6 +1558,19 @@ impl ForeignRuntime for PyRuntime {
             None => done(Err(TaskFailure::application("this actor has no async methods"))),
         }
     }
+    /// `cancel_task(task_id)` on the runtime object, from a thread of its own (the GIL
+    /// may be held by the task being interrupted; the RPC thread must not wait for it).
+    fn cancel(&self, task_id: &str) {
+        let obj = Python::attach(|py| self.obj.clone_ref(py));
+        let task_id = task_id.to_string();
+        std::thread::spawn(move || {
+            Python::attach(|py| {
+                if let Err(e) = obj.bind(py).call_method1("cancel_task", (task_id,)) {
+                    e.print(py);
+                }
+            });
+        });
+    }
 }
 
 /// The worker process's main loop: installs `runtime` (an object with `run_task`,
@@ -1512,6 +1615,9 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(begin_borrow_batch, m)?,
         wrap_pyfunction!(end_borrow_batch, m)?,
         wrap_pyfunction!(cancel, m)?,
+        wrap_pyfunction!(cancel_task, m)?,
+        wrap_pyfunction!(is_cancelled, m)?,
+        wrap_pyfunction!(generator_ready, m)?,
         wrap_pyfunction!(kv_get, m)?,
         wrap_pyfunction!(kv_put, m)?,
         wrap_pyfunction!(kv_delete, m)?,

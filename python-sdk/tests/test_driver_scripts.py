@@ -330,7 +330,8 @@ def test_init_keywords_are_honoured_refused_or_named_as_ray_s(tmp_path, env):
     assert "include_dashboard=" in out and "job_config=" in out, out
     assert "_temp_dir" not in out.split("warned:")[1].split("\n")[0], "None is not a value given"
     assert "level: WARNING" in out
-    assert """unhonoured: ["concurrency_group='io'", 'max_calls=1']""" in out, out
+    # max_calls and @method(concurrency_group=) are honoured now (issue 23): no warning.
+    assert "unhonoured: []" in out, out
     assert "method: Unexpected keyword argument to @ray.method: 'bogus'" in out
     assert ("existing: When connecting to an existing cluster, num_cpus and num_gpus must not "
             "be provided.") in out

@@ -21,6 +21,13 @@
 //!   again the same way when the new run reads them. A lost `put` object fails
 //!   with `ObjectLost`; a borrower whose owner is gone gets an `ObjectLost`
 //!   saying the owner died ([`OWNER_DIED`]).
+//! - CORE-12: a cancelled task (`cancel`) is never retried and its `get` fails
+//!   with `Cancelled`, whether it was queued here, queued on its worker, or
+//!   running (then told to stop, or its worker killed with `force`); a finished
+//!   one is left alone. `recursive` reaches what it submitted.
+//! - CORE-13: calls to one actor from this process that are unfinished number
+//!   at most the handle's `max_pending_calls`; one more is refused at
+//!   submission, before anything is registered or sent.
 //!
 //! Threads: all networking runs on this module's tokio runtime; user code
 //! calls the blocking API (`get`, `wait`, submission) from its own threads.
@@ -40,6 +47,10 @@ use crate::codec::Arg;
 use crate::error::Error;
 use crate::object_ref::RawRef;
 use crate::options::{Scheduling, TaskOptions};
+
+/// Why `cancel(force=True)` of an actor call is refused (Ray 2.60 refuses it too).
+const FORCE_ACTOR: &str =
+    "force=True is not supported for actor tasks: use kill() on the actor instead";
 
 /// Results up to this size travel inline in replies; larger ones go to the
 /// executing node's object store (DESIGN.md §2).
@@ -321,8 +332,12 @@ impl Class {
 
 /// Per-actor caller state: the ordered sender (CORE-4).
 struct ActorConn {
-    /// (call, its arguments being resolved, retries left when the actor dies mid-call).
-    tx: tokio::sync::mpsc::UnboundedSender<(pb::TaskSpec, ResolvedArgs, i32)>,
+    /// (call, its arguments being resolved, retries left, retry on the method's own
+    /// exceptions).
+    tx: tokio::sync::mpsc::UnboundedSender<(pb::TaskSpec, ResolvedArgs, i32, bool)>,
+    /// Task ids of this process's calls to the actor that are not finished (CORE-13:
+    /// what `max_pending_calls` bounds).
+    pending: Mutex<std::collections::HashSet<String>>,
 }
 
 /// A submitted task, as its caller needs it.
@@ -338,6 +353,8 @@ pub(crate) struct Submitted {
 struct Running {
     worker_address: String,
     cancelled: bool,
+    /// An actor call (`force` is refused for those, as Ray refuses it).
+    actor: bool,
 }
 
 pub(crate) struct Core {
@@ -364,6 +381,9 @@ pub(crate) struct Core {
     generators: Mutex<HashMap<String, GenState>>,
     actors: Mutex<HashMap<String, Arc<ActorConn>>>,
     running: Mutex<HashMap<String, Running>>,
+    /// The tasks and actor calls each task running here submitted (parent task id ->
+    /// child task ids), for `cancel(recursive=True)`; forgotten when the parent ends.
+    children: Mutex<HashMap<String, Vec<String>>>,
     events: Mutex<Vec<pb::TaskEvent>>,
     /// Held while a batch of task events is on its way, so a flush (the last one, at
     /// shutdown) waits for the one in flight instead of finding the buffer empty and
@@ -786,6 +806,7 @@ impl Core {
             generators: Mutex::new(HashMap::new()),
             actors: Mutex::new(HashMap::new()),
             running: Mutex::new(HashMap::new()),
+            children: Mutex::new(HashMap::new()),
             events: Mutex::new(Vec::new()),
             events_sending: tokio::sync::Mutex::new(()),
             clients: Mutex::new(Clients::default()),
@@ -1270,6 +1291,22 @@ impl Core {
     }
 
     /// An owned object that failed before any task ran (bad options).
+    /// A new owned object failed with `e` (a call refused at submission).
+    pub(crate) fn put_failed_with(&self, function: &str, e: Error) -> RawRef {
+        let kind = match &e {
+            Error::PendingCallsLimitExceeded { .. } => Kind::PendingCallsLimitExceeded,
+            Error::Cancelled { .. } => Kind::Cancelled,
+            _ => Kind::BadArguments,
+        };
+        let id = tpuray_proto::ids::ObjectId::random().to_string();
+        let message = match e {
+            Error::PendingCallsLimitExceeded { message, .. } => message,
+            other => other.to_string(),
+        };
+        self.register_owned(&id, ObjState::Failed(err(kind, message, function)), None);
+        RawRef::adopt(id, self.address.clone())
+    }
+
     pub(crate) fn put_failed(&self, function: &str, message: &str) -> RawRef {
         let id = tpuray_proto::ids::ObjectId::random().to_string();
         self.register_owned(
@@ -2045,6 +2082,9 @@ impl Core {
     /// Registers a task or actor call being submitted: its returns as owned and pending,
     /// a streaming task's generator state, and its SUBMITTED event.
     fn register_submitted(&self, spec: &pb::TaskSpec) {
+        if let Some(parent) = crate::executor::current_task_id() {
+            self.children.lock().unwrap().entry(parent).or_default().push(spec.task_id.clone());
+        }
         for id in &spec.return_ids {
             self.register_owned(id, ObjState::Pending, Some(spec.task_id.clone()));
         }
@@ -2068,6 +2108,8 @@ impl Core {
         opts: &TaskOptions,
         streaming: bool,
     ) -> Result<Submitted, Error> {
+        let captured = captured_options(opts);
+        let opts = captured.as_ref().unwrap_or(opts);
         let class = self.class_for(opts)?;
         let mut spec = self.base_spec(
             function,
@@ -2076,6 +2118,8 @@ impl Core {
             streaming,
         );
         spec.resources = class.resources.clone();
+        spec.max_calls = opts.max_calls;
+        spec.capture_child_tasks = opts.capture_child_tasks;
         self.register_submitted(&spec);
         let core = Arc::clone(self);
         let retries = opts.max_retries;
@@ -2377,7 +2421,11 @@ impl Core {
                     for q in &batch {
                         running.insert(
                             q.spec.task_id.clone(),
-                            Running { worker_address: g.worker_address.clone(), cancelled: false },
+                            Running {
+                                worker_address: g.worker_address.clone(),
+                                cancelled: false,
+                                actor: false,
+                            },
                         );
                     }
                 }
@@ -2423,6 +2471,9 @@ impl Core {
                     }
                     Ok(reply) => {
                         class.note_push(took);
+                        // The worker exits after this (its task's max_calls ran out):
+                        // nothing more goes to it, and its lease goes back.
+                        broken |= reply.worker_exiting;
                         self.complete(class, q, reply);
                     }
                     Err(status) => {
@@ -2532,6 +2583,7 @@ impl Core {
         reply: pb::PushTaskReply,
         lineage: Option<Arc<Lineage>>,
     ) {
+        self.actor_call_done(spec);
         let (node, worker) = (reply.node_id, reply.worker_id);
         let returns = reply.returns;
         if let (Some(first), false) = (spec.return_ids.first(), reply.nested_in_return.is_empty()) {
@@ -2591,6 +2643,7 @@ impl Core {
     }
 
     fn finish_failed(&self, spec: &pb::TaskSpec, mut e: pb::TaskError) {
+        self.actor_call_done(spec);
         if e.function_name.is_empty() {
             e.function_name = spec.name.clone();
         }
@@ -2663,11 +2716,66 @@ impl Core {
         }
     }
 
-    /// Cancels the task that makes `id` (queued: removed; running: the worker
-    /// is asked to stop it, killed when `force`).
-    pub(crate) async fn cancel(self: &Arc<Self>, id: &str, force: bool) -> Result<(), Error> {
+    /// As [`Core::next_item`], but a failure comes as a ref (Ray 2.60's streaming
+    /// generators): the item after the last one produced is a ref whose `get` fails with
+    /// the task's error, and the one after that is `None`.
+    async fn next_item_ref(&self, task_id: &str, function: &str, index: u64) -> Option<RawRef> {
+        match self.next_item(task_id, function, index).await? {
+            Ok(r) => Some(r),
+            Err(_) => {
+                let e = {
+                    let gens = self.generators.lock().unwrap();
+                    let g = gens.get(task_id)?;
+                    if index as usize != g.items.len() {
+                        return None; // the error was handed out already
+                    }
+                    g.error.clone()?
+                };
+                let id = Self::streaming_item_id(task_id, index);
+                self.register_owned(&id, ObjState::Failed(e), None);
+                Some(RawRef::adopt(id, self.address.clone()))
+            }
+        }
+    }
+
+    /// Cancels the task that makes `id` (see [`Core::cancel_task`]); a ref no task of
+    /// this process makes (a `put`, a borrowed ref) is left alone.
+    pub(crate) async fn cancel(
+        self: &Arc<Self>,
+        id: &str,
+        force: bool,
+        recursive: bool,
+    ) -> Result<(), Error> {
         let task_id = self.objects.lock().unwrap().get(id).and_then(|o| o.task_id.clone());
         let Some(task_id) = task_id else { return Ok(()) };
+        self.cancel_task(&task_id, force, recursive).await
+    }
+
+    /// Cancels task (or actor call) `task_id` of this process (Ray's `cancel`): queued
+    /// here, it never runs; running, its worker is asked to stop it (CORE-12: a Python
+    /// task gets `KeyboardInterrupt`, an async actor method's coroutine is cancelled, a
+    /// Rust task or sync actor method sees [`crate::is_cancelled`]), or with `force` the
+    /// worker exits; either way its `get` fails with `Cancelled` and it is not retried.
+    /// With `recursive`, the worker cancels the tasks it submitted too. A finished task
+    /// is left as it is.
+    ///
+    /// # Errors
+    /// `force` for an actor call (Ray: "use ray.kill"); the worker cannot be reached.
+    pub(crate) async fn cancel_task(
+        self: &Arc<Self>,
+        task_id: &str,
+        force: bool,
+        recursive: bool,
+    ) -> Result<(), Error> {
+        if force {
+            // An actor call not finished yet (Ray refuses force for those; a finished
+            // one is left alone either way).
+            let conns: Vec<Arc<ActorConn>> =
+                self.actors.lock().unwrap().values().cloned().collect();
+            if conns.iter().any(|c| c.pending.lock().unwrap().contains(task_id)) {
+                return Err(Error::Cluster(FORCE_ACTOR.into()));
+            }
+        }
         let classes: Vec<Arc<Class>> = self.classes.lock().unwrap().values().cloned().collect();
         for c in classes {
             let mut q = c.queue.lock().unwrap();
@@ -2681,20 +2789,67 @@ impl Core {
                 return Ok(());
             }
         }
-        let addr = {
+        let target = {
             let mut running = self.running.lock().unwrap();
-            running.get_mut(&task_id).map(|r| {
-                r.cancelled = true;
-                r.worker_address.clone()
-            })
+            match running.get_mut(task_id) {
+                Some(r) if r.actor && force => return Err(Error::Cluster(FORCE_ACTOR.into())),
+                Some(r) => {
+                    r.cancelled = true;
+                    Some(r.worker_address.clone())
+                }
+                None => None,
+            }
         };
-        if let Some(addr) = addr {
+        if let Some(addr) = target {
             let mut c = self.worker_client(&addr).map_err(|e| Error::Cluster(e.to_string()))?;
-            c.cancel_task(pb::CancelTaskRequest { task_id, force })
+            c.cancel_task(pb::CancelTaskRequest { task_id: task_id.to_string(), force, recursive })
                 .await
                 .map_err(|s| Error::Cluster(s.message().to_string()))?;
         }
         Ok(())
+    }
+
+    /// Cancels what task `parent` (running here) submitted, and what those submitted
+    /// (`cancel(recursive=True)` reaching this worker). Force is not passed on to actor
+    /// calls (Ray ignores it for child actor tasks too).
+    pub(crate) fn cancel_children(self: &Arc<Self>, parent: &str, force: bool) {
+        let children = self.children.lock().unwrap().get(parent).cloned().unwrap_or_default();
+        for child in children {
+            let core = Arc::clone(self);
+            self.rt.spawn(async move {
+                let actor = core.running.lock().unwrap().get(&child).is_some_and(|r| r.actor);
+                let _ = core.cancel_task(&child, force && !actor, true).await;
+            });
+        }
+    }
+
+    /// Forgets what task `parent` submitted (it ended).
+    pub(crate) fn forget_children(&self, parent: &str) {
+        self.children.lock().unwrap().remove(parent);
+    }
+
+    /// Whether the next item of streaming task `task_id` after `index` items is there,
+    /// or the stream ended (what `wait` on a generator answers). Unknown tasks: true.
+    pub(crate) fn generator_ready(&self, task_id: &str, index: u64) -> bool {
+        let gens = self.generators.lock().unwrap();
+        gens.get(task_id).is_none_or(|g| g.items.len() as u64 > index || g.finished)
+    }
+
+    /// This process's unfinished calls to `actor_id` (CORE-13).
+    pub(crate) fn pending_actor_calls(&self, actor_id: &str) -> usize {
+        let conn = self.actors.lock().unwrap().get(actor_id).cloned();
+        conn.map(|c| c.pending.lock().unwrap().len()).unwrap_or(0)
+    }
+
+    /// An actor call ended (CORE-13): it no longer counts against `max_pending_calls`.
+    fn actor_call_done(&self, spec: &pb::TaskSpec) {
+        if spec.actor_id.is_empty() || spec.actor_creation {
+            return;
+        }
+        let conn = self.actors.lock().unwrap().get(&spec.actor_id).cloned();
+        if let Some(c) = conn {
+            c.pending.lock().unwrap().remove(&spec.task_id);
+        }
     }
 
     // ---- actors ----
@@ -2717,6 +2872,18 @@ impl Core {
         args: Vec<Arg>,
         opts: &crate::options::ActorOptions,
     ) -> Result<crate::actor::ActorHandle, Error> {
+        let captured =
+            captured_group().filter(|_| opts.scheduling == Scheduling::Default).map(|pg| {
+                crate::options::ActorOptions {
+                    scheduling: Scheduling::PlacementGroup {
+                        placement_group_id: pg,
+                        bundle_index: -1,
+                    },
+                    capture_child_tasks: true,
+                    ..opts.clone()
+                }
+            });
+        let opts = captured.as_ref().unwrap_or(opts);
         let mut spec = self.base_spec(class, Some(display), 0, false);
         spec.actor_creation = true;
         spec.function = Some(pb::FunctionDescriptor {
@@ -2726,6 +2893,29 @@ impl Core {
         });
         spec.max_concurrency = opts.max_concurrency.max(1);
         spec.runtime_env_hash = opts.runtime_env_hash.clone();
+        for (group, limit) in &opts.concurrency_groups {
+            if group.is_empty() || *limit == 0 {
+                return Err(Error::Cluster(format!(
+                    "concurrency group {group:?} of actor {display}: a group needs a name and a max_concurrency of 1 or more (got {limit})"
+                )));
+            }
+        }
+        for (method, group) in &opts.method_groups {
+            if !opts.concurrency_groups.contains_key(group) {
+                return Err(Error::Cluster(format!(
+                    "method {method} of actor {display} runs in concurrency group {group:?}, which the actor does not define (defined: {:?})",
+                    opts.concurrency_groups.keys().collect::<Vec<_>>()
+                )));
+            }
+        }
+        spec.concurrency_groups =
+            opts.concurrency_groups.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        spec.method_groups =
+            opts.method_groups.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        spec.capture_child_tasks = opts.capture_child_tasks;
+        if let Scheduling::PlacementGroup { placement_group_id, .. } = &opts.scheduling {
+            spec.placement_group_id = placement_group_id.clone();
+        }
         let (args, _pins) =
             self.resolve_args(args, class).await.map_err(|e| Error::from_wire(&e, class))?;
         spec.args = args;
@@ -2764,10 +2954,16 @@ impl Core {
             class: display.to_string(),
             name: a.name,
             max_task_retries: opts.max_task_retries,
+            max_pending_calls: opts.max_pending_calls,
         })
     }
 
     /// Submits an actor method call through the actor's ordered sender (CORE-4).
+    ///
+    /// # Errors
+    /// [`Error::PendingCallsLimitExceeded`] when this process already has the handle's
+    /// `max_pending_calls` unfinished calls to the actor (CORE-13: refused here, before
+    /// anything is registered or sent).
     pub(crate) fn call_actor(
         self: &Arc<Self>,
         handle: &crate::actor::ActorHandle,
@@ -2775,8 +2971,24 @@ impl Core {
         args: Vec<Arg>,
         streaming: bool,
         num_returns: u32,
-    ) -> pb::TaskSpec {
+        call: &crate::options::CallOptions,
+    ) -> Result<pb::TaskSpec, Error> {
         let display = format!("{}.{method}", short_class(&handle.class));
+        let conn = self.actor_conn(&handle.actor_id);
+        if handle.max_pending_calls >= 0 {
+            let pending = conn.pending.lock().unwrap().len();
+            if pending >= handle.max_pending_calls as usize {
+                return Err(Error::PendingCallsLimitExceeded {
+                    function: display,
+                    message: format!(
+                        "the call {}.{method} could not be submitted to actor {}: {pending} of its calls from this process are unfinished (max_pending_calls={})",
+                        short_class(&handle.class),
+                        handle.actor_id,
+                        handle.max_pending_calls
+                    ),
+                });
+            }
+        }
         let mut spec = self.base_spec(
             method,
             Some(&display),
@@ -2784,11 +2996,13 @@ impl Core {
             streaming,
         );
         spec.actor_id = handle.actor_id.clone();
+        spec.concurrency_group = call.concurrency_group.clone();
         spec.function = Some(pb::FunctionDescriptor {
             language: crate::foreign::language().into(),
             name: method.into(),
             class_name: handle.class.clone(),
         });
+        conn.pending.lock().unwrap().insert(spec.task_id.clone());
         self.register_submitted(&spec);
         // Resolve arguments at once, in parallel with earlier calls; the
         // sender awaits them in submission order.
@@ -2804,9 +3018,9 @@ impl Core {
                 });
             }
         }
-        let conn = self.actor_conn(&handle.actor_id);
-        let _ = conn.tx.send((spec.clone(), rx, handle.max_task_retries));
-        spec
+        let retries = call.max_task_retries.unwrap_or(handle.max_task_retries);
+        let _ = conn.tx.send((spec.clone(), rx, retries, call.retry_exceptions));
+        Ok(spec)
     }
 
     fn actor_conn(self: &Arc<Self>, actor_id: &str) -> Arc<ActorConn> {
@@ -2815,7 +3029,7 @@ impl Core {
             return Arc::clone(c);
         }
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let conn = Arc::new(ActorConn { tx });
+        let conn = Arc::new(ActorConn { tx, pending: Mutex::new(Default::default()) });
         actors.insert(actor_id.to_string(), Arc::clone(&conn));
         let core = Arc::clone(self);
         let id = actor_id.to_string();
@@ -2869,27 +3083,28 @@ impl Core {
     async fn actor_sender(
         self: Arc<Self>,
         actor_id: String,
-        mut rx: tokio::sync::mpsc::UnboundedReceiver<(pb::TaskSpec, ResolvedArgs, i32)>,
+        mut rx: tokio::sync::mpsc::UnboundedReceiver<(pb::TaskSpec, ResolvedArgs, i32, bool)>,
     ) {
         self.watch_nodes();
         let current: Arc<Mutex<Option<(String, u32, String)>>> = Arc::new(Mutex::new(None));
         // Calls that never reached the actor (connection refused: it died or
         // moved) come back here and go out again, before newer calls.
-        // (call, pinned args, delivery attempts, retries left after the actor dies mid-call)
+        // (call, pinned args, delivery attempts, retries left after the actor dies
+        // mid-call or the method raises, retry on the method's exceptions)
         let (retry_tx, mut retry_rx) =
-            tokio::sync::mpsc::unbounded_channel::<(pb::TaskSpec, Vec<RawRef>, u32, i32)>();
+            tokio::sync::mpsc::unbounded_channel::<(pb::TaskSpec, Vec<RawRef>, u32, i32, bool)>();
         let mut incarnation: Option<u32> = None;
         let mut seq = 0u64;
         loop {
-            let (mut spec, pins, attempts, retries) = tokio::select! {
+            let (mut spec, pins, attempts, retries, retry_exceptions) = tokio::select! {
                 biased;
                 Some(r) = retry_rx.recv() => r,
                 next = rx.recv() => {
-                    let Some((mut spec, resolved, retries)) = next else { return };
+                    let Some((mut spec, resolved, retries, retry_exceptions)) = next else { return };
                     match resolved.await {
                         Ok(Ok((args, pins))) => {
                             spec.args = args;
-                            (spec, pins, 0, retries)
+                            (spec, pins, 0, retries, retry_exceptions)
                         }
                         Ok(Err(e)) => {
                             self.finish_failed(&spec, e);
@@ -2929,7 +3144,7 @@ impl Core {
             let retry_tx = retry_tx.clone();
             self.running.lock().unwrap().insert(
                 spec.task_id.clone(),
-                Running { worker_address: address.clone(), cancelled: false },
+                Running { worker_address: address.clone(), cancelled: false, actor: true },
             );
             self.rt.spawn(async move {
                 let result = match core.worker_client(&address) {
@@ -2944,11 +3159,29 @@ impl Core {
                     }
                     Err(e) => Err(tonic::Status::internal(e.to_string())),
                 };
-                core.running.lock().unwrap().remove(&spec.task_id);
+                let cancelled =
+                    core.running.lock().unwrap().remove(&spec.task_id).is_some_and(|r| r.cancelled);
                 match result {
+                    // CORE-12: a call cancelled while it ran is not retried, and its
+                    // get fails with Cancelled (Ray's TaskCancelledError).
+                    Ok(_) if cancelled => {
+                        core.finish_failed(&spec, err(Kind::Cancelled, "cancelled", &spec.name));
+                    }
                     Ok(reply) => {
                         let mut reply = reply.into_inner();
                         match reply.error.take() {
+                            // The method raised: with retry_exceptions (Ray's, per method
+                            // or per call) it runs again while max_task_retries lasts.
+                            Some(e)
+                                if retry_exceptions
+                                    && retries != 0
+                                    && !e.no_retry
+                                    && e.kind == Kind::Application as i32 =>
+                            {
+                                spec.attempt += 1;
+                                let left = if retries < 0 { retries } else { retries - 1 };
+                                let _ = retry_tx.send((spec, pins, 0, left, retry_exceptions));
+                            }
                             Some(e) => core.finish_failed(&spec, e),
                             None => core.finish_ok(&spec, reply),
                         }
@@ -2959,7 +3192,13 @@ impl Core {
                         // About 60 s of re-resolving covers the head's death
                         // timeout plus a restart elsewhere.
                         if never_delivered && attempts < 120 {
-                            let _ = retry_tx.send((spec, pins, attempts + 1, retries));
+                            let _ = retry_tx.send((
+                                spec,
+                                pins,
+                                attempts + 1,
+                                retries,
+                                retry_exceptions,
+                            ));
                             return;
                         }
                         // Died mid-call: Ray's max_task_retries sends it again to the
@@ -2967,7 +3206,7 @@ impl Core {
                         if !never_delivered && retries != 0 {
                             spec.attempt += 1;
                             let left = if retries < 0 { retries } else { retries - 1 };
-                            let _ = retry_tx.send((spec, pins, 1, left));
+                            let _ = retry_tx.send((spec, pins, 1, left, retry_exceptions));
                             return;
                         }
                         let e = err(
@@ -3074,6 +3313,37 @@ pub(crate) fn next_generator_item(
 ) -> Option<Result<RawRef, Error>> {
     let c = try_core()?;
     c.rt.block_on(c.next_item(task_id, function, index))
+}
+
+/// The group a Rust task running on this thread captures what it submits into (Ray's
+/// `placement_group_capture_child_tasks`). Other languages decide it themselves (Python
+/// tells an explicit `"DEFAULT"` strategy from none, which the core cannot).
+fn captured_group() -> Option<String> {
+    if crate::foreign::language() != "rust" {
+        return None;
+    }
+    crate::executor::current_capture_group()
+}
+
+/// `opts` for a task submitted now by a Rust task whose group captures its children:
+/// without a strategy of its own, it goes to that group (any bundle) and captures too.
+fn captured_options(opts: &TaskOptions) -> Option<TaskOptions> {
+    if opts.scheduling != Scheduling::Default {
+        return None;
+    }
+    let pg = captured_group()?;
+    Some(TaskOptions {
+        scheduling: Scheduling::PlacementGroup { placement_group_id: pg, bundle_index: -1 },
+        capture_child_tasks: true,
+        ..opts.clone()
+    })
+}
+
+/// Blocks for the next item of a streaming task as a ref, a failure included (see
+/// [`Core::next_item_ref`]).
+pub(crate) fn next_generator_item_ref(task_id: &str, function: &str, index: u64) -> Option<RawRef> {
+    let c = try_core()?;
+    c.rt.block_on(c.next_item_ref(task_id, function, index))
 }
 
 /// Forgets a streaming task's bookkeeping once its consumer is gone.

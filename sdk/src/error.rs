@@ -71,6 +71,11 @@ pub enum Error {
     /// the installer's output (Ray's `RuntimeEnvSetupError`).
     #[error("task {function}: its runtime environment could not be set up: {message}")]
     RuntimeEnvSetup { function: String, message: String },
+    /// A call to an actor was refused at submission: this process already has
+    /// `limit` unfinished calls to it (Ray's `PendingCallsLimitExceeded`, from the
+    /// actor's `max_pending_calls`).
+    #[error("{message}")]
+    PendingCallsLimitExceeded { function: String, message: String },
     /// The SDK is not initialised or the cluster cannot be reached.
     #[error("{0}")]
     Cluster(String),
@@ -84,6 +89,9 @@ impl Error {
             Kind::WorkerDied => Error::WorkerDied { function, message: e.message.clone() },
             Kind::ActorDied => Error::ActorDied { actor: function, message: e.message.clone() },
             Kind::Cancelled => Error::Cancelled { function },
+            Kind::PendingCallsLimitExceeded => {
+                Error::PendingCallsLimitExceeded { function, message: e.message.clone() }
+            }
             Kind::ObjectLost => Error::ObjectLost { id: function, message: e.message.clone() },
             Kind::Infeasible => Error::Infeasible(format!("task {function}: {}", e.message)),
             Kind::RuntimeEnvSetupFailed => {

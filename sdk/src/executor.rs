@@ -3,10 +3,11 @@
 //! actor, releases each caller's actor calls in sequence order (CORE-4), and
 //! stores large results in the node's object store.
 
-use std::collections::{BTreeMap, HashMap};
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
@@ -60,6 +61,77 @@ impl QueuedTask {
     }
 }
 
+/// The task or actor call an executor thread runs: its id, the placement group it runs
+/// in ("" for none), and whether that group captures what it submits.
+#[derive(Clone)]
+struct Current {
+    task_id: String,
+    placement_group: String,
+    capture: bool,
+}
+
+thread_local! {
+    /// The task or actor call this executor thread runs now.
+    static CURRENT_TASK: RefCell<Option<Current>> = const { RefCell::new(None) };
+}
+
+/// Tasks of this process told to stop (`cancel` without `force`, CORE-12), until they end.
+fn cancelled_set() -> &'static Mutex<HashSet<String>> {
+    static CANCELLED: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    CANCELLED.get_or_init(Default::default)
+}
+
+/// The task or actor call running on this thread, if any (a task submitted from here is
+/// its child, for `cancel(recursive=True)`).
+pub(crate) fn current_task_id() -> Option<String> {
+    CURRENT_TASK.with(|c| c.borrow().as_ref().map(|t| t.task_id.clone()))
+}
+
+/// The placement group of the task or actor call running on this thread (Ray's
+/// `get_current_placement_group`), if it runs in one.
+pub(crate) fn current_placement_group() -> Option<String> {
+    CURRENT_TASK.with(|c| {
+        c.borrow().as_ref().map(|t| t.placement_group.clone()).filter(|pg| !pg.is_empty())
+    })
+}
+
+/// The group that what the running task submits without a strategy goes to (Ray's
+/// `placement_group_capture_child_tasks`), if it captures.
+pub(crate) fn current_capture_group() -> Option<String> {
+    CURRENT_TASK.with(|c| {
+        c.borrow()
+            .as_ref()
+            .filter(|t| t.capture && !t.placement_group.is_empty())
+            .map(|t| t.placement_group.clone())
+    })
+}
+
+/// Whether the task running on this thread was cancelled (see [`crate::is_cancelled`]).
+pub(crate) fn current_task_cancelled() -> bool {
+    current_task_id().is_some_and(|t| task_cancelled(&t))
+}
+
+/// Whether task `task_id`, running in this process, was cancelled.
+pub(crate) fn task_cancelled(task_id: &str) -> bool {
+    cancelled_set().lock().unwrap().contains(task_id)
+}
+
+/// Sets [`CURRENT_TASK`] while it lives.
+struct CurrentTask;
+
+impl CurrentTask {
+    fn enter(current: Current) -> Self {
+        CURRENT_TASK.with(|c| *c.borrow_mut() = Some(current));
+        CurrentTask
+    }
+}
+
+impl Drop for CurrentTask {
+    fn drop(&mut self) {
+        CURRENT_TASK.with(|c| *c.borrow_mut() = None);
+    }
+}
+
 const QUEUED: u8 = 0;
 const STARTED: u8 = 1;
 const HANDED_BACK: u8 = 2;
@@ -82,17 +154,88 @@ struct ActorHost {
 
 pub(crate) struct Executor {
     core: Arc<Core>,
+    /// The default group's queue (every call of a task worker).
     tx: std::sync::mpsc::Sender<Job>,
     actor: Option<ActorHost>,
-    /// Task ids running now, for cancellation.
+    /// Task ids pushed here and not answered yet (queued or running), for cancellation.
     running: Mutex<HashMap<String, ()>>,
+    /// The actor's concurrency groups (Ray's `concurrency_groups`): each one's limit
+    /// and the queue of its own executor threads.
+    groups: HashMap<String, (usize, std::sync::mpsc::Sender<Job>)>,
+    /// The group of each method whose calls name none (`@ray.method(concurrency_group)`).
+    method_groups: HashMap<String, String>,
+    /// Calls of each function name run here so far, for `max_calls`.
+    calls: Mutex<HashMap<String, u32>>,
+    /// Set once a task's `max_calls` ran out: this worker runs nothing more (what is
+    /// queued goes back unrun) and exits when its lease returns.
+    retiring: AtomicBool,
+    /// The hosted actor's placement group ("" for none) and whether it captures what
+    /// its methods submit.
+    actor_group: (String, bool),
     /// The actor's `max_concurrency` (1 for a task worker): how many of its calls run at
     /// once, on executor threads (at most [`MAX_EXECUTOR_THREADS`]) or on its event loop.
     max_concurrency: usize,
-    /// Calls running on the foreign runtime's event loop, started without an executor
-    /// thread (see [`Executor::start_on_loop`]), and those waiting for one of the
-    /// `max_concurrency` places.
-    on_loop: Mutex<(usize, std::collections::VecDeque<Job>)>,
+    /// Per concurrency group ("" the default): calls running on the foreign runtime's
+    /// event loop, started without an executor thread (see [`Executor::start_on_loop`]),
+    /// and those waiting for one of the group's places.
+    on_loop: Mutex<HashMap<String, (usize, std::collections::VecDeque<Job>)>>,
+}
+
+/// Executor threads taking jobs from `rx` until the executor stops.
+fn spawn_threads(
+    ex: &Arc<Executor>,
+    rx: std::sync::mpsc::Receiver<Job>,
+    threads: usize,
+    group: &str,
+) {
+    let rx = Arc::new(Mutex::new(rx));
+    for i in 0..threads {
+        let ex = Arc::clone(ex);
+        let rx = Arc::clone(&rx);
+        let name = if group.is_empty() {
+            format!("tpuray-exec-{i}")
+        } else {
+            format!("tpuray-{group}-{i}")
+        };
+        std::thread::Builder::new()
+            .name(name)
+            .spawn(move || {
+                loop {
+                    let job = { rx.lock().unwrap().recv() };
+                    let Ok(job) = job else { return };
+                    if ex.retiring.load(Ordering::SeqCst) && job.spec.actor_id.is_empty() {
+                        // max_calls ran out: back to the owner unrun (CORE-9's path).
+                        if job
+                            .state
+                            .compare_exchange(
+                                QUEUED,
+                                HANDED_BACK,
+                                Ordering::SeqCst,
+                                Ordering::SeqCst,
+                            )
+                            .is_ok()
+                        {
+                            let _ = job
+                                .reply
+                                .send(pb::PushTaskReply { not_run: true, ..Default::default() });
+                        }
+                        ex.running.lock().unwrap().remove(&job.spec.task_id);
+                        continue;
+                    }
+                    if job
+                        .state
+                        .compare_exchange(QUEUED, STARTED, Ordering::SeqCst, Ordering::SeqCst)
+                        .is_err()
+                    {
+                        ex.running.lock().unwrap().remove(&job.spec.task_id);
+                        continue; // handed back unrun (CORE-9)
+                    }
+                    let reply = ex.run(&job.spec);
+                    let _ = job.reply.send(reply);
+                }
+            })
+            .expect("spawn executor thread");
+    }
 }
 
 fn failure(spec: &pb::TaskSpec, core: &Core, f: TaskFailure) -> pb::PushTaskReply {
@@ -167,12 +310,18 @@ fn task_info(spec: &pb::TaskSpec) -> crate::foreign::TaskInfo {
         attempt: spec.attempt,
         num_returns: spec.num_returns,
         streaming: spec.streaming,
-        placement_group_id: spec
-            .resources
-            .keys()
-            .find_map(|k| tpuray_scheduler::bundles::parse_bundle_resource(k).map(|(_, _, pg)| pg))
-            .unwrap_or_default()
-            .to_string(),
+        capture_child_tasks: spec.capture_child_tasks,
+        placement_group_id: if spec.placement_group_id.is_empty() {
+            spec.resources
+                .keys()
+                .find_map(|k| {
+                    tpuray_scheduler::bundles::parse_bundle_resource(k).map(|(_, _, pg)| pg)
+                })
+                .unwrap_or_default()
+                .to_string()
+        } else {
+            spec.placement_group_id.clone()
+        },
     }
 }
 
@@ -198,6 +347,14 @@ impl Executor {
     ) -> Result<Arc<Self>, String> {
         let mut threads = 1;
         let mut max_concurrency = 1;
+        let mut group_limits: BTreeMap<String, u32> = BTreeMap::new();
+        let mut method_groups = HashMap::new();
+        let mut actor_group = (String::new(), false);
+        if let Some(spec) = &creation {
+            group_limits = spec.concurrency_groups.iter().map(|(k, v)| (k.clone(), *v)).collect();
+            method_groups = spec.method_groups.clone().into_iter().collect();
+            actor_group = (spec.placement_group_id.clone(), spec.capture_child_tasks);
+        }
         if let Some(f) = creation.as_ref().and_then(|s| s.function.as_ref()) {
             crate::metrics::set_actor_class(&f.class_name);
         }
@@ -238,36 +395,30 @@ impl Executor {
             None => None,
         };
         let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let mut groups = HashMap::new();
+        let mut group_rx = Vec::new();
+        for (name, limit) in group_limits {
+            let (gtx, grx) = std::sync::mpsc::channel::<Job>();
+            let limit = limit.max(1) as usize;
+            groups.insert(name.clone(), (limit, gtx));
+            group_rx.push((name, limit, grx));
+        }
         let ex = Arc::new(Self {
             core,
             tx,
             actor,
             running: Mutex::new(HashMap::new()),
+            groups,
+            method_groups,
+            calls: Mutex::new(HashMap::new()),
+            retiring: AtomicBool::new(false),
+            actor_group,
             max_concurrency,
-            on_loop: Mutex::new((0, std::collections::VecDeque::new())),
+            on_loop: Mutex::new(HashMap::new()),
         });
-        let rx = Arc::new(Mutex::new(rx));
-        for i in 0..threads {
-            let ex = Arc::clone(&ex);
-            let rx = Arc::clone(&rx);
-            std::thread::Builder::new()
-                .name(format!("tpuray-exec-{i}"))
-                .spawn(move || {
-                    loop {
-                        let job = { rx.lock().unwrap().recv() };
-                        let Ok(job) = job else { return };
-                        if job
-                            .state
-                            .compare_exchange(QUEUED, STARTED, Ordering::SeqCst, Ordering::SeqCst)
-                            .is_err()
-                        {
-                            continue; // handed back unrun (CORE-9)
-                        }
-                        let reply = ex.run(&job.spec);
-                        let _ = job.reply.send(reply);
-                    }
-                })
-                .expect("spawn executor thread");
+        spawn_threads(&ex, rx, threads, "");
+        for (name, limit, grx) in group_rx {
+            spawn_threads(&ex, grx, limit.min(MAX_EXECUTOR_THREADS as usize), &name);
         }
         Ok(ex)
     }
@@ -287,6 +438,7 @@ impl Executor {
                 TaskFailure::new(Kind::ActorDied, "this worker hosts no actor"),
             );
         };
+        self.running.lock().unwrap().insert(job.spec.task_id.clone(), ());
         // CORE-4: release each caller's calls in sequence order.
         {
             let mut callers = actor.callers.lock().unwrap();
@@ -296,10 +448,24 @@ impl Executor {
             q.waiting.insert(job.spec.sequence_no, job);
             while let Some(j) = q.waiting.remove(&q.next) {
                 q.next += 1;
+                let group = match self.group_of(&j.spec) {
+                    Ok(g) => g,
+                    Err(message) => {
+                        let reply = failure(
+                            &j.spec,
+                            &self.core,
+                            TaskFailure::new(Kind::Application, message),
+                        );
+                        self.running.lock().unwrap().remove(&j.spec.task_id);
+                        let _ = j.reply.send(reply);
+                        continue;
+                    }
+                };
                 match loop_runtime(&j.spec) {
-                    Some(rt) => self.start_on_loop(rt, j),
+                    Some(rt) => self.start_on_loop(rt, j, group),
                     None => {
-                        let _ = self.tx.send(j);
+                        let tx = self.groups.get(&group).map_or(&self.tx, |(_, tx)| tx);
+                        let _ = tx.send(j);
                     }
                 }
             }
@@ -307,30 +473,66 @@ impl Executor {
         rx.await.unwrap_or_else(|_| stopped())
     }
 
+    /// The concurrency group a call runs in: the one it names, else its method's, else
+    /// the default group ("").
+    ///
+    /// # Errors
+    /// The call names a group the actor does not define.
+    fn group_of(&self, spec: &pb::TaskSpec) -> Result<String, String> {
+        if !spec.concurrency_group.is_empty() {
+            if self.groups.contains_key(&spec.concurrency_group) {
+                return Ok(spec.concurrency_group.clone());
+            }
+            let mut defined: Vec<&String> = self.groups.keys().collect();
+            defined.sort();
+            return Err(format!(
+                "{} was called in concurrency group {:?}, which the actor does not define (defined: {defined:?})",
+                spec.name, spec.concurrency_group
+            ));
+        }
+        let method = spec.function.as_ref().map(|f| f.name.as_str()).unwrap_or_default();
+        Ok(self.method_groups.get(method).cloned().unwrap_or_default())
+    }
+
+    /// How many calls of `group` run at once.
+    fn group_limit(&self, group: &str) -> usize {
+        self.groups.get(group).map_or(self.max_concurrency, |(limit, _)| *limit)
+    }
+
     /// Starts an actor call on its foreign runtime's event loop (an async actor's `async
     /// def` method): from the RPC's thread straight to the loop, and the result from the
     /// loop's thread straight to the reply, two thread hand-offs fewer than through an
-    /// executor thread. At most `max_concurrency` run at once (Ray's limit for async
-    /// actors); the rest wait here in order.
-    fn start_on_loop(self: &Arc<Self>, rt: &'static dyn ForeignRuntime, job: Job) {
+    /// executor thread. At most the group's limit run at once (`max_concurrency` for the
+    /// default group, Ray's limit for async actors); the rest wait here in order.
+    fn start_on_loop(self: &Arc<Self>, rt: &'static dyn ForeignRuntime, job: Job, group: String) {
         {
+            let limit = self.group_limit(&group);
             let mut on_loop = self.on_loop.lock().unwrap();
-            if on_loop.0 >= self.max_concurrency {
-                on_loop.1.push_back(job);
+            let slot = on_loop.entry(group.clone()).or_default();
+            if slot.0 >= limit {
+                slot.1.push_back(job);
                 return;
             }
-            on_loop.0 += 1;
+            slot.0 += 1;
         }
-        self.launch_on_loop(rt, job);
+        self.launch_on_loop(rt, job, group);
     }
 
     /// Hands a call holding one of the `max_concurrency` places to the loop. When it
     /// ends, its place passes straight to the first call waiting, if any: were the place
     /// given back first, a call arriving in between could take it and start ahead of
     /// the calls waiting before it (CORE-4 order).
-    fn launch_on_loop(self: &Arc<Self>, rt: &'static dyn ForeignRuntime, job: Job) {
+    fn launch_on_loop(self: &Arc<Self>, rt: &'static dyn ForeignRuntime, job: Job, group: String) {
         let Job { spec, reply, .. } = job;
-        self.running.lock().unwrap().insert(spec.task_id.clone(), ());
+        if task_cancelled(&spec.task_id) {
+            // Cancelled while it waited for a place (CORE-12): it never runs.
+            let failed = TaskFailure::new(Kind::Cancelled, "cancelled before it ran");
+            let _ = reply.send(self.finish(&spec, Err(failed)));
+            if let Some(j) = self.next_on_loop(&group) {
+                self.launch_on_loop(rt, j, group);
+            }
+            return;
+        }
         crate::metrics::task_started(&spec);
         self.core.event(&spec, "RUNNING", "");
         let args = inline_args(&spec);
@@ -341,19 +543,23 @@ impl Executor {
             args,
             Box::new(move |result| {
                 let _ = reply.send(ex.finish(&spec, result.map(Encoded::Foreign)));
-                let next = {
-                    let mut on_loop = ex.on_loop.lock().unwrap();
-                    let next = on_loop.1.pop_front();
-                    if next.is_none() {
-                        on_loop.0 -= 1;
-                    }
-                    next
-                };
-                if let Some(j) = next {
-                    ex.launch_on_loop(rt, j);
+                if let Some(j) = ex.next_on_loop(&group) {
+                    ex.launch_on_loop(rt, j, group);
                 }
             }),
         );
+    }
+
+    /// The call of `group` waiting first for the place a call just gave up (which it
+    /// takes), or `None` (the place is free again).
+    fn next_on_loop(&self, group: &str) -> Option<Job> {
+        let mut on_loop = self.on_loop.lock().unwrap();
+        let slot = on_loop.entry(group.to_string()).or_default();
+        let next = slot.1.pop_front();
+        if next.is_none() {
+            slot.0 -= 1;
+        }
+        next
     }
 
     /// Queues a task (not an actor call) behind those queued before it; its reply comes
@@ -361,34 +567,80 @@ impl Executor {
     pub(crate) fn enqueue_task(&self, spec: pb::TaskSpec) -> QueuedTask {
         let (tx, rx) = oneshot::channel();
         let state = Arc::new(AtomicU8::new(QUEUED));
+        self.running.lock().unwrap().insert(spec.task_id.clone(), ());
         let _ = self.tx.send(Job { spec, reply: tx, state: Arc::clone(&state) });
         QueuedTask { core: Arc::clone(&self.core), rx, state }
     }
 
-    /// Cancels a running task: with `force`, the process exits.
-    pub(crate) fn cancel(&self, task_id: &str, force: bool) -> bool {
+    /// Cancels a task pushed here (CORE-12): with `force`, the process exits; else a
+    /// queued one never runs and a running one is told to stop (a Python task gets
+    /// `KeyboardInterrupt`, an async method's coroutine is cancelled, a Rust task sees
+    /// [`crate::is_cancelled`]). With `recursive`, what it submitted is cancelled too.
+    /// False when it is not here (finished, or never pushed).
+    pub(crate) fn cancel(&self, task_id: &str, force: bool, recursive: bool) -> bool {
         let found = self.running.lock().unwrap().contains_key(task_id);
-        if found && force {
+        if !found {
+            return false;
+        }
+        if recursive {
+            self.core.cancel_children(task_id, force);
+        }
+        if force {
             std::thread::spawn(|| {
                 std::thread::sleep(Duration::from_millis(20));
                 std::process::exit(137);
             });
+            return true;
         }
-        found
+        cancelled_set().lock().unwrap().insert(task_id.to_string());
+        if let Some(rt) = crate::foreign::installed_runtime() {
+            rt.cancel(task_id);
+        }
+        true
     }
 
     fn run(&self, spec: &pb::TaskSpec) -> pb::PushTaskReply {
         // Clients made here (generator reports, nested calls) need the runtime.
         let _guard = self.core.rt.enter();
-        self.running.lock().unwrap().insert(spec.task_id.clone(), ());
+        if task_cancelled(&spec.task_id) {
+            // Cancelled while it waited here: it never runs.
+            return self
+                .finish(spec, Err(TaskFailure::new(Kind::Cancelled, "cancelled before it ran")));
+        }
         crate::metrics::task_started(spec);
         self.core.event(spec, "RUNNING", "");
         let log = crate::logs::TaskLog::start(spec);
-        let result = self.invoke(spec);
+        let result = {
+            let (placement_group, capture) = if spec.actor_id.is_empty() {
+                (task_info(spec).placement_group_id, spec.capture_child_tasks)
+            } else {
+                self.actor_group.clone()
+            };
+            let _current = CurrentTask::enter(Current {
+                task_id: spec.task_id.clone(),
+                placement_group,
+                capture,
+            });
+            self.invoke(spec)
+        };
         if let Some(log) = log {
             self.core.log_event(spec, log.end());
         }
-        self.finish(spec, result)
+        let mut reply = self.finish(spec, result);
+        if spec.max_calls > 0 && spec.actor_id.is_empty() {
+            let f = spec.function.as_ref().map(|f| f.name.clone()).unwrap_or_default();
+            let mut calls = self.calls.lock().unwrap();
+            let n = calls.entry(f).or_insert(0);
+            *n += 1;
+            if *n >= spec.max_calls {
+                // Ray's max_calls: this worker has run the function enough times; what
+                // is queued here goes back unrun and the owner returns the lease with
+                // the worker disconnected (the agent stops it).
+                self.retiring.store(true, Ordering::SeqCst);
+                reply.worker_exiting = true;
+            }
+        }
+        reply
     }
 
     /// The reply for a call that ran: its results stored (small ones inline), the refs in
@@ -425,6 +677,8 @@ impl Executor {
         // their owners before the reply unpins the arguments (CORE-2).
         crate::core::confirm_borrows(core);
         self.running.lock().unwrap().remove(&spec.task_id);
+        cancelled_set().lock().unwrap().remove(&spec.task_id);
+        core.forget_children(&spec.task_id);
         // The executor says FINISHED too (as Ray's does): the owner's own event can be
         // lost when the owner exits right after `get` returned the value.
         if reply.error.is_none() {
@@ -595,6 +849,11 @@ impl Executor {
         let mut items = items;
         let mut index = 0u64;
         loop {
+            if task_cancelled(&spec.task_id) {
+                // CORE-12: a cancelled generator produces nothing more.
+                let f = TaskFailure::new(Kind::Cancelled, "cancelled while it streamed");
+                return failure(spec, core, f);
+            }
             let next = std::panic::catch_unwind(AssertUnwindSafe(|| items.next()));
             let item = match next {
                 Ok(Some(Ok(bytes))) => bytes,

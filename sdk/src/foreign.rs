@@ -32,6 +32,10 @@ pub struct TaskInfo {
     pub streaming: bool,
     /// The placement group the task runs in ("" for none), from its bundle resources.
     pub placement_group_id: String,
+    /// What the task (or the actor, for its creation) submits without a scheduling
+    /// strategy goes to its placement group (Ray's
+    /// `placement_group_capture_child_tasks`).
+    pub capture_child_tasks: bool,
 }
 
 /// The items of a streaming task, each a value's bytes, produced as the consumer pulls.
@@ -95,6 +99,14 @@ pub trait ForeignRuntime: Send + Sync + 'static {
             "this language runtime runs no methods on an event loop",
         )));
     }
+
+    /// Tells task `task_id`, if it runs in this runtime now, to stop (`cancel` without
+    /// `force`, CORE-12): Python raises `KeyboardInterrupt` in a task's thread and
+    /// cancels an async method's coroutine, as Ray does. Called on an RPC thread; must
+    /// not block. Default: nothing (the task can still read [`crate::is_cancelled`]).
+    fn cancel(&self, task_id: &str) {
+        let _ = task_id;
+    }
 }
 
 /// Where the result of a call started by [`ForeignRuntime::start_async_method`] goes.
@@ -110,6 +122,11 @@ pub fn set_runtime(language: &str, rt: Box<dyn ForeignRuntime>) -> Result<(), St
     RUNTIME
         .set((language.to_string(), rt))
         .map_err(|_| "a language runtime is already installed in this process".to_string())
+}
+
+/// The runtime this process hosts, whatever its language.
+pub(crate) fn installed_runtime() -> Option<&'static dyn ForeignRuntime> {
+    RUNTIME.get().map(|(_, rt)| rt.as_ref())
 }
 
 /// The runtime for `language`, if this process hosts one.

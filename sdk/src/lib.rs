@@ -57,7 +57,7 @@ pub use driver::{
 };
 pub use error::{Error, TaskFailure};
 pub use object_ref::{Generator, ObjectRef, ObjectRefGenerator, RawRef};
-pub use options::{ActorOptions, Scheduling, TaskOptions};
+pub use options::{ActorOptions, CallOptions, Scheduling, TaskOptions};
 pub use placement_group::{
     PlacementGroup, PlacementGroupOptions, SlicePlacementGroup, get_placement_group,
     placement_group, placement_group_table, placement_group_with, remove_placement_group,
@@ -155,15 +155,39 @@ pub fn wait<T>(
     Ok((a.into_iter().map(|x| x.0).collect(), b.into_iter().map(|x| x.0).collect()))
 }
 
-/// Cancels the task that makes `r`: a queued task never runs; a running one
-/// is stopped when `force` (its worker exits). `get` then fails with
-/// [`Error::Cancelled`].
+/// Cancels the task that makes `r` and the tasks it submitted (Ray's `cancel` with
+/// `recursive=True`): a queued task never runs; a running one is stopped when `force`
+/// (its worker exits), else told to stop: [`is_cancelled`] turns true inside it, and a
+/// Python task gets `KeyboardInterrupt`. `get` then fails with [`Error::Cancelled`]. A
+/// finished task is left as it is.
 ///
 /// # Errors
-/// The worker running it cannot be reached.
+/// The worker running it cannot be reached; `force` for an actor call (Ray refuses it
+/// too: kill the actor instead).
 pub fn cancel<T>(r: &ObjectRef<T>, force: bool) -> Result<(), Error> {
+    cancel_with(r, force, true)
+}
+
+/// As [`cancel`], with `recursive` choosing whether the tasks it submitted go too.
+///
+/// # Errors
+/// As [`cancel`].
+pub fn cancel_with<T>(r: &ObjectRef<T>, force: bool, recursive: bool) -> Result<(), Error> {
     let core = core::core()?;
-    core.rt.block_on(core.cancel(r.id(), force))
+    core.rt.block_on(core.cancel(r.id(), force, recursive))
+}
+
+/// Whether the task or actor call running on this thread was cancelled (`cancel`
+/// without `force`): a long task checks it and stops early (cooperative cancellation;
+/// Ray's `get_runtime_context().is_canceled()`). False outside a task.
+pub fn is_cancelled() -> bool {
+    executor::current_task_cancelled()
+}
+
+/// The id of the placement group the task or actor call running on this thread runs in
+/// (Ray's `get_current_placement_group`); `None` outside one, and in a driver.
+pub fn current_placement_group_id() -> Option<String> {
+    executor::current_placement_group()
 }
 
 /// Kills an actor by id (Ray's `kill`).
@@ -219,6 +243,7 @@ pub fn get_actor(name: &str, namespace: Option<&str>) -> Result<ActorHandle, Err
             class: a.class_name,
             name: a.name,
             max_task_retries: 0,
+            max_pending_calls: -1,
         })
     })
 }

@@ -69,6 +69,13 @@ pub struct TaskOptions {
     /// The runtime environment's key in the KV namespace `runtime_env` ("" for none): the
     /// node agent starts the task's worker with it (environment variables, working dir).
     pub runtime_env_hash: String,
+    /// The task's worker exits after running this many tasks of the function (Ray's
+    /// `max_calls`: reclaims what a library leaks, GPU memory say; 0: no limit).
+    pub max_calls: u32,
+    /// Tasks and actors this task creates without a scheduling strategy go to its
+    /// placement group, any bundle, and capture theirs in turn (Ray's
+    /// `placement_group_capture_child_tasks`).
+    pub capture_child_tasks: bool,
 }
 
 impl Default for TaskOptions {
@@ -84,6 +91,8 @@ impl Default for TaskOptions {
             name: None,
             num_returns: 1,
             runtime_env_hash: String::new(),
+            max_calls: 0,
+            capture_child_tasks: false,
         }
     }
 }
@@ -133,6 +142,19 @@ pub struct ActorOptions {
     /// Times a call is sent again when the actor dies while running it and restarts
     /// (Ray's `max_task_retries`; -1: forever; default 0).
     pub max_task_retries: i32,
+    /// Calls from this process to the actor that may be unfinished at once: one more
+    /// is refused at submission with [`crate::Error::PendingCallsLimitExceeded`] (Ray's
+    /// `max_pending_calls`; -1, the default: no limit).
+    pub max_pending_calls: i32,
+    /// Concurrency groups (Ray's `concurrency_groups`): each name and how many of its
+    /// calls run at once, each group with executor threads of its own; calls in no
+    /// named group share the default group of `max_concurrency`.
+    pub concurrency_groups: BTreeMap<String, u32>,
+    /// The group each method runs in when its call names none (Ray's
+    /// `@ray.method(concurrency_group=...)`); every group named must be defined.
+    pub method_groups: BTreeMap<String, String>,
+    /// As [`TaskOptions::capture_child_tasks`], for the actor's methods.
+    pub capture_child_tasks: bool,
 }
 
 impl Default for ActorOptions {
@@ -151,6 +173,23 @@ impl Default for ActorOptions {
             get_if_exists: false,
             runtime_env_hash: String::new(),
             max_task_retries: 0,
+            max_pending_calls: -1,
+            concurrency_groups: BTreeMap::new(),
+            method_groups: BTreeMap::new(),
+            capture_child_tasks: false,
         }
     }
+}
+
+/// Options of one actor method call (Ray's `.options(...)` on a method, over the
+/// method's `@ray.method` options and the handle's).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CallOptions {
+    /// The concurrency group the call runs in ("": the method's, else the default).
+    pub concurrency_group: String,
+    /// Overrides the handle's `max_task_retries` for this call.
+    pub max_task_retries: Option<i32>,
+    /// Retry the call when the method raises (Ray's `retry_exceptions`), up to its
+    /// `max_task_retries`.
+    pub retry_exceptions: bool,
 }

@@ -84,13 +84,35 @@ pub fn call_actor_streaming(
     method: &str,
     args: Vec<Arg>,
 ) -> Result<String, Error> {
-    Ok(core()?.call_actor(handle, method, args, true, 0).task_id)
+    Ok(core()?
+        .call_actor(handle, method, args, true, 0, &crate::options::CallOptions::default())?
+        .task_id)
+}
+
+/// As [`call_actor_streaming`], with per-call options (its concurrency group).
+///
+/// # Errors
+/// [`Error::PendingCallsLimitExceeded`] over the handle's `max_pending_calls`;
+/// [`Error::Cluster`] when not initialised.
+pub fn call_actor_streaming_with(
+    handle: &ActorHandle,
+    method: &str,
+    args: Vec<Arg>,
+    call: &crate::options::CallOptions,
+) -> Result<String, Error> {
+    Ok(core()?.call_actor(handle, method, args, true, 0, call)?.task_id)
 }
 
 /// The `index`-th item of streaming task `task_id` once it exists; `None` after the last
 /// one; the task's error when it failed there. Blocks.
 pub fn next_item(task_id: &str, name: &str, index: u64) -> Option<Result<RawRef, Error>> {
     crate::core::next_generator_item(task_id, name, index)
+}
+
+/// As [`next_item`], with the task's failure as a ref whose `get` fails with it (Ray
+/// 2.60's streaming generators); `None` after that. Blocks.
+pub fn next_item_ref(task_id: &str, name: &str, index: u64) -> Option<RawRef> {
+    crate::core::next_generator_item_ref(task_id, name, index)
 }
 
 /// Forgets a streaming task's bookkeeping once its consumer took `consumed` items.
@@ -122,9 +144,10 @@ pub fn call_actor(
     method: &str,
     args: Vec<Arg>,
     num_returns: u32,
+    call: &crate::options::CallOptions,
 ) -> Result<Vec<RawRef>, Error> {
     let c = core()?;
-    let spec = c.call_actor(handle, method, args, false, num_returns);
+    let spec = c.call_actor(handle, method, args, false, num_returns, call)?;
     Ok(spec.return_ids.into_iter().map(|id| RawRef::adopt(id, c.address.clone())).collect())
 }
 
@@ -249,13 +272,44 @@ pub fn end_borrow_batch() {
     crate::core::end_borrow_batch();
 }
 
-/// Cancels the task that makes `r` (Ray's `cancel`; `force` kills its worker).
+/// Cancels the task that makes `r` (Ray's `cancel`, see [`crate::cancel`]; `force`
+/// kills its worker, `recursive` cancels what it submitted too).
 ///
 /// # Errors
-/// The worker running it cannot be reached.
-pub fn cancel(r: &RawRef, force: bool) -> Result<(), Error> {
+/// The worker running it cannot be reached; `force` for an actor call.
+pub fn cancel(r: &RawRef, force: bool, recursive: bool) -> Result<(), Error> {
     let c = core()?;
-    c.rt.block_on(c.cancel(r.id(), force))
+    c.rt.block_on(c.cancel(r.id(), force, recursive))
+}
+
+/// Cancels streaming task `task_id` (a generator's), as [`cancel`].
+///
+/// # Errors
+/// As [`cancel`].
+pub fn cancel_task(task_id: &str, force: bool, recursive: bool) -> Result<(), Error> {
+    let c = core()?;
+    c.rt.block_on(c.cancel_task(task_id, force, recursive))
+}
+
+/// Whether streaming task `task_id` has an item after its first `index`, or ended:
+/// what `wait` on a generator answers. Does not block.
+pub fn generator_ready(task_id: &str, index: u64) -> bool {
+    core().map(|c| c.generator_ready(task_id, index)).unwrap_or(true)
+}
+
+/// This process's unfinished calls to actor `actor_id` (what `max_pending_calls`
+/// bounds).
+pub fn pending_actor_calls(actor_id: &str) -> usize {
+    core().map(|c| c.pending_actor_calls(actor_id)).unwrap_or(0)
+}
+
+/// Whether the task running on this thread was cancelled (see [`crate::is_cancelled`]);
+/// `task_id` given: whether that task, running in this process, was.
+pub fn is_cancelled(task_id: Option<&str>) -> bool {
+    match task_id {
+        Some(t) => crate::executor::task_cancelled(t),
+        None => crate::executor::current_task_cancelled(),
+    }
 }
 
 /// Sends a worker's output lines to its job's driver (`ReportLogs`): `batches` are

@@ -185,8 +185,12 @@ impl WorkerService for SvcRef {
         req: Request<pb::CancelTaskRequest>,
     ) -> Result<Response<pb::CancelTaskReply>, Status> {
         let req = req.into_inner();
-        let found =
-            self.0.executor.get().map(|e| e.cancel(&req.task_id, req.force)).unwrap_or(false);
+        let found = self
+            .0
+            .executor
+            .get()
+            .map(|e| e.cancel(&req.task_id, req.force, req.recursive))
+            .unwrap_or(false);
         Ok(Response::new(pb::CancelTaskReply { found }))
     }
 }

@@ -273,6 +273,62 @@ fn cancelling_a_running_task_fails_its_get_with_cancelled() {
 }
 
 #[test]
+fn core_12_cancel_without_force_reaches_a_running_rust_task_which_stops_itself() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let pid_file = c.dir().join("spin.pid");
+    let out =
+        start_driver(&c, "cancel-cooperative", &[&pid_file.display().to_string()]).finish(RUN);
+    out.assert_success();
+    let err = out.line("ERROR ");
+    assert_eq!(field(err, "kind"), "Cancelled", "its get fails with Cancelled:\n{out}");
+    let after = out.line("AFTER ");
+    assert_eq!(after.split(' ').nth(1), Some("42"), "a task after the cancel works:\n{out}");
+    let (pid, _) = wait_pid_file(&pid_file);
+    assert!(pid_alive(pid), "a cooperative cancel leaves the worker running:\n{out}");
+}
+
+#[test]
+fn core_13_max_pending_calls_refuses_a_call_at_submission_and_groups_route_calls() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let go = c.dir().join("go");
+    let out = start_driver(&c, "pending-calls", &[&go.display().to_string()]).finish(RUN);
+    out.assert_success();
+    assert_eq!(out.line("PENDING "), "PENDING 2", "{out}");
+    let err = out.line("ERROR ");
+    assert_eq!(field(err, "kind"), "PendingCallsLimitExceeded", "{out}");
+    assert!(field(err, "msg").contains("max_pending_calls=2"), "names the limit: {err}");
+    assert_eq!(out.line("TYPED "), "TYPED kind=PendingCallsLimitExceeded", "{out}");
+    assert_eq!(out.line("FIRST "), "FIRST [true, true]", "{out}");
+    // Calls in no group run on the default group's threads, "io" calls on io's.
+    assert!(out.line("THREAD ").starts_with("THREAD tpuray-exec-"), "{out}");
+    assert!(out.line("IO ").starts_with("IO tpuray-io-"), "{out}");
+    let undefined = out.line("UNDEFINED ");
+    assert!(undefined.contains("\"nope\""), "an undefined group is named: {undefined}");
+    assert!(out.line("BADGROUP ").contains("\"missing\""), "{out}");
+}
+
+#[test]
+fn children_of_a_task_whose_group_captures_them_run_in_that_group() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "4"]);
+    let out = start_driver(&c, "capture", &[]).finish(RUN);
+    out.assert_success();
+    let pg = out.line("GROUP ").trim_start_matches("GROUP ").to_string();
+    assert_eq!(
+        out.line("FAMILY capture=true"),
+        format!("FAMILY capture=true own={pg} child={pg:?} grandchild={pg:?}"),
+        "captured children and grandchildren run in the group:\n{out}"
+    );
+    assert_eq!(
+        out.line("FAMILY capture=false"),
+        format!("FAMILY capture=false own={pg} child=\"\" grandchild=\"\""),
+        "without capture children run outside it:\n{out}"
+    );
+}
+
+#[test]
 fn driver_binary_moved_away_still_runs_tasks() {
     let mut c = Cluster::new();
     c.start_head(&["--num-cpus", "0"]);

@@ -120,13 +120,31 @@ def kill(actor: ActorHandle, *, no_restart: bool = True) -> None:
     _tpuray.kill_actor(actor._actor_id, no_restart)
 
 
-def cancel(object_ref: ObjectRef, *, force: bool = False, recursive: bool = True) -> None:
-    """Cancels the task that makes ``object_ref``; ``get`` then raises
-    ``TaskCancelledError``."""
+def cancel(object_ref, *, force: bool = False, recursive: bool = True) -> None:
+    """Cancels the task that makes ``object_ref`` (an ``ObjectRef`` or an
+    ``ObjectRefGenerator``), as Ray 2.60's ``ray.cancel``: a queued task never runs; a
+    running task gets ``KeyboardInterrupt`` (``force=True``: its worker exits); a running
+    async actor method's coroutine is cancelled; a running sync actor method is only
+    flagged (``get_runtime_context().is_canceled()``). ``get`` then raises
+    ``TaskCancelledError``. With ``recursive`` (the default) the tasks it submitted are
+    cancelled too. A finished task is left as it is.
+
+    Raises:
+        TypeError: not an ``ObjectRef`` or ``ObjectRefGenerator``.
+        ValueError: ``force=True`` for an actor call (Ray: use ``ray.kill``).
+    """
     from tpuray import _tpuray
 
     _worker.check_connected()
-    _tpuray.cancel(object_ref._core, force)
+    if isinstance(object_ref, ObjectRefGenerator):
+        _tpuray.cancel_task(object_ref._task_id, force, recursive)
+        return
+    if not isinstance(object_ref, ObjectRef):
+        raise TypeError(
+            "ray.cancel() only supported for object refs. For actors, try ray.kill(). "
+            f"Got: {type(object_ref)}."
+        )
+    _tpuray.cancel(object_ref._core, force, recursive)
 
 
 def get_actor(name: str, namespace: str | None = None) -> ActorHandle:
@@ -146,6 +164,16 @@ def get_actor(name: str, namespace: str | None = None) -> ActorHandle:
             "trying to look up a named actor you didn't create. 2. The named actor died. "
             "3. You did not use a namespace matching the namespace of the actor."
         ) from e
+    from tpuray.actor import _HANDLE_NAMESPACE
+    from tpuray._private.serialization import deserialize
+
+    record = _tpuray.kv_get(_HANDLE_NAMESPACE, actor_id.encode())
+    if record is not None:
+        try:
+            # The creator's handle: method options, generator methods, limits.
+            return deserialize(record)
+        except Exception:  # noqa: BLE001 - a class this process cannot load
+            pass
     return ActorHandle(actor_id, cls)
 
 

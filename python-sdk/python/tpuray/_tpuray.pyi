@@ -60,7 +60,12 @@ def create_actor(class_key: str, display: str, args: list[Arg], options: dict[st
     place, 0 to run), ``num_gpus``, ``resources``, ``name``, ``namespace``, ``detached``,
     ``max_restarts``, ``max_concurrency``, ``get_if_exists``, ``label_selector``,
     ``scheduling``."""
-def call_actor(actor_id: str, display: str, method: str, args: list[Arg], num_returns: int) -> list[RefCore]: ...
+def call_actor(
+    actor_id: str, display: str, method: str, args: list[Arg], num_returns: int,
+    max_task_retries: int = 0, concurrency_group: str = "", retry_exceptions: bool = False,
+    max_pending_calls: int = -1,
+) -> list[RefCore]:
+    """Raises ``PendingCallsLimitExceeded`` over ``max_pending_calls``."""
 class ObjectBuffer:
     """A store object mapped read-only (what ``get`` returns for large objects). Keep it
     alive for as long as its memory is read; the object stays pinned in memory until
@@ -89,7 +94,11 @@ def end_borrow_batch() -> None:
 
 def deserialize_ref(id: str, owner: str) -> RefCore:
     """A ref rebuilt while unpickling; registers this process as a borrower."""
-def cancel(ref: RefCore, force: bool) -> None: ...
+def cancel(ref: RefCore, force: bool, recursive: bool = True) -> None:
+    """Raises ``ValueError`` for ``force`` on an unfinished actor call."""
+def cancel_task(task_id: str, force: bool, recursive: bool) -> None: ...
+def is_cancelled(task_id: Optional[str] = None) -> bool: ...
+def generator_ready(task_id: str, index: int) -> bool: ...
 def kv_get(namespace: str, key: bytes) -> Optional[bytes]: ...
 def package_local(field: str, path: str, excludes: List[str], cwd: str) -> Optional[Tuple[str, bytes]]: ...
 def kv_put(namespace: str, key: bytes, value: bytes, overwrite: bool) -> bool: ...
@@ -187,9 +196,13 @@ def set_log_to_driver(on: bool) -> None: ...
 def prestart_workers(count: int) -> int: ...
 def submit_streaming(function: str, args: list[Arg], options: dict[str, Any]) -> str:
     """Submits a streaming generator task; returns its task id."""
-def call_actor_streaming(actor_id: str, display: str, method: str, args: list[Arg]) -> str: ...
-def next_item(task_id: str, name: str, index: int) -> Optional[tuple[int, Any]]:
-    """``None`` after the last item, ``(0, RefCore)``, or ``(1, error tuple)``."""
+def call_actor_streaming(
+    actor_id: str, display: str, method: str, args: list[Arg], concurrency_group: str = "",
+    max_pending_calls: int = -1,
+) -> str: ...
+def next_item(task_id: str, name: str, index: int) -> Optional[RefCore]:
+    """The item's ref, ``None`` after the last; a failure is one more ref whose get
+    raises it."""
 def drop_stream(task_id: str, consumed: int) -> None: ...
 
 class AsyncReply:
@@ -199,8 +212,8 @@ class AsyncReply:
 
 def enable_async_calls(methods: list[str], wake_fd: int) -> None:
     """Hands calls of ``methods`` to the event loop woken through ``wake_fd`` (taken over)."""
-def take_async_calls() -> list[tuple[AsyncReply, str, int, list[bytes]]]:
-    """The queued calls: ``(reply, method, num_returns, args)``."""
+def take_async_calls() -> list[tuple[AsyncReply, str, int, list[bytes], str]]:
+    """The queued calls: ``(reply, method, num_returns, args, task_id)``."""
 
 class JobClient:
     """The Jobs REST API client (``tpuray.job_submission`` wraps it). JSON crosses as str.

@@ -13,11 +13,28 @@ from tpuray.exceptions import ActorAlreadyExistsError
 
 
 def method(*args, **kwargs):
-    """Annotates an actor method with options (Ray's ``@ray.method(num_returns=2)``)."""
+    """Annotates an actor method with options (Ray's ``@ray.method``): ``num_returns``,
+    ``concurrency_group`` (the group its calls run in), ``max_task_retries`` and
+    ``retry_exceptions`` (retries of its calls, over the actor's); Ray's other keywords
+    are refused by name unless given their defaults.
+
+    Raises:
+        AssertionError: an unknown keyword (Ray 2.60 asserts the same).
+        ValueError: a bad ``num_returns``, or an option tpuray does not support.
+    """
 
     def decorate(m):
+        is_gen = inspect.isgeneratorfunction(m) or inspect.isasyncgenfunction(m)
         if "num_returns" in kwargs:
+            _options.check_num_returns(kwargs["num_returns"], is_gen)
             m.__tpuray_num_returns__ = kwargs["num_returns"]
+        if kwargs.get("concurrency_group") is not None:
+            m.__tpuray_concurrency_group__ = kwargs["concurrency_group"]
+        if kwargs.get("max_task_retries") is not None:
+            m.__tpuray_max_task_retries__ = kwargs["max_task_retries"]
+        if kwargs.get("retry_exceptions") is not None:
+            _options.retry_filter(kwargs)  # checks a list's entries
+            m.__tpuray_retry_exceptions__ = kwargs["retry_exceptions"]
         return m
 
     if len(args) == 1 and callable(args[0]) and not kwargs:
@@ -29,17 +46,21 @@ def method(*args, **kwargs):
                 f"Unexpected keyword argument to @ray.method: '{key}'. The supported "
                 f"keyword arguments are {_METHOD_KEYS}"
             )
-    _options.warn_unhonoured(kwargs, "@method", _options.UNHONOURED_METHOD)
+    _options.refuse_unsupported(kwargs, "@method")
     return decorate
 
 
-# Ray 2.60's ``@ray.method`` keywords; tpuray honours ``num_returns`` and names the others
-# in a warning (``_options.warn_unhonoured``).
+# Ray 2.60's ``@ray.method`` keywords (ray/actor.py, ``method``'s ``valid_kwargs``).
 _METHOD_KEYS = [
     "num_returns", "concurrency_group", "max_task_retries", "retry_exceptions",
     "_generator_backpressure_num_objects", "_num_objects_per_yield", "enable_task_events",
     "tensor_transport",
 ]
+# What ``.options(...)`` on a method call takes (Ray 2.60's ``ActorMethod._remote``).
+_CALL_KEYS = {
+    "name", "num_returns", "max_task_retries", "retry_exceptions", "concurrency_group",
+    "_generator_backpressure_num_objects", "enable_task_events", "tensor_transport", "_labels",
+}
 
 
 def _is_async_class(cls) -> bool:
@@ -70,7 +91,7 @@ class ActorClass:
         )
 
     def options(self, **options) -> "ActorClass":
-        _options.check(options, actor=True)
+        _options.check(options, actor=True, in_options=True)
         a = ActorClass.__new__(ActorClass)
         a.__dict__.update(self.__dict__)
         a._options = {**self._options, **options}
@@ -80,7 +101,20 @@ class ActorClass:
         worker.auto_init()
         if self._key is None:
             self._key = worker.export(self._cls)
-        opts = _options.actor_core_options(self._options, _is_async_class(self._cls))
+        meta = _method_meta(self._cls)
+        groups = {n: m["concurrency_group"] for n, m in meta.items() if m.get("concurrency_group")}
+        defined = _options.concurrency_groups(self._options)
+        for name, group in groups.items():
+            if group not in defined:
+                # Ray 2.60 asserts the same at .remote() (ray/actor.py, _remote).
+                raise AssertionError(
+                    f"method {self._cls.__name__}.{name} runs in concurrency group "
+                    f"{group!r}, which the actor does not define (concurrency_groups="
+                    f"{defined!r})"
+                )
+        opts = _options.actor_core_options(self._options, _is_async_class(self._cls), groups)
+        if worker.state.mode == "worker":
+            opts = _options.captured(opts, self._options)
         if opts["get_if_exists"] and not opts["name"]:
             raise ValueError("The actor name must be specified to use `get_if_exists`.")
         try:
@@ -101,9 +135,17 @@ class ActorClass:
             ) from None
         retries = int(self._options.get("max_task_retries", 0) or 0)
         methods = [n for n, _ in inspect.getmembers(self._cls, predicate=inspect.isfunction)]
-        return ActorHandle(
-            actor_id, self._cls.__name__, _method_returns(self._cls), retries, methods
+        handle = ActorHandle(
+            actor_id, self._cls.__name__, _method_returns(self._cls), retries, methods,
+            meta, opts["max_pending_calls"],
         )
+        if opts["name"]:
+            # get_actor() rebuilds the same handle (generator methods stream, method
+            # options hold) from this record.
+            from tpuray._private.serialization import serialize
+
+            _tpuray.kv_put(_HANDLE_NAMESPACE, actor_id.encode(), serialize(handle)[0], True)
+        return handle
 
     def bind(self, *args, **kwargs):
         """A lazy actor creation (Ray's DAG API): a ``tpuray.dag.ClassNode`` whose
@@ -113,20 +155,49 @@ class ActorClass:
         return ClassNode(self, args, kwargs, {})
 
 
+#: KV namespace of named actors' pickled handles, by actor id (read by ``get_actor``).
+_HANDLE_NAMESPACE = "actor_handle"
+
+
 def _method_returns(cls) -> dict:
+    """Each method's ``num_returns`` when not 1: its ``@method`` value, else
+    "streaming" for a generator (Ray 2.60 streams generator methods by default)."""
     out = {}
     for name, m in inspect.getmembers(cls, predicate=inspect.isfunction):
         n = getattr(m, "__tpuray_num_returns__", None)
+        if n is None and (inspect.isgeneratorfunction(m) or inspect.isasyncgenfunction(m)):
+            n = "streaming"
         if n is not None:
             out[name] = n
     return out
 
 
+def _method_meta(cls) -> dict:
+    """Each method's ``@method`` options other than ``num_returns``:
+    ``{name: {"concurrency_group", "max_task_retries", "retry_exceptions"}}``."""
+    out = {}
+    for name, m in inspect.getmembers(cls, predicate=inspect.isfunction):
+        meta = {
+            "concurrency_group": getattr(m, "__tpuray_concurrency_group__", None),
+            "max_task_retries": getattr(m, "__tpuray_max_task_retries__", None),
+            "retry_exceptions": getattr(m, "__tpuray_retry_exceptions__", None),
+            "is_generator": inspect.isgeneratorfunction(m) or inspect.isasyncgenfunction(m),
+        }
+        # An explicit max_task_retries=0 or retry_exceptions=False still overrides the
+        # actor's: kept whenever set.
+        keys = ("concurrency_group", "max_task_retries", "retry_exceptions")
+        if meta["is_generator"] or any(meta[k] is not None for k in keys):
+            out[name] = meta
+    return out
+
+
 class ActorMethod:
-    def __init__(self, handle: "ActorHandle", name: str, num_returns: int = 1):
+    def __init__(self, handle: "ActorHandle", name: str, num_returns: int = 1, call=None):
         self._handle = handle
         self._name = name
         self._num_returns = num_returns
+        # Per-call options (``.options(...)``) over the method's ``@method`` ones.
+        self._call = call or {}
 
     def __call__(self, *args, **kwargs):
         raise TypeError(
@@ -135,7 +206,57 @@ class ActorMethod:
         )
 
     def options(self, **options) -> "ActorMethod":
-        return ActorMethod(self._handle, self._name, options.get("num_returns", self._num_returns))
+        """This method called with per-call options (Ray's ``ActorMethod.options``):
+        ``num_returns``, ``concurrency_group``, ``max_task_retries``,
+        ``retry_exceptions``, ``name``; Ray's others are refused unless their defaults.
+
+        Raises:
+            ValueError: an unknown or unsupported option, or a bad ``num_returns``.
+        """
+        if "_num_objects_per_yield" in options:
+            # Ray 2.60's refusal (ray/actor.py, ActorMethod.options).
+            raise ValueError(
+                "_num_objects_per_yield cannot be overridden per actor method call. Use "
+                "@ray.method(_num_objects_per_yield=...) instead."
+            )
+        for k in options:
+            if k not in _CALL_KEYS:
+                raise ValueError(
+                    f"Invalid option keyword {k} for actor method calls. Valid ones are "
+                    f"{sorted(_CALL_KEYS)}."
+                )
+        _options.refuse_unsupported(options, "actor method call")
+        if options.get("name") is not None:
+            raise ValueError(
+                f"tpuray does not support the actor method call option name="
+                f"{options['name']!r}: actor calls are named Class.method (see "
+                "python-sdk/README.md)"
+            )
+        meta = self._handle._method_meta.get(self._name, {})
+        if "num_returns" in options:
+            _options.check_num_returns(options["num_returns"], bool(meta.get("is_generator")))
+        if options.get("retry_exceptions") is not None:
+            _options.retry_filter(options)
+        call = {**self._call, **{k: v for k, v in options.items() if v is not None}}
+        return ActorMethod(
+            self._handle, self._name, options.get("num_returns", self._num_returns), call
+        )
+
+    def _effective(self):
+        """(concurrency group, max_task_retries, retry_exceptions) of a call: the call's
+        options, else the method's ``@method`` ones, else the handle's."""
+        meta = self._handle._method_meta.get(self._name, {})
+
+        def pick(key, default):
+            v = self._call.get(key)
+            if v is None:
+                v = meta.get(key)
+            return default if v is None else v
+
+        group = pick("concurrency_group", "")
+        retries = int(pick("max_task_retries", self._handle._max_task_retries))
+        retry_exceptions = pick("retry_exceptions", False)
+        return group, retries, retry_exceptions
 
     def bind(self, *args, **kwargs):
         """A lazy call of this method on this actor (Ray's DAG API): a
@@ -148,18 +269,29 @@ class ActorMethod:
 
     def remote(self, *args, **kwargs):
         h = self._handle
+        if not self._call and self._name not in h._method_meta:
+            group, retries, retry_exceptions = "", h._max_task_retries, False
+        else:
+            group, retries, retry_exceptions = self._effective()
         if self._num_returns == "streaming":
             task_id = _tpuray.call_actor_streaming(
-                h._actor_id, h._class_name, self._name, worker.encode_args(args, kwargs)
+                h._actor_id, h._class_name, self._name, worker.encode_args(args, kwargs),
+                group, h._max_pending_calls,
             )
             return ObjectRefGenerator(task_id, f"{h._class_name}.{self._name}")
+        retry_filter = None
+        if isinstance(retry_exceptions, (list, tuple)):
+            retry_filter = list(retry_exceptions)
         refs = _tpuray.call_actor(
             h._actor_id,
             h._class_name,
             self._name,
-            worker.encode_args(args, kwargs),
+            worker.encode_args(args, kwargs, retry_filter),
             self._num_returns,
-            h._max_task_retries,
+            retries,
+            group,
+            bool(retry_exceptions),
+            h._max_pending_calls,
         )
         refs = [ObjectRef(r) for r in refs]
         if self._num_returns == 1:
@@ -210,11 +342,17 @@ class ActorHandle:
         method_returns: dict | None = None,
         max_task_retries: int = 0,
         methods: list | None = None,
+        method_meta: dict | None = None,
+        max_pending_calls: int = -1,
     ):
         self._actor_id = actor_id
         self._class_name = class_name
         self._method_returns = method_returns or {}
         self._max_task_retries = max_task_retries
+        # Each method's @method options (concurrency group, retries).
+        self._method_meta = method_meta or {}
+        # Ray's max_pending_calls, counted per caller process (-1: no limit).
+        self._max_pending_calls = max_pending_calls
         # None when unknown (a handle from get_actor): any name is sent.
         self._methods = set(methods) if methods is not None else None
 
@@ -240,6 +378,8 @@ class ActorHandle:
                 self._method_returns,
                 self._max_task_retries,
                 sorted(self._methods) if self._methods is not None else None,
+                self._method_meta,
+                self._max_pending_calls,
             ),
         )
 

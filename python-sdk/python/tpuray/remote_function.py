@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 from tpuray import _tpuray
 from tpuray._private import options as _options
@@ -16,6 +17,9 @@ class RemoteFunction:
 
     def __init__(self, function, options: dict):
         _options.check(options, actor=False)
+        # Ray 2.60 (remote_function.py): a generator function streams by default.
+        self._is_generator = inspect.isgeneratorfunction(function)
+        _options.check_num_returns(options.get("num_returns"), self._is_generator)
         self._function = function
         self._options = dict(options)
         self._key = None
@@ -30,7 +34,8 @@ class RemoteFunction:
         )
 
     def options(self, **options) -> "RemoteFunction":
-        _options.check(options, actor=False)
+        _options.check(options, actor=False, in_options=True)
+        _options.check_num_returns(options.get("num_returns"), self._is_generator)
         merged = {**self._options, **options}
         f = RemoteFunction.__new__(RemoteFunction)
         f.__dict__.update(self.__dict__)
@@ -45,8 +50,15 @@ class RemoteFunction:
         opts = self._core_options
         if opts is None:
             # Options are fixed per RemoteFunction (``options()`` makes a new one).
-            opts = self._core_options = _options.task_core_options(self._options, self._name)
-        if self._options.get("num_returns") == "streaming":
+            opts = self._core_options = _options.task_core_options(
+                self._options, self._name, self._is_generator
+            )
+        if opts["scheduling"] is None and worker.state.mode == "worker":
+            opts = _options.captured(opts, self._options)
+        streaming = self._options.get("num_returns") == "streaming" or (
+            self._is_generator and self._options.get("num_returns") is None
+        )
+        if streaming:
             task_id = _tpuray.submit_streaming(self._key, worker.encode_args(args, kwargs), opts)
             return ObjectRefGenerator(task_id, self._name)
         refs = _tpuray.submit(

@@ -28,6 +28,15 @@ class RuntimeContext:
     def get_actor_id(self):
         return os.environ.get("TPURAY_ACTOR_ID") or None
 
+    def is_canceled(self) -> bool:
+        """Whether ``ray.cancel`` was called on the running task or sync actor method
+        (Ray's ``is_canceled``: a sync actor method is not interrupted, it checks this).
+
+        Raises:
+            RuntimeError: in a driver or an async actor (Ray's texts).
+        """
+        return worker.is_canceled()
+
     def get_placement_group_id(self):
         """The id (hex) of the placement group the current task runs in, or None."""
         return worker.current_placement_group_id()

@@ -35,6 +35,21 @@ fn pid_then_sleep(pid_file: String, ms: u64, value: i64) -> i64 {
     value
 }
 
+/// Records its pid (and node) in `pid_file`, then spins until it is cancelled
+/// (CORE-12's cooperative form, `tpuray::is_cancelled`), at most 60 s.
+#[tpuray::remote]
+fn spin_until_cancelled(pid_file: String) -> String {
+    write_pid_file(&pid_file);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if tpuray::is_cancelled() {
+            return "saw the cancel".into();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    "never cancelled".into()
+}
+
 /// Records its pid (and node) in `pid_file`; the first attempt (no pid file yet) then
 /// sleeps `ms`, a retry returns at once. Returns `value`.
 #[tpuray::remote]
@@ -135,6 +150,50 @@ impl Journal {
     /// (node id, pid) of the process hosting the actor.
     pub fn whereabouts(&self) -> (String, u32) {
         (tpuray::node_id().unwrap_or_default(), std::process::id())
+    }
+}
+
+/// The placement group this task runs in ("" for none).
+#[tpuray::remote]
+fn my_group() -> String {
+    tpuray::current_placement_group_id().unwrap_or_default()
+}
+
+/// (its own group, its child's, its grandchild's): children are submitted with no
+/// strategy, so they run in the group only when it captures them.
+#[tpuray::remote]
+fn family_groups() -> Result<(String, String, String), String> {
+    let e = |e: tpuray::Error| e.to_string();
+    let own = tpuray::current_placement_group_id().unwrap_or_default();
+    let opts = TaskOptions::default().num_cpus(0.0);
+    let child = tpuray::get(&my_group::options(opts.clone()).remote()).map_err(e)?;
+    let grandchild = tpuray::get(&child_group::options(opts).remote()).map_err(e)?;
+    Ok((own, child, grandchild))
+}
+
+/// Its child's group (the grandchild of [`family_groups`]).
+#[tpuray::remote]
+fn child_group() -> Result<String, String> {
+    let opts = TaskOptions::default().num_cpus(0.0);
+    tpuray::get(&my_group::options(opts).remote()).map_err(|e| e.to_string())
+}
+
+/// Waits for files to appear (CORE-13's test: calls that stay unfinished).
+#[derive(Default)]
+pub struct Waiter;
+
+#[tpuray::actor]
+impl Waiter {
+    pub fn new() -> Self {
+        Waiter
+    }
+    /// Waits (at most 60 s) for `path`; returns whether it appeared.
+    pub fn wait_file(&self, path: String) -> bool {
+        wait_for_file(Path::new(&path), Duration::from_secs(60)).is_ok()
+    }
+    /// The name of the executor thread running this call (its concurrency group's).
+    pub fn thread(&self) -> String {
+        std::thread::current().name().unwrap_or_default().to_string()
     }
 }
 
@@ -324,6 +383,7 @@ fn kind(e: &Error) -> &'static str {
         Error::Decode(_) => "Decode",
         Error::Infeasible(_) => "Infeasible",
         Error::RuntimeEnvSetup { .. } => "RuntimeEnvSetup",
+        Error::PendingCallsLimitExceeded { .. } => "PendingCallsLimitExceeded",
         Error::Cluster(_) => "Cluster",
     }
 }
@@ -636,6 +696,100 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             match tpuray::get_timeout(&add::remote(40, 2), Duration::from_secs(30)) {
                 Ok(v) => say(&format!("AFTER {v} ms={}", t.elapsed().as_millis())),
                 Err(e) => print_error(&e, t),
+            }
+        }
+        // CORE-12 cooperative: cancel without force reaches a running Rust task, which
+        // sees tpuray::is_cancelled(); its get fails with Cancelled; the worker lives.
+        "cancel-cooperative" => {
+            let pid_file = arg(args, 0, "pid file")?;
+            let r = spin_until_cancelled::remote(pid_file.clone());
+            wait_for_file(Path::new(&pid_file), Duration::from_secs(30))?;
+            let t = Instant::now();
+            tpuray::cancel(&r, false)?;
+            match tpuray::get_timeout(&r, Duration::from_secs(30)) {
+                Ok(v) => say(&format!("RESULT {v}")),
+                Err(e) => print_error(&e, t),
+            }
+            let t = Instant::now();
+            match tpuray::get_timeout(&add::remote(40, 2), Duration::from_secs(30)) {
+                Ok(v) => say(&format!("AFTER {v} ms={}", t.elapsed().as_millis())),
+                Err(e) => print_error(&e, t),
+            }
+        }
+        // placement_group_capture_child_tasks for Rust tasks.
+        "capture" => {
+            let bundles = vec![tpuray::placement_group::BundleSpec::from([("CPU".into(), 2.0)])];
+            let pg = tpuray::placement_group(&bundles, "PACK")?;
+            anyhow::ensure!(pg.wait(Duration::from_secs(60))?, "group not created");
+            say(&format!("GROUP {}", pg.id()));
+            for capture in [true, false] {
+                let opts = TaskOptions {
+                    scheduling: Scheduling::placement_group(&pg, 0),
+                    capture_child_tasks: capture,
+                    ..TaskOptions::default()
+                };
+                let (own, child, grandchild) = tpuray::get_timeout(
+                    &family_groups::options(opts).remote(),
+                    Duration::from_secs(60),
+                )?;
+                say(&format!(
+                    "FAMILY capture={capture} own={own} child={child:?} grandchild={grandchild:?}"
+                ));
+            }
+        }
+        // CORE-13 and concurrency groups through the Rust actor API.
+        "pending-calls" => {
+            let go = arg(args, 0, "go file")?;
+            let mut groups = std::collections::BTreeMap::new();
+            groups.insert("io".to_string(), 2u32);
+            let mut method_groups = std::collections::BTreeMap::new();
+            method_groups.insert("wait_file".to_string(), "io".to_string());
+            let w = Waiter::options(ActorOptions {
+                num_cpus: Some(0.0),
+                max_pending_calls: 2,
+                concurrency_groups: groups.clone(),
+                method_groups,
+                ..Default::default()
+            })
+            .remote()?;
+            let first = [w.wait_file(go.clone()), w.wait_file(go.clone())];
+            say(&format!("PENDING {}", w.handle().pending_calls()));
+            let t = Instant::now();
+            match w.handle().try_call::<String>("thread", vec![], &tpuray::CallOptions::default()) {
+                Ok(_) => say("THIRD accepted"),
+                Err(e) => print_error(&e, t),
+            }
+            // The typed handle's call: a ref whose get gives the same error.
+            match tpuray::get_timeout(&w.thread(), Duration::from_secs(30)) {
+                Ok(v) => say(&format!("TYPED accepted {v}")),
+                Err(e) => say(&format!("TYPED kind={}", kind(&e))),
+            }
+            std::fs::write(&go, b"go")?;
+            let done = tpuray::get_all(&first)?;
+            say(&format!("FIRST {done:?}"));
+            say(&format!("THREAD {}", tpuray::get_timeout(&w.thread(), Duration::from_secs(30))?));
+            let io = tpuray::CallOptions { concurrency_group: "io".into(), ..Default::default() };
+            let r = w.handle().try_call::<String>("thread", vec![], &io)?;
+            say(&format!("IO {}", tpuray::get_timeout(&r, Duration::from_secs(30))?));
+            let bad =
+                tpuray::CallOptions { concurrency_group: "nope".into(), ..Default::default() };
+            let r = w.handle().try_call::<String>("thread", vec![], &bad)?;
+            match tpuray::get_timeout(&r, Duration::from_secs(30)) {
+                Ok(v) => say(&format!("UNDEFINED accepted {v}")),
+                Err(e) => say(&format!("UNDEFINED kind={} msg={e}", kind(&e))),
+            }
+            let mut wrong = std::collections::BTreeMap::new();
+            wrong.insert("thread".to_string(), "missing".to_string());
+            let created = Waiter::options(ActorOptions {
+                num_cpus: Some(0.0),
+                concurrency_groups: groups,
+                method_groups: wrong,
+                ..Default::default()
+            })
+            .remote();
+            match created {
+                Ok(_) => say("BADGROUP accepted"),
+                Err(e) => say(&format!("BADGROUP {e}")),
             }
         }
         // Waits for the go file (the test moves this binary meanwhile), then runs tasks.

@@ -2,23 +2,78 @@
 
 from __future__ import annotations
 
-_TASK_KEYS = {
-    "num_cpus", "num_gpus", "resources", "memory", "accelerator_type", "max_retries",
-    "retry_exceptions", "num_returns", "name", "scheduling_strategy", "label_selector",
-    "runtime_env", "placement_group", "placement_group_bundle_index",
-    "placement_group_capture_child_tasks", "max_calls", "_metadata", "concurrency_groups",
-    "enable_task_events",
+# Ray 2.60's keywords of ``@ray.remote``/``.options`` (``ray/_common/ray_option_utils.py``:
+# ``task_options`` and ``actor_options``), each honoured or refused by name below.
+_COMMON_KEYS = {
+    "label_selector", "fallback_strategy", "accelerator_type", "memory", "name", "num_cpus",
+    "num_gpus", "object_store_memory", "placement_group", "placement_group_bundle_index",
+    "placement_group_capture_child_tasks", "resources", "runtime_env", "scheduling_strategy",
+    "enable_task_events", "_labels",
 }
-_ACTOR_KEYS = {
-    "num_cpus", "num_gpus", "resources", "memory", "accelerator_type", "name", "namespace",
-    "lifetime", "max_restarts", "max_task_retries", "max_concurrency", "scheduling_strategy",
-    "label_selector", "get_if_exists", "runtime_env", "placement_group",
-    "placement_group_bundle_index", "placement_group_capture_child_tasks",
-    "max_pending_calls", "concurrency_groups", "_metadata", "enable_task_events",
+_TASK_KEYS = _COMMON_KEYS | {
+    "max_calls", "max_retries", "num_returns", "retry_exceptions",
+    "_generator_backpressure_num_objects", "_num_objects_per_yield",
+}
+_ACTOR_KEYS = _COMMON_KEYS | {
+    "concurrency_groups", "enable_tensor_transport", "lifetime", "max_concurrency",
+    "max_restarts", "max_task_retries", "max_pending_calls", "namespace", "get_if_exists",
+    "allow_out_of_order_execution", "_actor_generator_backpressure_num_objects",
+}
+
+# Ray options tpuray refuses, each with the values that change nothing (Ray's defaults,
+# accepted) and the reason any other value is refused (ValueError naming the option).
+_REFUSED = {
+    "object_store_memory": (
+        (None,),
+        "tpuray reserves no object store memory per task or actor (Ray 2.60 refuses it for "
+        "tasks and ignores it for actors)",
+    ),
+    "fallback_strategy": ((None, []), "fallback scheduling strategies are not implemented"),
+    "_labels": ((None, {}), "task labels for Ray's internal metrics have no tpuray counterpart"),
+    "enable_task_events": (
+        (None, True), "task events are always recorded (the dashboard and state API read them)"
+    ),
+    "_generator_backpressure_num_objects": (
+        (None, -1), "generator backpressure is not implemented: items stream as produced"
+    ),
+    "_num_objects_per_yield": ((None, 1), "every yield is one object"),
+    "enable_tensor_transport": (
+        (None, False), "tensors travel through the object store (no direct transport)"
+    ),
+    "allow_out_of_order_execution": (
+        (None, False),
+        "calls from one caller run in submission order unless max_concurrency > 1",
+    ),
+    "_actor_generator_backpressure_num_objects": (
+        (None, -1), "generator backpressure is not implemented: items stream as produced"
+    ),
+    "tensor_transport": (
+        (None, "OBJECT_STORE", "object_store"),
+        "tensors travel through the object store (no direct transport)",
+    ),
 }
 
 
-def check(options: dict, actor: bool) -> None:
+def _is_default(v, defaults) -> bool:
+    return any(v is d or (type(v) is type(d) and v == d) for d in defaults)
+
+
+def refuse_unsupported(options: dict, what: str) -> None:
+    """Raises ``ValueError`` naming the first option of ``options`` that tpuray does not
+    implement and that is given a value other than Ray's default (which changes nothing).
+    """
+    for k, v in options.items():
+        if k in _REFUSED and not _is_default(v, _REFUSED[k][0]):
+            raise ValueError(
+                f"tpuray does not support the {what} option {k}={v!r}: {_REFUSED[k][1]} "
+                "(see python-sdk/README.md)"
+            )
+
+
+def check(options: dict, actor: bool, in_options: bool = False) -> None:
+    """Ray's option checks (``validate_task_options``/``validate_actor_options``): an
+    unknown keyword, ``max_calls`` or ``concurrency_groups`` in ``.options()``, and the
+    options tpuray refuses raise ``ValueError``."""
     allowed = _ACTOR_KEYS if actor else _TASK_KEYS
     for k in options:
         if k not in allowed:
@@ -26,46 +81,43 @@ def check(options: dict, actor: bool) -> None:
             raise ValueError(
                 f"Invalid option keyword {k} for {kind}. Valid ones are {sorted(allowed)}."
             )
-    warn_unhonoured(options, "actor" if actor else "remote function")
+    if in_options and not actor and "max_calls" in options:
+        raise ValueError("Setting 'max_calls' is not supported in '.options()'.")
+    if in_options and actor and "concurrency_groups" in options:
+        raise ValueError("Setting 'concurrency_groups' is not supported in '.options()'.")
+    if not actor and options.get("object_store_memory") is not None:
+        # Ray's own refusal, its text (ray_option_utils, task_options).
+        raise ValueError("Setting 'object_store_memory' is not implemented for tasks")
+    mc = options.get("max_calls")
+    if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool) or mc < 0):
+        raise ValueError(f"max_calls must be an int >= 0 (got {mc!r})")
+    mpc = options.get("max_pending_calls")
+    if mpc is not None and (not isinstance(mpc, int) or isinstance(mpc, bool) or mpc < -1):
+        raise ValueError(f"max_pending_calls must be -1 or an int >= 0 (got {mpc!r})")
+    refuse_unsupported(options, "actor" if actor else "remote function")
 
 
-# Ray's options that tpuray takes but does not act on yet (issue 23), each with the values
-# that change nothing (Ray's defaults): any other value is named in a warning once per
-# process, so a script that relies on one is told, never silently ignored.
-_UNHONOURED = {
-    "max_calls": (None, 0),
-    "concurrency_groups": (None, {}),
-    "max_pending_calls": (None, -1),
-}
-# The same for ``@method``'s keywords (tpuray honours its ``num_returns``).
-UNHONOURED_METHOD = {
-    "concurrency_group": (None,),
-    "max_task_retries": (None,),
-    "retry_exceptions": (None,),
-    "_generator_backpressure_num_objects": (None, -1),
-    "_num_objects_per_yield": (None,),
-    "enable_task_events": (None, True),
-    "tensor_transport": (None, "OBJECT_STORE", "object_store"),
-}
-_warned: set[tuple[str, str]] = set()
+def concurrency_groups(o: dict) -> dict:
+    """``concurrency_groups`` as ``{name: max_concurrency}`` (Ray takes a dict).
 
-
-def warn_unhonoured(options: dict, what: str, table: dict = _UNHONOURED) -> None:
-    """Warns (once per option of ``what``) about each option of ``options`` in ``table``
-    whose value is not one of those that change nothing there."""
-    for k, v in options.items():
-        if k not in table or (what, k) in _warned:
-            continue
-        if any(v is d or (type(v) is type(d) and v == d) for d in table[k]):
-            continue
-        _warned.add((what, k))
-        import warnings
-
-        warnings.warn(
-            f"tpuray does not honour the {what} option {k}={v!r} yet: it is accepted for "
-            "Ray compatibility and has no effect (see python-sdk/README.md)",
-            stacklevel=4,
+    Raises:
+        TypeError / ValueError: not a dict of names to ints >= 1.
+    """
+    groups = o.get("concurrency_groups") or {}
+    if not isinstance(groups, dict):
+        raise TypeError(
+            f"concurrency_groups must be a dict of group name to max_concurrency (got {groups!r})"
         )
+    out = {}
+    for name, limit in groups.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"concurrency group names must be non-empty strings (got {name!r})")
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ValueError(
+                f"concurrency group {name!r} needs max_concurrency >= 1 (got {limit!r})"
+            )
+        out[name] = limit
+    return out
 
 
 def _resources(o: dict) -> dict:
@@ -96,7 +148,7 @@ def scheduling(o: dict):
     )
 
     s = o.get("scheduling_strategy")
-    pg = o.get("placement_group")
+    pg = o.get("placement_group", "default")
     if pg is not None and pg != "default" and s is None:
         s = PlacementGroupSchedulingStrategy(pg, o.get("placement_group_bundle_index", -1))
     if s is None or s == "DEFAULT":
@@ -119,6 +171,12 @@ def scheduling(o: dict):
     if isinstance(s, NodeAffinitySchedulingStrategy):
         return ("node", s.node_id, bool(s.soft)), {}
     if isinstance(s, NodeLabelSchedulingStrategy):
+        if s.soft:
+            raise ValueError(
+                "tpuray does not support soft label constraints "
+                f"(NodeLabelSchedulingStrategy(soft={s.soft!r})): only hard ones are "
+                "matched; use hard= or label_selector"
+            )
         return None, dict(s.hard)
     raise ValueError(f"unknown scheduling_strategy {s!r}")
 
@@ -151,17 +209,79 @@ def retry_filter(o: dict):
     return None
 
 
-def task_core_options(o: dict, default_name: str) -> dict:
+def capture_flag(o: dict) -> bool:
+    """Whether what this task or actor creates without a strategy goes to its group:
+    ``PlacementGroupSchedulingStrategy(placement_group_capture_child_tasks=...)`` or the
+    legacy option (see :func:`captured`)."""
+    from tpuray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    s = o.get("scheduling_strategy")
+    if isinstance(s, PlacementGroupSchedulingStrategy):
+        return bool(s.placement_group_capture_child_tasks)
+    return bool(o.get("placement_group_capture_child_tasks"))
+
+
+def captured(core: dict, o: dict) -> dict:
+    """``core`` (options :func:`task_core_options` or :func:`actor_core_options` made
+    from ``o``) for a call made now: inside a task or actor whose placement group
+    captures its children, a call that names no strategy (and not
+    ``placement_group=None``) goes to that group, any bundle, and captures its own
+    children in turn (Ray 2.60: ``ray/_private/utils.py``,
+    ``_configure_placement_group_based_on_context``)."""
+    if core["scheduling"] is not None or o.get("scheduling_strategy") is not None:
+        return core
+    if o.get("placement_group", "default") != "default":
+        return core
+    if o.get("placement_group_capture_child_tasks") is False:
+        return core  # opted out: Ray then schedules it outside any group
+    from tpuray._private import worker
+
+    group = worker.current_capture_group()
+    if group is None:
+        return core
+    return {**core, "scheduling": ("pg", group, -1), "capture_child_tasks": True}
+
+
+def check_num_returns(num_returns, is_generator: bool, where: str = "") -> None:
+    """Ray's ``validate_num_returns``: an int >= 0, "streaming" for a generator, or
+    None; tpuray refuses Ray's deprecated ``"dynamic"`` by name.
+
+    Raises:
+        ValueError: any other value, or "streaming" for a function that is no generator.
+    """
+    if num_returns is None:
+        return
+    if num_returns == "dynamic":
+        raise ValueError(
+            'tpuray does not support num_returns="dynamic" (deprecated in Ray 2.60): '
+            'generators stream by default; use num_returns="streaming" (or leave it unset)'
+        )
+    if num_returns == "streaming":
+        if not is_generator:
+            raise ValueError(
+                f'num_returns="streaming" is only for generator functions{where}, but the '
+                "function is not a generator"
+            )
+        return
+    if not isinstance(num_returns, int) or isinstance(num_returns, bool) or num_returns < 0:
+        raise ValueError(
+            f'num_returns must be an int >= 0 or "streaming" (got {num_returns!r})'
+        )
+
+
+def task_core_options(o: dict, default_name: str, is_generator: bool = False) -> dict:
     sched, labels = scheduling(o)
     label_selector = dict(o.get("label_selector") or {})
     label_selector.update(labels)
-    num_returns = o.get("num_returns", 1)
-    if num_returns == "dynamic":
-        raise ValueError('num_returns="dynamic" is deprecated in Ray; use num_returns="streaming"')
-    if num_returns == "streaming":
+    num_returns = o.get("num_returns")
+    check_num_returns(num_returns, is_generator)
+    if num_returns is None or num_returns == "streaming":
         num_returns = 1
-    elif not isinstance(num_returns, int) or num_returns < 0:
-        raise ValueError(f"num_returns must be an int >= 0 or \"streaming\" (got {num_returns!r})")
+    max_calls = o.get("max_calls")
+    if max_calls is None:
+        # Ray 2.60 (remote_function.py): GPU tasks default to max_calls=1, so their
+        # worker exits and gives the GPU memory back.
+        max_calls = 1 if (o.get("num_gpus") or 0) > 0 else 0
     return {
         "num_cpus": float(o.get("num_cpus", 1) if o.get("num_cpus") is not None else 1),
         "num_gpus": float(o.get("num_gpus") or 0),
@@ -173,6 +293,8 @@ def task_core_options(o: dict, default_name: str) -> dict:
         "label_selector": label_selector,
         "scheduling": sched,
         "runtime_env_hash": runtime_env_hash(o),
+        "max_calls": int(max_calls),
+        "capture_child_tasks": capture_flag(o),
     }
 
 
@@ -182,7 +304,7 @@ def _job_namespace():
     return worker.state.namespace
 
 
-def actor_core_options(o: dict, is_async: bool) -> dict:
+def actor_core_options(o: dict, is_async: bool, method_groups: dict | None = None) -> dict:
     sched, labels = scheduling(o)
     label_selector = dict(o.get("label_selector") or {})
     label_selector.update(labels)
@@ -211,4 +333,8 @@ def actor_core_options(o: dict, is_async: bool) -> dict:
         "label_selector": label_selector,
         "scheduling": sched,
         "runtime_env_hash": runtime_env_hash(o),
+        "max_pending_calls": int(-1 if o.get("max_pending_calls") is None else o["max_pending_calls"]),
+        "concurrency_groups": concurrency_groups(o),
+        "method_groups": dict(method_groups or {}),
+        "capture_child_tasks": capture_flag(o),
     }

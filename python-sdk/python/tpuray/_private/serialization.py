@@ -94,8 +94,12 @@ class ObjectRef:
 
 class ObjectRefGenerator:
     """The refs of a streaming task's items (Ray's ``ObjectRefGenerator``), in the order
-    produced: ``for ref in gen: ray.get(ref)``. ``next`` blocks until the next item exists;
-    an error the task raised is raised by the ``next`` that reaches it."""
+    produced: ``for ref in gen: ray.get(ref)``, or ``async for ref in gen`` in async
+    code. ``next`` blocks until the next item exists. When the task raises, the item
+    after the last one produced is a ref whose ``get`` raises the error, and the
+    generator then ends (Ray 2.60's streaming generators). ``ray.wait([gen])`` counts it
+    ready once its next item (or its end) is there; ``ray.cancel(gen)`` cancels the task.
+    """
 
     def __init__(self, task_id: str, name: str):
         self._task_id = task_id
@@ -113,14 +117,41 @@ class ObjectRefGenerator:
         if r is None:
             self._done = True
             raise StopIteration
-        tag, v = r
-        if tag == 1:
-            self._done = True
-            from tpuray._private import worker
-
-            worker._raise(v)
         self._next += 1
-        return ObjectRef(v)
+        return ObjectRef(r)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> ObjectRef:
+        """The next item's ref without blocking the event loop (waits on a thread)."""
+        import asyncio
+
+        if self._done:
+            raise StopAsyncIteration
+        if _tpuray.generator_ready(self._task_id, self._next):
+            r = _tpuray.next_item(self._task_id, self._name, self._next)
+        else:
+            r = await asyncio.get_running_loop().run_in_executor(
+                None, _tpuray.next_item, self._task_id, self._name, self._next
+            )
+        if r is None:
+            self._done = True
+            raise StopAsyncIteration
+        self._next += 1
+        return ObjectRef(r)
+
+    def _next_ready(self) -> bool:
+        """Whether ``next`` would return at once (an item or the end is there)."""
+        return self._done or _tpuray.generator_ready(self._task_id, self._next)
+
+    def next_ready(self) -> bool:
+        """Whether the next item is there (Ray's ``ObjectRefGenerator.next_ready``)."""
+        return self._next_ready()
+
+    def is_finished(self) -> bool:
+        """Whether every item was taken and the task ended (Ray's ``is_finished``)."""
+        return self._done
 
     def __del__(self):
         try:

@@ -24,6 +24,7 @@ from typing import Any
 from tpuray import _tpuray, exceptions
 from tpuray._private.serialization import (
     ObjectRef,
+    ObjectRefGenerator,
     deserialize,
     mapped_view,
     serialize,
@@ -500,6 +501,8 @@ def _raise(err) -> None:
         raise exceptions.ActorDiedError(f"The actor died: {message}")
     if kind == "cancelled":
         raise exceptions.TaskCancelledError(f"task {function} was cancelled")
+    if kind == "pending_calls":
+        raise exceptions.PendingCallsLimitExceeded(message)
     if kind == "timeout":
         raise exceptions.GetTimeoutError(f"Get timed out: {message}")
     if kind == "object_lost":
@@ -557,15 +560,51 @@ def put(value) -> ObjectRef:
     return ObjectRef(_tpuray.put(parts, nested))
 
 
+def _wait_with_generators(refs, num_returns, timeout):
+    """``wait`` over refs and ``ObjectRefGenerator``s (Ray 2.60 takes both): a generator
+    is ready once its next item, or its end, is there. Returns the ready positions."""
+    import time
+
+    deadline = None if timeout is None else time.monotonic() + max(timeout, 0)
+    delay = 0.001
+    while True:
+        plain = [i for i, r in enumerate(refs) if isinstance(r, ObjectRef)]
+        ready = set()
+        if plain:
+            at = _tpuray.wait([refs[i]._core for i in plain], len(plain), 0)
+            ready.update(plain[j] for j in at)
+        ready.update(
+            i for i, r in enumerate(refs) if isinstance(r, ObjectRefGenerator) and r._next_ready()
+        )
+        if len(ready) >= num_returns or (deadline is not None and time.monotonic() >= deadline):
+            return sorted(ready)[:num_returns]
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
 def wait(refs, *, num_returns=1, timeout=None, fetch_local=True):
     check_connected()
-    if isinstance(refs, ObjectRef):
-        raise TypeError("wait() expected a list of ObjectRef, got a single ObjectRef")
+    if isinstance(refs, (ObjectRef, ObjectRefGenerator)):
+        raise TypeError(
+            f"wait() expected a list of ray.ObjectRef or ray.ObjectRefGenerator, got a single "
+            f"{type(refs).__name__}"
+        )
     refs = list(refs)
     if num_returns <= 0:
         raise ValueError("Invalid number of objects to return %d." % num_returns)
     if num_returns > len(refs):
         raise ValueError("num_returns cannot be greater than the number of objects provided.")
+    if any(isinstance(r, ObjectRefGenerator) for r in refs):
+        for r in refs:
+            if not isinstance(r, (ObjectRef, ObjectRefGenerator)):
+                raise TypeError(
+                    f"wait() expected a list of ObjectRef or ObjectRefGenerator, got "
+                    f"{type(r).__name__}"
+                )
+        ready_at = _wait_with_generators(refs, num_returns, timeout)
+        ready = [refs[i] for i in ready_at]
+        taken = set(ready_at)
+        return ready, [r for i, r in enumerate(refs) if i not in taken]
     try:
         cores = [r._core for r in refs]
     except AttributeError:
@@ -591,7 +630,39 @@ def current_task_id():
 
 
 def current_placement_group_id():
-    return getattr(_task_context, "placement_group_id", None)
+    pg = getattr(_task_context, "placement_group_id", None)
+    if pg is None and runtime is not None and runtime.actor is not None:
+        return runtime.actor_pg  # an actor's method: the group the actor was placed in
+    return pg
+
+
+def current_capture_group():
+    """The placement group (hex id) that what the running task or actor creates without
+    a strategy goes to (``placement_group_capture_child_tasks``), or None."""
+    if state.mode != "worker" or runtime is None:
+        return None
+    pg = getattr(_task_context, "placement_group_id", None)
+    capture = getattr(_task_context, "capture_child_tasks", False)
+    if pg is None and runtime.actor is not None:
+        pg, capture = runtime.actor_pg, runtime.actor_capture
+    return pg if (pg and capture) else None
+
+
+def is_canceled() -> bool:
+    """Whether the task or sync actor method running on this thread was cancelled
+    (Ray's ``RuntimeContext.is_canceled``).
+
+    Raises:
+        RuntimeError: in a driver, or in an async actor (Ray's texts).
+    """
+    if state.mode != "worker":
+        raise RuntimeError(
+            f"This method is only available when the process is a worker. Current mode: {state.mode}"
+        )
+    if runtime is not None and runtime.loop is not None and runtime._wake_read >= 0:
+        raise RuntimeError("This method is not supported in an async actor.")
+    task_id = getattr(_task_context, "task_id", None)
+    return bool(task_id) and _tpuray.is_cancelled(task_id)
 
 
 #: ``_failure``'s default: the retry filter of the arguments this thread decoded last.
@@ -623,6 +694,14 @@ class WorkerRuntime:
         self._wake_read = -1
         self._async_tasks: set = set()
         self._current_task = None
+        # Cancellation (Ray's ray.cancel): the thread of each running task, and the
+        # asyncio task of each running async method, by task id.
+        self._cancel_lock = threading.Lock()
+        self._threads: dict = {}
+        self._async_by_id: dict = {}
+        # The actor's placement group (hex) and whether it captures what it creates.
+        self.actor_pg = None
+        self.actor_capture = False
 
     def _event_loop(self):
         import asyncio  # only async actors need it (and it is slow to import)
@@ -662,10 +741,10 @@ class WorkerRuntime:
             os.read(self._wake_read, 4096)
         except BlockingIOError:
             pass
-        for reply, name, num_returns, raw_args in _tpuray.take_async_calls():
-            self._start_async_call(reply, name, num_returns, raw_args)
+        for reply, name, num_returns, raw_args, task_id in _tpuray.take_async_calls():
+            self._start_async_call(reply, name, num_returns, raw_args, task_id)
 
-    def _start_async_call(self, reply, name, num_returns, raw_args) -> None:
+    def _start_async_call(self, reply, name, num_returns, raw_args, task_id="") -> None:
         # Runs on the loop thread: the coroutine starts as a task (so calls overlap) that
         # answers itself when it ends.
         retry_filter = None
@@ -683,10 +762,15 @@ class WorkerRuntime:
             reply.send(self._failure(None, e, retry_filter))
             return
         # The loop holds tasks weakly: the set keeps a waiting one alive.
-        task = self.loop.create_task(self._answer(result, reply, num_returns, retry_filter))
+        task = self.loop.create_task(
+            self._answer(result, reply, num_returns, retry_filter, task_id)
+        )
         self._async_tasks.add(task)
+        if task_id:
+            with self._cancel_lock:
+                self._async_by_id[task_id] = task
 
-    async def _answer(self, coro, reply, num_returns, retry_filter):
+    async def _answer(self, coro, reply, num_returns, retry_filter, task_id=""):
         try:
             answer = self._returns(num_returns, await coro)
         except BaseException as e:  # noqa: BLE001 - cancellation and failures alike
@@ -696,12 +780,55 @@ class WorkerRuntime:
             answer = self._failure(None, e, retry_filter)
         finally:
             self._async_tasks.discard(self._current_task())
+            if task_id:
+                with self._cancel_lock:
+                    self._async_by_id.pop(task_id, None)
         reply.send(answer)
+
+    def cancel_task(self, task_id: str) -> None:
+        """``ray.cancel`` without force reaching this worker (the core calls it): a
+        running async method's asyncio task is cancelled; a running task gets
+        ``KeyboardInterrupt`` raised in its thread (Ray's behaviour). A sync actor
+        method is not interrupted: it sees ``get_runtime_context().is_canceled()``."""
+        with self._cancel_lock:
+            task = self._async_by_id.get(task_id)
+            if task is not None and self.loop is not None:
+                self.loop.call_soon_threadsafe(task.cancel)
+                return
+            entry = self._threads.get(task_id)
+            if entry is not None and self.actor is None:
+                import ctypes
+
+                # Raised at the task's next bytecode (as Ray's, it does not cut a
+                # blocking call such as time.sleep short).
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(entry), ctypes.py_object(KeyboardInterrupt)
+                )
+
+    def _enter_task(self, task_id) -> None:
+        if task_id:
+            with self._cancel_lock:
+                self._threads[task_id] = threading.get_ident()
+
+    def _leave_task(self, task_id) -> None:
+        """Forgets the running task; a ``KeyboardInterrupt`` sent for it that has not
+        fired yet is withdrawn, so it never reaches the thread's next task."""
+        if not task_id:
+            return
+        with self._cancel_lock:
+            if self._threads.pop(task_id, None) is not None and _tpuray.is_cancelled(task_id):
+                import ctypes
+
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(threading.get_ident()), None
+                )
 
     def _run(self, info, fn, raw_args):
         _task_context.task_id = info["task_id"]
         _task_context.label = _label(info)
         _task_context.placement_group_id = info.get("placement_group_id") or None
+        _task_context.capture_child_tasks = bool(info.get("capture_child_tasks"))
+        self._enter_task(info["task_id"])
         try:
             args, kwargs = decode_args(raw_args)
             result = fn(*args, **kwargs)
@@ -715,6 +842,7 @@ class WorkerRuntime:
                 self.exit_actor()
             return self._failure(info, e)
         finally:
+            self._leave_task(info["task_id"])
             # The thread (and its thread state) serves the next task too.
             _task_context.task_id = None
             _task_context.retry_filter = None
@@ -759,6 +887,15 @@ class WorkerRuntime:
             ValueError: ``result`` does not match ``num_returns``.
             TypeError: a value cannot be pickled.
         """
+        if inspect.isgenerator(result):
+            # A generator with a fixed num_returns (Ray 2.60): each yield is one return.
+            result = list(result)
+            if len(result) != n:
+                raise ValueError(
+                    f"Task returned {len(result)} objects, but num_returns={n}."
+                )
+            if n == 1:
+                result = result[0]
         if n == 1:
             data, refs = serialize(result)
             return ("ok", [data], refs)
@@ -803,6 +940,8 @@ class WorkerRuntime:
             args, kwargs = decode_args(raw_args)
             self.actor = cls.__new__(cls)
             self.actor_id = os.environ.get("TPURAY_ACTOR_ID", "")
+            self.actor_pg = info.get("placement_group_id") or None
+            self.actor_capture = bool(info.get("capture_child_tasks"))
             init_result = self.actor.__init__(*args, **kwargs)
             if inspect.iscoroutine(init_result):
                 import asyncio
@@ -844,8 +983,15 @@ class WorkerRuntime:
             _task_context.label = _label(info)
             gen = fn(*args, **kwargs)
             if inspect.isasyncgen(gen):
-                raise TypeError("async generators are not supported for streaming yet; use a plain generator")
-            return ("ok", _Stream(self, info, iter(gen)))
+                # An async generator (an async actor's method): each item is produced on
+                # the actor's event loop, as Ray runs them.
+                return ("ok", _Stream(self, info, _AsyncItems(gen, self._event_loop())))
+            if not inspect.isgenerator(gen):
+                raise TypeError(
+                    f"{info['name']} was called as a generator (num_returns=\"streaming\") "
+                    f"but returned {type(gen).__name__}, not a generator"
+                )
+            return ("ok", _Stream(self, info, gen))
         except BaseException as e:  # noqa: BLE001
             return self._failure(info, e)
 
@@ -865,6 +1011,31 @@ class WorkerRuntime:
         return self._run(info, method, raw_args)
 
 
+class _AsyncItems:
+    """An async generator's items, each awaited on the actor's event loop from the
+    executor thread that streams them."""
+
+    def __init__(self, agen, loop):
+        self._agen = agen
+        self._loop = loop
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        import asyncio
+
+        fut = asyncio.run_coroutine_threadsafe(self._agen.__anext__(), self._loop)
+        try:
+            return fut.result()
+        except StopAsyncIteration:
+            raise StopIteration from None
+        except KeyboardInterrupt:
+            # ray.cancel reached this thread: the generator's coroutine goes too.
+            fut.cancel()
+            raise
+
+
 class _Stream:
     def __init__(self, runtime, info, it):
         self._runtime = runtime
@@ -874,6 +1045,10 @@ class _Stream:
     def next_item(self):
         _task_context.task_id = self._info["task_id"]
         _task_context.label = _label(self._info)
+        _task_context.placement_group_id = self._info.get("placement_group_id") or None
+        _task_context.capture_child_tasks = bool(self._info.get("capture_child_tasks"))
+        task_id = self._info["task_id"]
+        self._runtime._enter_task(task_id)
         try:
             value = next(self._it)
             return ("item", serialize(value)[0])
@@ -882,6 +1057,8 @@ class _Stream:
         except BaseException as e:  # noqa: BLE001
             return self._runtime._failure(self._info, e)
         finally:
+            self._runtime._leave_task(task_id)
+            _task_context.task_id = None
             _flush_output()
 
 

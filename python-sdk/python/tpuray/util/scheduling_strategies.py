@@ -52,8 +52,8 @@ def _selector(expr) -> str:
 
 
 class NodeLabelSchedulingStrategy:
-    """Run on a node whose labels match ``hard`` (``soft`` is a preference, not enforced
-    yet by tpuray)."""
+    """Run on a node whose labels match ``hard``. tpuray refuses a non-empty ``soft``
+    (Ray's preference) by name when a task or actor is submitted with it."""
 
     def __init__(self, hard: dict, *, soft: dict | None = None):
         self.hard = {k: _selector(v) for k, v in (hard or {}).items()}
