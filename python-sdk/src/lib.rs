@@ -253,6 +253,12 @@ fn process_info(py: Python<'_>) -> PyResult<Py<PyDict>> {
     Ok(d.unbind())
 }
 
+/// The head's dashboard, `http://HOST:PORT` (`""` when it serves none).
+#[pyfunction]
+fn dashboard_url(py: Python<'_>) -> PyResult<String> {
+    py.detach(raw::dashboard_url).map_err(cluster_err)
+}
+
 #[pyfunction]
 fn is_initialized() -> bool {
     raw::is_initialized()
@@ -1168,6 +1174,7 @@ fn info_dict<'py>(py: Python<'py>, t: &TaskInfo) -> PyResult<Bound<'py, PyDict>>
     d.set_item(pyo3::intern!(py, "num_returns"), t.num_returns)?;
     d.set_item(pyo3::intern!(py, "streaming"), t.streaming)?;
     d.set_item(pyo3::intern!(py, "placement_group_id"), &t.placement_group_id)?;
+    d.set_item(pyo3::intern!(py, "resources"), t.resources.clone())?;
     Ok(d)
 }
 
@@ -1498,6 +1505,7 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(process_info, m)?,
         wrap_pyfunction!(tpu_slice_shape, m)?,
         wrap_pyfunction!(is_initialized, m)?,
+        wrap_pyfunction!(dashboard_url, m)?,
         wrap_pyfunction!(metric_define, m)?,
         wrap_pyfunction!(metric_record, m)?,
         wrap_pyfunction!(metric_destination, m)?,

@@ -579,7 +579,7 @@ class _Introspective:
         ctx = ray.get_runtime_context()
         me = ctx.current_actor
         return {
-            "reconstructed": ctx.was_current_actor_reconstructed(),
+            "reconstructed": ctx.was_current_actor_reconstructed,
             "name": ctx.get_actor_name(),
             "same_actor": me._actor_id == ctx.get_actor_id(),
             "env": ctx.runtime_env.env_vars(),

@@ -163,6 +163,10 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
         };
         std::process::exit(code);
     }
+    // CORE-11: one core at a time; refused before a job is registered for nothing.
+    if crate::core::try_core().is_some() {
+        return Err(Error::Cluster("tpuray::init was already called in this process".into()));
+    }
     let address = match address.map(str::to_string).or_else(|| std::env::var("TPURAY_ADDRESS").ok()) {
         Some(a) if !a.is_empty() => a,
         _ => current_cluster_address().ok_or_else(|| {
@@ -369,6 +373,11 @@ pub fn shutdown() {
     // A driver without a node serves a store of its own (NET-3): it goes with the job.
     if core.store_address != core.agent_address {
         core.store.destroy();
+    }
+    // CORE-11: the core stops for good; a later `init` starts a new one.
+    crate::placement_group::forget_all();
+    if let Some(core) = crate::core::uninstall() {
+        core.release();
     }
 }
 
