@@ -533,8 +533,9 @@ def init(
 def _address_info(info: dict, head: str) -> dict:
     """Ray's ``address_info`` keys that tpuray has (``node_ip_address``,
     ``raylet_ip_address``, ``gcs_address``, ``address``, ``webui_url``, ``session_dir``,
-    ``metrics_export_port``, ``node_id``), plus ``job_id`` and ``worker_id``. Ray's raylet
-    and plasma socket names have no counterpart."""
+    ``metrics_export_port``, ``node_id``), plus ``job_id``, ``worker_id``,
+    ``head_address`` and ``agent_address``. Ray's raylet and plasma socket names have no
+    counterpart."""
     try:
         url = _tpuray.dashboard_url()
     except RuntimeError:
@@ -555,6 +556,9 @@ def _address_info(info: dict, head: str) -> dict:
         "node_id": info["node_id"],
         "job_id": info["job_id"],
         "worker_id": info["worker_id"],
+        # tpuray's own: the head (as given to init) and this node's agent.
+        "head_address": info["head_address"] or head,
+        "agent_address": info["agent_address"],
     }
 
 
