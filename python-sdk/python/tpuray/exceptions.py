@@ -136,6 +136,29 @@ class OwnerDiedError(ObjectLostError):
     """The object's owner died."""
 
 
+class ObjectFreedError(ObjectLostError):
+    """The object was freed explicitly (Ray's ``ObjectFreedError``)."""
+
+
+class ReferenceCountingAssertionError(ObjectLostError, AssertionError):
+    """The object was already deleted by reference counting when it was asked for: its
+    owner no longer has it (Ray's ``ReferenceCountingAssertionError``)."""
+
+
+class ObjectReconstructionFailedError(ObjectLostError):
+    """Every copy of the object was lost and it cannot be made again from lineage: the
+    task that made it has no retries left (Ray's ``ObjectReconstructionFailedError``)."""
+
+
+class ObjectFetchTimedOutError(ObjectLostError):
+    """The object could not be fetched from any node that holds it (Ray's
+    ``ObjectFetchTimedOutError``)."""
+
+
+class NodeDiedError(RayError):
+    """The node a task or actor ran on died (Ray's ``NodeDiedError``)."""
+
+
 class UserCodeException(RayError):
     """An exception raised by user code that a library ran, e.g. a ``tpuray.data`` UDF
     (Ray's ``UserCodeException``); the user's exception is its ``__cause__``."""
@@ -213,6 +236,11 @@ __all__ = [
     "GetTimeoutError",
     "ObjectLostError",
     "OwnerDiedError",
+    "ObjectFreedError",
+    "ReferenceCountingAssertionError",
+    "ObjectReconstructionFailedError",
+    "ObjectFetchTimedOutError",
+    "NodeDiedError",
     "ObjectStoreFullError",
     "OutOfMemoryError",
     "RuntimeEnvSetupError",

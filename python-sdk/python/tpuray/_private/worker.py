@@ -813,13 +813,31 @@ def _raise(err) -> None:
     if kind == "timeout":
         raise exceptions.GetTimeoutError(f"Get timed out: {message}")
     if kind == "object_lost":
-        # The core says "owner died: ..." when the object's owner process is gone.
-        owner_died = message.startswith("owner died")
-        cls = exceptions.OwnerDiedError if owner_died else exceptions.ObjectLostError
-        raise cls(f"object {function} was lost: {message}")
+        raise _object_lost_class(message)(f"object {function} was lost: {message}")
     if kind == "infeasible":
         raise exceptions.RaySchedulingError(message)
     raise exceptions.RaySystemError(message)
+
+
+#: Ray's class for each way the core reports an object lost (``sdk/src/core.rs``: the
+#: message's beginning), most specific first; anything else is ``ObjectLostError``.
+_OBJECT_LOST_CLASSES = (
+    # OWNER_DIED: the owner process is gone (a borrower's get).
+    ("owner died", exceptions.OwnerDiedError),
+    # Lost with its node, and its task has no retries left to make it again.
+    ("every copy was lost with its node and the task that made it",
+     exceptions.ObjectReconstructionFailedError),
+    # The owner's table no longer has it: reference counting freed it.
+    ("freed by its owner", exceptions.ReferenceCountingAssertionError),
+    ("its owner no longer has it", exceptions.ReferenceCountingAssertionError),
+)
+
+
+def _object_lost_class(message: str):
+    for prefix, cls in _OBJECT_LOST_CLASSES:
+        if message.startswith(prefix):
+            return cls
+    return exceptions.ObjectLostError
 
 
 _node_ips: dict = {}
