@@ -135,7 +135,7 @@ fn runtime_threads(value: Option<&str>) -> Result<usize, String> {
     }
 }
 
-/// CORE-11: the process's core worker, null before `init` and after `shutdown`. Each
+/// CORE-12: the process's core worker, null before `init` and after `shutdown`. Each
 /// installed core is leaked (`Box::leak`), so a `&'static Arc<Core>` handed out stays
 /// valid for ever: a thread still inside a call when the driver shuts down, or a ref
 /// dropped afterwards, reads a core whose runtime is stopped and whose tables are empty
@@ -148,7 +148,7 @@ static CORE: AtomicPtr<Arc<Core>> = AtomicPtr::new(std::ptr::null_mut());
 pub(crate) fn try_core() -> Option<&'static Arc<Core>> {
     let p = CORE.load(Ordering::Acquire);
     // SAFETY: a non-null pointer came from `Box::leak` in `install` and is never freed
-    // (CORE-11).
+    // (CORE-12).
     (!p.is_null()).then(|| unsafe { &*p })
 }
 
@@ -176,7 +176,7 @@ pub(crate) fn install(core: Arc<Core>) -> Result<&'static Arc<Core>, Error> {
 }
 
 /// Takes the process's core worker out (a driver's `shutdown`): later calls find none
-/// and a later `init` installs a new one (CORE-11). The caller then calls
+/// and a later `init` installs a new one (CORE-12). The caller then calls
 /// [`Core::release`] on it.
 pub(crate) fn uninstall() -> Option<&'static Arc<Core>> {
     let p = CORE.swap(std::ptr::null_mut(), Ordering::AcqRel);
@@ -858,7 +858,7 @@ impl Core {
         });
     }
 
-    /// Stops this core for good (CORE-11, after [`uninstall`]): every task on its runtime
+    /// Stops this core for good (CORE-12, after [`uninstall`]): every task on its runtime
     /// (RPC servers, the node watch, flushers, calls in flight) ends, its connections
     /// close, and its tables of objects, actors and borrows are emptied. A thread still
     /// blocked in a call on it gets an error or a value it already had; nothing it asks

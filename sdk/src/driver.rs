@@ -163,7 +163,7 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
         };
         std::process::exit(code);
     }
-    // CORE-11: one core at a time; refused before a job is registered for nothing.
+    // CORE-12: one core at a time; refused before a job is registered for nothing.
     if crate::core::try_core().is_some() {
         return Err(Error::Cluster("tpuray::init was already called in this process".into()));
     }
@@ -374,7 +374,7 @@ pub fn shutdown() {
     if core.store_address != core.agent_address {
         core.store.destroy();
     }
-    // CORE-11: the core stops for good; a later `init` starts a new one.
+    // CORE-12: the core stops for good; a later `init` starts a new one.
     crate::placement_group::forget_all();
     if let Some(core) = crate::core::uninstall() {
         core.release();

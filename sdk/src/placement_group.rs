@@ -96,7 +96,7 @@ static REMOVING: LazyLock<watch::Sender<usize>> = LazyLock::new(|| watch::channe
 static REMOVE_FAILED: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 /// Forgets this process's groups (a driver's `shutdown`, after [`flush_removals`]): the
-/// job that made them is over, and a later `init` starts with none (CORE-11).
+/// job that made them is over, and a later `init` starts with none (CORE-12).
 pub(crate) fn forget_all() {
     CREATING.lock().unwrap().clear();
     MINE.lock().unwrap().clear();

@@ -419,7 +419,7 @@ fn detached_actor_outlives_its_job_and_plain_actor_does_not() {
     assert!(out.line("ERROR ").contains("keeper-plain"), "the plain actor is gone:\n{out}");
 }
 
-/// CORE-11: a Rust driver that shuts down can `init` again in the same process (Ray's
+/// CORE-12: a Rust driver that shuts down can `init` again in the same process (Ray's
 /// `ray.init()` after `ray.shutdown()`): a new job whose tasks and actors run, the first
 /// job's actor gone with it, and `init` twice without `shutdown` still refused.
 #[test]

@@ -782,7 +782,7 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             tpuray::get(&p.append(6))?;
             say("CREATED");
         }
-        // CORE-11: shutdown then init again in one process: a new job, whose tasks and
+        // CORE-12: shutdown then init again in one process: a new job, whose tasks and
         // actors run, and the first job's (non-detached) named actor went with it.
         "reinit" => {
             let addr = arg(args, 0, "head address")?;
