@@ -128,10 +128,13 @@ async fn upload_binary(
 /// Joins the cluster at `address` (`host:port[,...]`), or at
 /// `TPURAY_ADDRESS`, or the one `tpuray start --head` left on this machine.
 /// In a worker process (started by a node agent) this runs the worker loop
-/// and exits the process instead of returning.
+/// and exits the process instead of returning. After [`shutdown`] a driver may
+/// call it again: a new core and a new job (CORE-12).
 ///
 /// # Errors
-/// [`Error::Cluster`] naming the missing address, token or head refusal.
+/// [`Error::Cluster`] naming the missing address, token or head refusal, or
+/// `tpuray::init was already called in this process` while a core is installed
+/// (call [`shutdown`] first).
 pub fn init(address: Option<&str>) -> Result<(), Error> {
     init_with(address, &DriverOptions { upload_binary: true, ..Default::default() })
 }
