@@ -671,6 +671,13 @@ fn cancel(py: Python<'_>, r: Bound<'_, PyRef>, force: bool) -> PyResult<()> {
     py.detach(|| raw::cancel(&raw, force)).map_err(cluster_err)
 }
 
+/// Frees objects this process owns (Ray's `ray._private.internal_api.free`).
+#[pyfunction]
+fn free(py: Python<'_>, refs: Vec<Bound<'_, PyRef>>) -> PyResult<()> {
+    let raws: Vec<_> = refs.iter().map(|r| r.get().inner.clone()).collect();
+    py.detach(|| raw::free(&raws)).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
 #[pyfunction]
 fn kv_get(py: Python<'_>, namespace: String, key: Vec<u8>) -> PyResult<Option<Py<PyBytes>>> {
     let v = py.detach(|| raw::kv_get(&namespace, &key)).map_err(cluster_err)?;
@@ -1506,6 +1513,7 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(tpu_slice_shape, m)?,
         wrap_pyfunction!(is_initialized, m)?,
         wrap_pyfunction!(dashboard_url, m)?,
+        wrap_pyfunction!(free, m)?,
         wrap_pyfunction!(metric_define, m)?,
         wrap_pyfunction!(metric_record, m)?,
         wrap_pyfunction!(metric_destination, m)?,

@@ -79,6 +79,9 @@ const SHALLOW_AFTER_GIVE_BACK: Duration = Duration::from_secs(1);
 /// How an `ObjectLost` error whose owner process is gone begins (Python raises
 /// `OwnerDiedError` for it).
 pub const OWNER_DIED: &str = "owner died";
+/// How the `ObjectLost` error of an object freed with [`Core::free`] begins (Python
+/// raises `ObjectFreedError` for it).
+pub const OBJECT_FREED: &str = "freed explicitly";
 
 /// Pulls of one object the owner lets run at once from one copy; later
 /// pullers wait for a copy to finish and then pull from it (a tree broadcast).
@@ -1168,6 +1171,45 @@ impl Core {
             self.on_freed(id, o);
         }
         self.objects_changed.notify_waiters();
+    }
+
+    /// Frees owned objects `ids` now, whatever refs remain (Ray's
+    /// `ray._private.internal_api.free`): their store copies are deleted on every
+    /// node and a later `get` fails with an `ObjectLost` error beginning
+    /// [`OBJECT_FREED`]. The table entries stay until their last ref goes, as usual.
+    ///
+    /// # Errors
+    /// An id this process does not own (its owner frees it), naming it.
+    pub(crate) fn free(&self, ids: &[(String, String)]) -> Result<(), Error> {
+        if let Some((id, owner)) = ids.iter().find(|(_, owner)| *owner != self.address) {
+            return Err(Error::Cluster(format!(
+                "free: object {id} is owned by the process at {owner}, not this one (only \
+                 an object's owner can free it)"
+            )));
+        }
+        let mut copies = Vec::new();
+        {
+            let mut objs = self.objects.lock().unwrap();
+            for (id, _) in ids {
+                let Some(o) = objs.get_mut(id) else { continue };
+                let failed = ObjState::Failed(pb::TaskError {
+                    kind: Kind::ObjectLost as i32,
+                    message: format!("{OBJECT_FREED} (free() was called on it)"),
+                    function_name: id.clone(),
+                    ..Default::default()
+                });
+                if let ObjState::Stored { locations, .. } = std::mem::replace(&mut o.state, failed)
+                {
+                    copies.push((id.clone(), locations));
+                }
+                o.lineage = None;
+            }
+        }
+        for (id, locations) in copies {
+            self.free_copies(id, locations);
+        }
+        self.objects_changed.notify_waiters();
+        Ok(())
     }
 
     /// An owned object was dropped from the table: delete its store copies

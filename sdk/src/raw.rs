@@ -274,6 +274,19 @@ pub fn cancel(r: &RawRef, force: bool) -> Result<(), Error> {
     c.rt.block_on(c.cancel(r.id(), force))
 }
 
+/// Frees objects this process owns now, whatever refs remain (Ray's
+/// `ray._private.internal_api.free`); a later `get` fails with `ObjectLost` beginning
+/// "freed explicitly".
+///
+/// # Errors
+/// Not initialised, or a ref owned by another process.
+pub fn free(refs: &[RawRef]) -> Result<(), Error> {
+    let c = core()?;
+    let ids: Vec<(String, String)> =
+        refs.iter().map(|r| (r.id().to_string(), r.owner().to_string())).collect();
+    c.free(&ids)
+}
+
 /// Sends a worker's output lines to its job's driver (`ReportLogs`): `batches` are
 /// (task or actor name, lines) in the order printed; the pid and this node's address
 /// go with them. Returns false when the driver takes no worker output

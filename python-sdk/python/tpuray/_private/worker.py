@@ -824,6 +824,8 @@ def _raise(err) -> None:
 _OBJECT_LOST_CLASSES = (
     # OWNER_DIED: the owner process is gone (a borrower's get).
     ("owner died", exceptions.OwnerDiedError),
+    # OBJECT_FREED: ray._private.internal_api.free freed it.
+    ("freed explicitly", exceptions.ObjectFreedError),
     # Lost with its node, and its task has no retries left to make it again.
     ("every copy was lost with its node and the task that made it",
      exceptions.ObjectReconstructionFailedError),
