@@ -276,6 +276,12 @@ fn process_info(py: Python<'_>) -> PyResult<Py<PyDict>> {
     Ok(d.unbind())
 }
 
+/// The head's dashboard, `http://HOST:PORT` (`""` when it serves none).
+#[pyfunction]
+fn dashboard_url(py: Python<'_>) -> PyResult<String> {
+    py.detach(raw::dashboard_url).map_err(cluster_err)
+}
+
 #[pyfunction]
 fn is_initialized() -> bool {
     raw::is_initialized()
@@ -749,6 +755,13 @@ fn deserialize_ref(id: String, owner: String) -> PyRef {
 fn cancel(py: Python<'_>, r: Bound<'_, PyRef>, force: bool, recursive: bool) -> PyResult<()> {
     let raw = r.get().inner.clone();
     py.detach(|| raw::cancel(&raw, force, recursive)).map_err(cancel_err)
+}
+
+/// Frees objects this process owns (Ray's `ray._private.internal_api.free`).
+#[pyfunction]
+fn free(py: Python<'_>, refs: Vec<Bound<'_, PyRef>>) -> PyResult<()> {
+    let raws: Vec<_> = refs.iter().map(|r| r.get().inner.clone()).collect();
+    py.detach(|| raw::free(&raws)).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 #[pyfunction]
@@ -1255,6 +1268,7 @@ fn info_dict<'py>(py: Python<'py>, t: &TaskInfo) -> PyResult<Bound<'py, PyDict>>
     d.set_item(pyo3::intern!(py, "streaming"), t.streaming)?;
     d.set_item(pyo3::intern!(py, "placement_group_id"), &t.placement_group_id)?;
     d.set_item(pyo3::intern!(py, "capture_child_tasks"), t.capture_child_tasks)?;
+    d.set_item(pyo3::intern!(py, "resources"), t.resources.clone())?;
     Ok(d)
 }
 
@@ -1601,6 +1615,8 @@ fn _tpuray(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(process_info, m)?,
         wrap_pyfunction!(tpu_slice_shape, m)?,
         wrap_pyfunction!(is_initialized, m)?,
+        wrap_pyfunction!(dashboard_url, m)?,
+        wrap_pyfunction!(free, m)?,
         wrap_pyfunction!(metric_define, m)?,
         wrap_pyfunction!(metric_record, m)?,
         wrap_pyfunction!(metric_destination, m)?,

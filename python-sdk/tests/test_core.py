@@ -579,7 +579,7 @@ class _Introspective:
         ctx = ray.get_runtime_context()
         me = ctx.current_actor
         return {
-            "reconstructed": ctx.was_current_actor_reconstructed(),
+            "reconstructed": ctx.was_current_actor_reconstructed,
             "name": ctx.get_actor_name(),
             "same_actor": me._actor_id == ctx.get_actor_id(),
             "env": ctx.runtime_env.env_vars(),
@@ -619,3 +619,26 @@ def test_runtime_context_of_an_actor_names_it_and_knows_a_restart():
         ray.get_runtime_context().current_actor
     assert ":" in ray.get_runtime_context().gcs_address
     ray.kill(a)
+
+
+def test_a_freed_object_raises_object_freed_error_at_get_inline_stored_or_task_made():
+    """free (Ray's older ``ray._private.internal_api.free``) drops the object whatever refs
+    remain; ``get`` then raises ObjectFreedError (an ObjectLostError), as Ray's does."""
+    import numpy as np
+
+    from tpuray._private.internal_api import free
+
+    @ray.remote
+    def big():
+        return np.zeros(1 << 20)
+
+    small, large, made = ray.put(1), ray.put(np.ones(1 << 20)), big.remote()
+    ray.get(made, timeout=60)
+    free([small, large, made])
+    for r in (small, large, made):
+        with pytest.raises(ray.exceptions.ObjectFreedError):
+            ray.get(r, timeout=60)
+    with pytest.raises(ValueError, match="local_only"):
+        free([ray.put(2)], local_only=True)
+    with pytest.raises(TypeError):
+        free([1])

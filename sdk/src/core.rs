@@ -33,7 +33,7 @@
 //! calls the blocking API (`get`, `wait`, submission) from its own threads.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -90,6 +90,9 @@ const SHALLOW_AFTER_GIVE_BACK: Duration = Duration::from_secs(1);
 /// How an `ObjectLost` error whose owner process is gone begins (Python raises
 /// `OwnerDiedError` for it).
 pub const OWNER_DIED: &str = "owner died";
+/// How the `ObjectLost` error of an object freed with [`Core::free`] begins (Python
+/// raises `ObjectFreedError` for it).
+pub const OBJECT_FREED: &str = "freed explicitly";
 
 /// Pulls of one object the owner lets run at once from one copy; later
 /// pullers wait for a copy to finish and then pull from it (a tree broadcast).
@@ -146,22 +149,53 @@ fn runtime_threads(value: Option<&str>) -> Result<usize, String> {
     }
 }
 
-static CORE: OnceLock<Arc<Core>> = OnceLock::new();
+/// CORE-14: the process's core worker, null before `init` and after `shutdown`. Each
+/// installed core is leaked (`Box::leak`), so a `&'static Arc<Core>` handed out stays
+/// valid for ever: a thread still inside a call when the driver shuts down, or a ref
+/// dropped afterwards, reads a core whose runtime is stopped and whose tables are empty
+/// ([`Core::release`]), never freed memory. A driver may `init` again after
+/// `shutdown` (Ray's `ray.init()` after `ray.shutdown()` in one process); what one
+/// stopped core keeps is a few hundred bytes of empty tables.
+static CORE: AtomicPtr<Arc<Core>> = AtomicPtr::new(std::ptr::null_mut());
 
-/// The process's core worker; `None` before `init`.
+/// The process's core worker; `None` before `init` and after `shutdown`.
 pub(crate) fn try_core() -> Option<&'static Arc<Core>> {
-    CORE.get()
+    let p = CORE.load(Ordering::Acquire);
+    // SAFETY: a non-null pointer came from `Box::leak` in `install` and is never freed
+    // (CORE-14).
+    (!p.is_null()).then(|| unsafe { &*p })
 }
 
 pub(crate) fn core() -> Result<&'static Arc<Core>, Error> {
-    CORE.get()
+    try_core()
         .ok_or_else(|| Error::Cluster("tpuray is not initialised: call tpuray::init first".into()))
 }
 
+/// Makes `core` the process's core worker.
+///
+/// # Errors
+/// [`Error::Cluster`] when one is installed already (`init` twice without `shutdown`).
 pub(crate) fn install(core: Arc<Core>) -> Result<&'static Arc<Core>, Error> {
-    CORE.set(core)
-        .map_err(|_| Error::Cluster("tpuray::init was already called in this process".into()))?;
-    Ok(CORE.get().expect("just set"))
+    let leaked: &'static mut Arc<Core> = Box::leak(Box::new(core));
+    let p: *mut Arc<Core> = leaked;
+    if CORE.compare_exchange(std::ptr::null_mut(), p, Ordering::AcqRel, Ordering::Acquire).is_err()
+    {
+        // SAFETY: `p` was never published, so this is its only reference.
+        let core = unsafe { Box::from_raw(p) };
+        // Its runtime goes with it, off any runtime thread (a runtime cannot drop there).
+        core.release();
+        return Err(Error::Cluster("tpuray::init was already called in this process".into()));
+    }
+    Ok(leaked)
+}
+
+/// Takes the process's core worker out (a driver's `shutdown`): later calls find none
+/// and a later `init` installs a new one (CORE-14). The caller then calls
+/// [`Core::release`] on it.
+pub(crate) fn uninstall() -> Option<&'static Arc<Core>> {
+    let p = CORE.swap(std::ptr::null_mut(), Ordering::AcqRel);
+    // SAFETY: as in `try_core`.
+    (!p.is_null()).then(|| unsafe { &*p })
 }
 
 /// Bytes of an object: inline in memory or mapped from a node store.
@@ -358,7 +392,9 @@ struct Running {
 }
 
 pub(crate) struct Core {
-    pub rt: tokio::runtime::Runtime,
+    /// The handle of this core's runtime (owned by `runtime` until [`Core::release`]).
+    pub rt: tokio::runtime::Handle,
+    runtime: Mutex<Option<tokio::runtime::Runtime>>,
     pub job_id: String,
     pub worker_id: String,
     pub node_id: String,
@@ -788,7 +824,8 @@ impl Core {
         fail_on_infeasible: bool,
     ) -> Self {
         Self {
-            rt,
+            rt: rt.handle().clone(),
+            runtime: Mutex::new(Some(rt)),
             job_id,
             worker_id,
             node_id,
@@ -843,6 +880,35 @@ impl Core {
                 () = stop.stop_watching.notified() => {}
             }
         });
+    }
+
+    /// Stops this core for good (CORE-14, after [`uninstall`]): every task on its runtime
+    /// (RPC servers, the node watch, flushers, calls in flight) ends, its connections
+    /// close, and its tables of objects, actors and borrows are emptied. A thread still
+    /// blocked in a call on it gets an error or a value it already had; nothing it asks
+    /// afterwards reaches the cluster.
+    pub(crate) fn release(&self) {
+        self.stop_watching_nodes();
+        let rt = self.runtime.lock().unwrap().take();
+        if let Some(rt) = rt {
+            if tokio::runtime::Handle::try_current().is_ok() {
+                // On a runtime thread a runtime cannot wait for another to stop.
+                rt.shutdown_background();
+            } else {
+                rt.shutdown_timeout(Duration::from_secs(2));
+            }
+        }
+        std::mem::take(&mut *self.objects.lock().unwrap());
+        std::mem::take(&mut *self.classes.lock().unwrap());
+        self.last_class.lock().unwrap().take();
+        std::mem::take(&mut *self.generators.lock().unwrap());
+        std::mem::take(&mut *self.actors.lock().unwrap());
+        std::mem::take(&mut *self.running.lock().unwrap());
+        std::mem::take(&mut *self.events.lock().unwrap());
+        *self.clients.lock().unwrap() = Clients::default();
+        std::mem::take(&mut *self.borrowed.lock().unwrap());
+        std::mem::take(&mut *self.borrow_queues.lock().unwrap());
+        self.objects_changed.notify_waiters();
     }
 
     /// Ends [`Core::watch_nodes`] (now, or at once when it starts later).
@@ -1126,6 +1192,45 @@ impl Core {
             self.on_freed(id, o);
         }
         self.objects_changed.notify_waiters();
+    }
+
+    /// Frees owned objects `ids` now, whatever refs remain (Ray's
+    /// `ray._private.internal_api.free`): their store copies are deleted on every
+    /// node and a later `get` fails with an `ObjectLost` error beginning
+    /// [`OBJECT_FREED`]. The table entries stay until their last ref goes, as usual.
+    ///
+    /// # Errors
+    /// An id this process does not own (its owner frees it), naming it.
+    pub(crate) fn free(&self, ids: &[(String, String)]) -> Result<(), Error> {
+        if let Some((id, owner)) = ids.iter().find(|(_, owner)| *owner != self.address) {
+            return Err(Error::Cluster(format!(
+                "free: object {id} is owned by the process at {owner}, not this one (only \
+                 an object's owner can free it)"
+            )));
+        }
+        let mut copies = Vec::new();
+        {
+            let mut objs = self.objects.lock().unwrap();
+            for (id, _) in ids {
+                let Some(o) = objs.get_mut(id) else { continue };
+                let failed = ObjState::Failed(pb::TaskError {
+                    kind: Kind::ObjectLost as i32,
+                    message: format!("{OBJECT_FREED} (free() was called on it)"),
+                    function_name: id.clone(),
+                    ..Default::default()
+                });
+                if let ObjState::Stored { locations, .. } = std::mem::replace(&mut o.state, failed)
+                {
+                    copies.push((id.clone(), locations));
+                }
+                o.lineage = None;
+            }
+        }
+        for (id, locations) in copies {
+            self.free_copies(id, locations);
+        }
+        self.objects_changed.notify_waiters();
+        Ok(())
     }
 
     /// An owned object was dropped from the table: delete its store copies
@@ -2927,6 +3032,10 @@ impl Core {
         if opts.num_gpus > 0.0 {
             resources.insert("GPU".into(), opts.num_gpus);
         }
+        // The creation task carries what the actor asked for, explicitly (Ray's
+        // `get_assigned_resources` in its methods; the head and agent account with
+        // the request's `resources`, which the placement default is added to).
+        spec.resources = resources.clone();
         let labels = tpuray_scheduler::parse_label_selector(&opts.label_selector)
             .map_err(|e| Error::Cluster(format!("label_selector: {e}")))?;
         let mut head = self.head_client().map_err(|e| Error::Cluster(e.to_string()))?;

@@ -128,10 +128,13 @@ async fn upload_binary(
 /// Joins the cluster at `address` (`host:port[,...]`), or at
 /// `TPURAY_ADDRESS`, or the one `tpuray start --head` left on this machine.
 /// In a worker process (started by a node agent) this runs the worker loop
-/// and exits the process instead of returning.
+/// and exits the process instead of returning. After [`shutdown`] a driver may
+/// call it again: a new core and a new job (CORE-14).
 ///
 /// # Errors
-/// [`Error::Cluster`] naming the missing address, token or head refusal.
+/// [`Error::Cluster`] naming the missing address, token or head refusal, or
+/// `tpuray::init was already called in this process` while a core is installed
+/// (call [`shutdown`] first).
 pub fn init(address: Option<&str>) -> Result<(), Error> {
     init_with(address, &DriverOptions { upload_binary: true, ..Default::default() })
 }
@@ -162,6 +165,10 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
             }
         };
         std::process::exit(code);
+    }
+    // CORE-14: one core at a time; refused before a job is registered for nothing.
+    if crate::core::try_core().is_some() {
+        return Err(Error::Cluster("tpuray::init was already called in this process".into()));
     }
     let address = match address.map(str::to_string).or_else(|| std::env::var("TPURAY_ADDRESS").ok()) {
         Some(a) if !a.is_empty() => a,
@@ -369,6 +376,11 @@ pub fn shutdown() {
     // A driver without a node serves a store of its own (NET-3): it goes with the job.
     if core.store_address != core.agent_address {
         core.store.destroy();
+    }
+    // CORE-14: the core stops for good; a later `init` starts a new one.
+    crate::placement_group::forget_all();
+    if let Some(core) = crate::core::uninstall() {
+        core.release();
     }
 }
 

@@ -298,6 +298,22 @@ fn inline_args(spec: &pb::TaskSpec) -> Vec<Vec<u8>> {
         .collect()
 }
 
+/// A request's resources by plain name (Ray's `parse_pg_formatted_resources_to_original`:
+/// a bundle's indexed and wildcard names both stand for the plain one), sorted.
+fn assigned_resources(request: &std::collections::HashMap<String, f64>) -> Vec<(String, f64)> {
+    let mut out = std::collections::BTreeMap::new();
+    for (k, v) in request {
+        let plain = tpuray_scheduler::bundles::parse_bundle_resource(k).map_or(k.as_str(), |b| b.0);
+        // `bundle_group_<pg>` is the group's own marker (Ray has one too), no resource
+        // of the task's.
+        if *v <= 0.0 || (plain == tpuray_scheduler::bundles::BUNDLE_MARKER && plain != k) {
+            continue;
+        }
+        out.insert(plain.to_string(), *v);
+    }
+    out.into_iter().collect()
+}
+
 fn task_info(spec: &pb::TaskSpec) -> crate::foreign::TaskInfo {
     let f = spec.function.clone().unwrap_or_default();
     crate::foreign::TaskInfo {
@@ -322,6 +338,7 @@ fn task_info(spec: &pb::TaskSpec) -> crate::foreign::TaskInfo {
         } else {
             spec.placement_group_id.clone()
         },
+        resources: assigned_resources(&spec.resources),
     }
 }
 

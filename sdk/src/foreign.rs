@@ -13,7 +13,7 @@ use crate::error::TaskFailure;
 use crate::object_ref::RawRef;
 
 /// What a runtime gets to know about the task it runs.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct TaskInfo {
     pub task_id: String,
     pub job_id: String,
@@ -36,6 +36,10 @@ pub struct TaskInfo {
     /// strategy goes to its placement group (Ray's
     /// `placement_group_capture_child_tasks`).
     pub capture_child_tasks: bool,
+    /// What the task asked for, by plain resource name (a bundle's `CPU_group_0_<pg>`
+    /// counted as `CPU`, as Ray's `get_assigned_resources` names them), zero amounts
+    /// left out.
+    pub resources: Vec<(String, f64)>,
 }
 
 /// The items of a streaming task, each a value's bytes, produced as the consumer pulls.

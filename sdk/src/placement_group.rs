@@ -95,6 +95,16 @@ static REMOVING: LazyLock<watch::Sender<usize>> = LazyLock::new(|| watch::channe
 /// Background removals that failed, for the next use to report (PG-2).
 static REMOVE_FAILED: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
+/// Forgets this process's groups (a driver's `shutdown`, after [`flush_removals`]): the
+/// job that made them is over, and a later `init` starts with none (CORE-12).
+pub(crate) fn forget_all() {
+    CREATING.lock().unwrap().clear();
+    MINE.lock().unwrap().clear();
+    UNSETTLED.lock().unwrap().clear();
+    SEEN.lock().unwrap().clear();
+    REMOVE_FAILED.lock().unwrap().clear();
+}
+
 /// Waits until the head answered the creation of group `id` if this process created it
 /// in the background (PG-1), and every removal queued so far (PG-2); the refusal's
 /// message when the creation was refused.

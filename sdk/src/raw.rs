@@ -48,6 +48,22 @@ pub fn process_info() -> Result<ProcessInfo, Error> {
     })
 }
 
+/// The head's dashboard (its HTTP server), `http://HOST:PORT`, or `""` when it serves
+/// none (Ray's `RayContext.dashboard_url`, without the scheme there).
+///
+/// # Errors
+/// [`Error::Cluster`] when not initialised or the head cannot be reached.
+pub fn dashboard_url() -> Result<String, Error> {
+    let c = core()?;
+    let mut head = c.head_client()?;
+    c.rt.block_on(async move {
+        head.get_head_info(pb::GetHeadInfoRequest {})
+            .await
+            .map(|r| r.into_inner().dashboard_url)
+            .map_err(|s| Error::Cluster(format!("the head: {}", s.message())))
+    })
+}
+
 /// Whether the core worker is running in this process.
 pub fn is_initialized() -> bool {
     crate::core::try_core().is_some()
@@ -310,6 +326,19 @@ pub fn is_cancelled(task_id: Option<&str>) -> bool {
         Some(t) => crate::executor::task_cancelled(t),
         None => crate::executor::current_task_cancelled(),
     }
+}
+
+/// Frees objects this process owns now, whatever refs remain (Ray's
+/// `ray._private.internal_api.free`); a later `get` fails with `ObjectLost` beginning
+/// "freed explicitly".
+///
+/// # Errors
+/// Not initialised, or a ref owned by another process.
+pub fn free(refs: &[RawRef]) -> Result<(), Error> {
+    let c = core()?;
+    let ids: Vec<(String, String)> =
+        refs.iter().map(|r| (r.id().to_string(), r.owner().to_string())).collect();
+    c.free(&ids)
 }
 
 /// Sends a worker's output lines to its job's driver (`ReportLogs`): `batches` are

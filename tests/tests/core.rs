@@ -475,6 +475,25 @@ fn detached_actor_outlives_its_job_and_plain_actor_does_not() {
     assert!(out.line("ERROR ").contains("keeper-plain"), "the plain actor is gone:\n{out}");
 }
 
+/// CORE-14: a Rust driver that shuts down can `init` again in the same process (Ray's
+/// `ray.init()` after `ray.shutdown()`): a new job whose tasks and actors run, the first
+/// job's actor gone with it, and `init` twice without `shutdown` still refused.
+#[test]
+fn a_driver_can_init_again_after_shutdown() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let addr = c.head_addr();
+    let out = start_driver(&c, "reinit", &[addr.as_str()]).finish(RUN);
+    out.assert_success();
+    assert!(out.line("INFO after_shutdown=").contains("not initialised"), "{out}");
+    assert_eq!(
+        out.line("RESULT "),
+        "RESULT before=4 down=false new_job=true after=42 entries=1 old_actor_found=false \
+         init_twice=Err(\"tpuray::init was already called in this process\")",
+        "{out}"
+    );
+}
+
 /// CORE-2: a ref returned by a task stays valid after the task's own copy
 /// is gone (the executor hands the caller a borrow before replying).
 #[test]

@@ -29,27 +29,41 @@ def init(address=None, **kwargs):
 
     With no address: ``TPURAY_ADDRESS`` (or ``RAY_ADDRESS``), else the cluster that
     ``tpuray start --head`` left on this machine, else a new local cluster private to this
-    driver (stopped at ``shutdown`` or exit). Keyword arguments: ``num_cpus``,
-    ``num_gpus``, ``resources``, ``object_store_memory`` (bytes; for a new local
-    cluster), ``namespace``,
-    ``runtime_env`` (the job's environment: ``working_dir``, ``py_modules``, ``pip``,
-    ``uv``, ``env_vars``, ``excludes``, ``config``, as Ray's; see ``tpuray.runtime_env``),
-    ``ignore_reinit_error``, ``log_to_driver`` (default ``RAY_LOG_TO_DRIVER``, on: lines
-    printed by the job's tasks and actors print here as ``(f pid=123) ...``, repeated
-    lines deduplicated by Ray's rules and ``RAY_DEDUP_LOGS*`` variables),
-    ``configure_logging``, ``logging_level``, ``logging_format`` (the ``tpuray`` logger, as
-    Ray configures its ``ray`` logger). Ray's other keywords (``include_dashboard``,
-    ``job_config``, ``labels``, ``_temp_dir`` ...) have no counterpart here: a warning
-    names each one given and what to use instead.
+    driver (stopped at ``shutdown`` or exit). ``init`` again after ``shutdown`` in the same
+    process connects again. Keyword arguments, Ray 2.60's: ``num_cpus``, ``num_gpus``,
+    ``resources``, ``object_store_memory`` (bytes), ``labels`` (``{str: str}``),
+    ``dashboard_host``, ``dashboard_port``, ``object_spilling_directory``, ``_temp_dir``,
+    ``_node_ip_address``, ``_memory`` (bytes), ``_metrics_export_port`` (these set up a new
+    local cluster; connecting to an existing one they are refused, as Ray refuses the
+    first five); ``namespace`` (default: an anonymous namespace of this job's own, as
+    Ray's); ``runtime_env`` (the job's environment: ``working_dir``, ``py_modules``,
+    ``pip``, ``uv``, ``env_vars``, ``excludes``, ``config``, as Ray's; see
+    ``tpuray.runtime_env``); ``job_config`` (a :class:`tpuray.job_config.JobConfig`: its
+    ``runtime_env`` and ``ray_namespace``); ``ignore_reinit_error``; ``log_to_driver``
+    (default ``RAY_LOG_TO_DRIVER``, on: lines printed by the job's tasks and actors print
+    here as ``(f pid=123) ...``, repeated lines deduplicated by Ray's rules and
+    ``RAY_DEDUP_LOGS*`` variables); ``configure_logging``, ``logging_level``,
+    ``logging_format`` (the ``tpuray`` logger, as Ray configures its ``ray`` logger);
+    ``_enable_object_reconstruction`` and ``_skip_env_hook`` (lineage reconstruction is
+    always on; tpuray runs no runtime-env hook). Refused by name, with the reason, when
+    given other than Ray's default: ``include_dashboard=False``, ``logging_config``,
+    ``enable_resource_isolation``, ``cgroup_path``, ``system_reserved_cpu``,
+    ``system_reserved_memory``, ``proxy_server_url``, ``_plasma_directory``,
+    ``_driver_object_store_memory``, ``_redis_username``, ``_redis_password``,
+    ``_system_config``, ``_tracing_startup_hook``, ``_node_name``.
 
     Returns:
-        A dict with the job, node and worker ids and addresses.
+        A ``RayContext`` (Ray's): ``address_info`` (``node_ip_address``,
+        ``gcs_address``, ``webui_url``, ``node_id``, ``job_id`` ...; also reached as
+        ``ctx["node_id"]``), ``dashboard_url``, ``python_version``, ``ray_version``,
+        ``ray_commit``; ``with tpuray.init():`` shuts down at exit.
 
     Raises:
-        RuntimeError: already initialised (unless ``ignore_reinit_error``); a keyword
-            Ray's ``init`` does not take either (``Unknown keyword argument(s): ...``).
-        ValueError: ``num_cpus``, ``num_gpus``, ``resources`` or ``object_store_memory``
-            when connecting to an existing cluster (Ray's refusal); ``local_mode=True``.
+        RuntimeError: already initialised (unless ``ignore_reinit_error``, Ray's text); a
+            keyword Ray's ``init`` does not take either (``Unknown keyword argument(s):
+            ...``); ``local_mode=True``, ``allow_multiple``, ``storage`` (Ray's refusals).
+        ValueError: a local-cluster option when connecting to an existing cluster (Ray's
+            refusal); a refused keyword, naming why.
         tpuray.exceptions.RaySystemError: the cluster could not be reached or started.
     """
     return _worker.init(address, **kwargs)
@@ -97,8 +111,16 @@ def get(object_refs, *, timeout=None):
     return _worker.get(object_refs, timeout)
 
 
-def put(value, **_kwargs) -> ObjectRef:
-    """Stores ``value`` in the object store; returns its ref."""
+def put(value, *, _owner=None) -> ObjectRef:
+    """Stores ``value`` in the object store; returns its ref.
+
+    Raises:
+        ValueError: ``_owner`` given (Ray's experimental owner actor: in tpuray the
+            process that puts an object always owns it)."""
+    if _owner is not None:
+        raise ValueError(
+            "put(_owner=...) is not supported by tpuray: the process that puts an object owns it"
+        )
     return _worker.put(value)
 
 
@@ -114,7 +136,7 @@ def kill(actor: ActorHandle, *, no_restart: bool = True) -> None:
     """Kills an actor (Ray's ``ray.kill``); with ``no_restart=False`` it may restart."""
     if not isinstance(actor, ActorHandle):
         raise ValueError(f"ray.kill() only supported for actors. Got: {type(actor)}.")
-    _worker.check_connected()
+    _worker.auto_init()
     from tpuray import _tpuray
 
     _tpuray.kill_actor(actor._actor_id, no_restart)
@@ -135,7 +157,7 @@ def cancel(object_ref, *, force: bool = False, recursive: bool = True) -> None:
     """
     from tpuray import _tpuray
 
-    _worker.check_connected()
+    _worker.auto_init()
     if isinstance(object_ref, ObjectRefGenerator):
         _tpuray.cancel_task(object_ref._task_id, force, recursive)
         return
@@ -155,7 +177,7 @@ def get_actor(name: str, namespace: str | None = None) -> ActorHandle:
     """
     from tpuray import _tpuray
 
-    _worker.check_connected()
+    _worker.auto_init()
     try:
         actor_id, cls, _ = _tpuray.get_actor(name, namespace or _worker.state.namespace)
     except RuntimeError as e:
@@ -182,6 +204,7 @@ def get_gpu_ids() -> list:
     ``ray.get_gpu_ids``)."""
     import os
 
+    _worker.auto_init()
     v = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     return [int(x) if x.isdigit() else x for x in v.split(",") if x]
 

@@ -43,6 +43,16 @@ class RayTaskError(RayError):
     def __str__(self) -> str:
         return self._message()
 
+    def __reduce__(self):
+        # Pickled with its fields (the default would call __init__ with the message
+        # alone), so an error that a task re-raises from a nested get reaches its own
+        # caller whole: as the cause's class too, at every depth (Ray's behaviour).
+        fields = (self.function_name, self.traceback_str, self.cause, self.proctitle,
+                  self.pid, self.ip)
+        if type(self) is RayTaskError:
+            return (RayTaskError, fields)
+        return (_dual_from_fields, fields)
+
     def as_instanceof_cause(self):
         """This error as an instance of a class deriving from both ``RayTaskError`` and
         the cause's class, so ``except ZeroDivisionError`` catches it."""
@@ -60,6 +70,13 @@ class RayTaskError(RayError):
             return err
         except TypeError:
             return self
+
+
+def _dual_from_fields(function_name, traceback_str, cause, proctitle, pid, ip):
+    """Unpickles an error made by ``RayTaskError.as_instanceof_cause``: the same dual
+    class again (``RayTaskError(ZeroDivisionError)``), or a plain ``RayTaskError`` when
+    the cause's class cannot be derived from."""
+    return RayTaskError(function_name, traceback_str, cause, proctitle, pid, ip).as_instanceof_cause()
 
 
 def _dual_init(err, task_error=None, cause=None):
@@ -117,6 +134,29 @@ class ObjectLostError(RayError):
 
 class OwnerDiedError(ObjectLostError):
     """The object's owner died."""
+
+
+class ObjectFreedError(ObjectLostError):
+    """The object was freed explicitly (Ray's ``ObjectFreedError``)."""
+
+
+class ReferenceCountingAssertionError(ObjectLostError, AssertionError):
+    """The object was already deleted by reference counting when it was asked for: its
+    owner no longer has it (Ray's ``ReferenceCountingAssertionError``)."""
+
+
+class ObjectReconstructionFailedError(ObjectLostError):
+    """Every copy of the object was lost and it cannot be made again from lineage: the
+    task that made it has no retries left (Ray's ``ObjectReconstructionFailedError``)."""
+
+
+class ObjectFetchTimedOutError(ObjectLostError):
+    """The object could not be fetched from any node that holds it (Ray's
+    ``ObjectFetchTimedOutError``)."""
+
+
+class NodeDiedError(RayError):
+    """The node a task or actor ran on died (Ray's ``NodeDiedError``)."""
 
 
 class UserCodeException(RayError):
@@ -196,6 +236,11 @@ __all__ = [
     "GetTimeoutError",
     "ObjectLostError",
     "OwnerDiedError",
+    "ObjectFreedError",
+    "ReferenceCountingAssertionError",
+    "ObjectReconstructionFailedError",
+    "ObjectFetchTimedOutError",
+    "NodeDiedError",
     "ObjectStoreFullError",
     "OutOfMemoryError",
     "RuntimeEnvSetupError",

@@ -936,6 +936,41 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             tpuray::get(&p.append(6))?;
             say("CREATED");
         }
+        // CORE-14: shutdown then init again in one process: a new job, whose tasks and
+        // actors run, and the first job's (non-detached) named actor went with it.
+        "reinit" => {
+            let addr = arg(args, 0, "head address")?;
+            let first = tpuray::job_id()?;
+            let a = Journal::options(ActorOptions {
+                name: Some("reinit-journal".into()),
+                ..Default::default()
+            })
+            .remote()?;
+            let before = tpuray::get(&add::remote(1, 2))? + tpuray::get(&a.append(7))? as i64;
+            tpuray::shutdown();
+            let down = tpuray::raw::is_initialized();
+            let after_shutdown = match tpuray::job_id() {
+                Ok(j) => format!("job {j}"),
+                Err(e) => format!("{e}"),
+            };
+            say(&format!("INFO after_shutdown={after_shutdown}"));
+            tpuray::init(Some(&addr))?;
+            let second = tpuray::job_id()?;
+            let after = tpuray::get(&add::remote(20, 22))?;
+            let b = Journal::options(ActorOptions {
+                name: Some("reinit-journal-2".into()),
+                ..Default::default()
+            })
+            .remote()?;
+            let entries = tpuray::get(&b.append(9))?;
+            let old_actor = tpuray::get_actor("reinit-journal", None).is_ok();
+            let twice = tpuray::init(Some(&addr)).map_err(|e| e.to_string());
+            say(&format!(
+                "RESULT before={before} down={down} new_job={} after={after} entries={entries} \
+                 old_actor_found={old_actor} init_twice={twice:?}",
+                first != second
+            ));
+        }
         "detached-use" => {
             let name = arg(args, 0, "actor name")?;
             let d = JournalHandle(tpuray::get_actor(&name, None)?);

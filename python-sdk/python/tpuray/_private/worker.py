@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 from tpuray import _tpuray, exceptions
@@ -33,6 +34,9 @@ from tpuray._private.serialization import (
 
 #: KV namespace of pickled functions and classes, keyed by content hash.
 FUNCTION_NAMESPACE = "fn"
+#: KV namespace of the module name of each exported object of a driver's script
+#: (``__main__``), keyed as ``FUNCTION_NAMESPACE`` (:func:`function_module`).
+FUNCTION_MODULE_NAMESPACE = "fn_module"
 #: KV namespace of each job's runtime record, read by node agents to start Python workers.
 JOB_RUNTIME_NAMESPACE = "job_runtime"
 
@@ -47,6 +51,8 @@ class _State:
         self.local_cluster: dict | None = None
         self.namespace = None
         self.runtime_env: dict | None = None
+        self.context = None
+        self.atexit_registered = False
 
 
 state = _State()
@@ -69,16 +75,28 @@ def _tpuray_cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
     )
 
 
-def _start_local_cluster(num_cpus, num_gpus, resources, object_store_memory=None) -> str:
+def _start_local_cluster(
+    num_cpus, num_gpus, resources, object_store_memory=None, extra_args=()
+) -> str:
     """Starts a private head (and its node) for this driver, stopped at shutdown (Ray's
-    ``ray.init()`` without an address)."""
+    ``ray.init()`` without an address). ``extra_args``: more ``tpuray start`` flags
+    (from ``init``'s ``labels``, ``dashboard_port``, ``_temp_dir`` ...); a
+    ``--temp-dir`` or ``--node-ip-address`` among them replaces the default."""
     tmp = tempfile.mkdtemp(prefix="tpuray-local-")
     env = dict(os.environ)
     env["TPURAY_REGISTRY_DIR"] = os.path.join(tmp, "registry")
     env.pop("TPURAY_ADDRESS", None)
     port = _free_port()
-    args = ["start", "--head", "--port", str(port), "--node-ip-address", "127.0.0.1",
-            "--temp-dir", os.path.join(tmp, "head")]
+    extra_args = list(extra_args)
+    ip = "127.0.0.1"
+    if "--node-ip-address" in extra_args:
+        ip = extra_args[extra_args.index("--node-ip-address") + 1]
+    args = ["start", "--head", "--port", str(port)]
+    if "--node-ip-address" not in extra_args:
+        args += ["--node-ip-address", ip]
+    if "--temp-dir" not in extra_args:
+        args += ["--temp-dir", os.path.join(tmp, "head")]
+    args += extra_args
     if num_cpus is not None:
         args += ["--num-cpus", str(num_cpus)]
     if num_gpus is not None:
@@ -93,7 +111,7 @@ def _start_local_cluster(num_cpus, num_gpus, resources, object_store_memory=None
             f"could not start a local tpuray cluster (tpuray {' '.join(args)}):\n{out.stderr}"
         )
     state.local_cluster = {"env": env, "dir": tmp, "watchdog": _fate_share(env, tmp)}
-    return f"127.0.0.1:{port}"
+    return f"{ip}:{port}"
 
 
 # The watchdog of a private cluster: it blocks on a pipe whose only write end the driver
@@ -141,65 +159,175 @@ def _stop_local_cluster() -> None:
         shutil.rmtree(lc["dir"], ignore_errors=True)
 
 
-# Ray 2.60's ``ray.init`` keywords (``ray/_private/worker.py``) that tpuray takes but has
-# no counterpart for; each is named in a warning when given (never dropped in silence).
-_RAY_INIT_WARNED = {
-    "labels": "node labels come from `tpuray start --labels`",
-    "include_dashboard": "every head serves the dashboard (`tpuray start --dashboard-port`)",
-    "dashboard_host": "set it with `tpuray start --head --dashboard-host`",
-    "dashboard_port": "set it with `tpuray start --head --dashboard-port`",
-    "job_config": "pass runtime_env= and namespace= to init() instead",
-    "logging_config": "use logging_level= and logging_format=",
+#: Ray 2.60's ``ray.init`` keywords (``ray/_private/worker.py``, ``init``: its signature,
+#: then the hidden keywords it pops from ``**kwargs``) beyond the ones :func:`init` names
+#: in its own signature, each with what tpuray does with it (:func:`_init_extras`):
+#: ``"local"`` sets up a new local cluster (``tpuray start`` flags) and is refused when
+#: connecting to an existing one; ``"refuse"`` is refused by name when given other than
+#: Ray's default; ``"ok"`` is honoured as it is (see :func:`_init_extras`).
+_RAY_INIT_EXTRAS = {
+    "labels": "local",
+    "include_dashboard": "refuse",
+    "dashboard_host": "local",
+    "dashboard_port": "local",
+    "job_config": "ok",
+    "logging_config": "refuse",
+    "enable_resource_isolation": "refuse",
+    "cgroup_path": "refuse",
+    "system_reserved_cpu": "refuse",
+    "system_reserved_memory": "refuse",
+    "proxy_server_url": "refuse",
+    "_enable_object_reconstruction": "ok",
+    "_plasma_directory": "refuse",
+    "object_spilling_directory": "local",
+    "_node_ip_address": "local",
+    "_driver_object_store_memory": "refuse",
+    "_memory": "local",
+    "_redis_username": "refuse",
+    "_redis_password": "refuse",
+    "_temp_dir": "local",
+    "_metrics_export_port": "local",
+    "_system_config": "refuse",
+    "_tracing_startup_hook": "refuse",
+    "_node_name": "refuse",
+    "_skip_env_hook": "ok",
+}
+
+#: Why each refused keyword is refused.
+_INIT_REFUSALS = {
+    "include_dashboard": "every tpuray head serves its dashboard (include_dashboard=False cannot "
+                         "be honoured; pick its port with dashboard_port=)",
+    "logging_config": "tpuray has no LoggingConfig (structured worker logs); use "
+                      "logging_level= and logging_format= for the driver's logger",
     "enable_resource_isolation": "tpuray does not manage cgroups",
     "cgroup_path": "tpuray does not manage cgroups",
     "system_reserved_cpu": "tpuray does not manage cgroups",
     "system_reserved_memory": "tpuray does not manage cgroups",
-    "_system_config": "Ray's internal settings have no tpuray counterpart",
-    "_temp_dir": "use `tpuray start --temp-dir`",
-    "_node_ip_address": "use `tpuray start --node-ip-address`",
-    "_metrics_export_port": "use `tpuray start --metrics-export-port`",
+    "proxy_server_url": "tpuray has no Ray Client proxy",
     "_plasma_directory": "the object store lives in /dev/shm",
-    "_object_spilling_directory": "spilling goes to the session directory",
     "_driver_object_store_memory": "drivers use their node's object store",
-    "_memory": "use `tpuray start --memory`",
     "_redis_username": "tpuray has no Redis",
     "_redis_password": "tpuray has no Redis",
-    "_node_name": "nodes are named by their address",
-    "_enable_object_reconstruction": "lineage reconstruction is always on",
+    "_system_config": "Ray's internal settings have no tpuray counterpart",
     "_tracing_startup_hook": "tpuray has no tracing hook",
-    "_skip_env_hook": "tpuray has no runtime-env hook",
-    "_cgroup_path": "tpuray does not manage cgroups",
-    "proxy_server_url": "tpuray has no Ray Client proxy",
+    "_node_name": "tpuray names nodes by their address",
+}
+
+#: Ray's defaults of the refused keywords: given as these, they change nothing.
+_INIT_DEFAULTS = {
+    "include_dashboard": (None, True),
+    "enable_resource_isolation": (False,),
+    "_redis_username": ("",),
+    "_redis_password": ("",),
+    "_system_config": ({},),
+}
+
+#: The ``tpuray start`` flag of each ``"local"`` keyword.
+_LOCAL_FLAGS = {
+    "labels": "--labels",
+    "dashboard_host": "--dashboard-host",
+    "dashboard_port": "--dashboard-port",
+    "object_spilling_directory": "--spill-dir",
+    "_node_ip_address": "--node-ip-address",
+    "_memory": "--memory",
+    "_temp_dir": "--temp-dir",
+    "_metrics_export_port": "--metrics-export-port",
 }
 
 
-def _check_init_keywords(kwargs: dict) -> None:
-    """Refuses keywords Ray's ``init`` does not take either (Ray: ``RuntimeError: Unknown
-    keyword argument(s)``) and ``local_mode=True`` (removed from Ray's execution paths;
-    tpuray always runs tasks in workers); warns naming each Ray keyword without a
-    tpuray counterpart."""
+def _init_extras(kwargs: dict) -> dict:
+    """Checks the keywords of :data:`_RAY_INIT_EXTRAS` given to ``init``; returns the
+    ``"local"`` ones given (name -> value) and ``job_config``.
+
+    Raises:
+        RuntimeError: a keyword Ray's ``init`` does not take either (Ray's ``Unknown
+            keyword argument(s): ...``), ``allow_multiple`` or ``storage`` (Ray's
+            refusals), ``local_mode=True`` (Ray 2.60's refusal).
+        ValueError: a refused keyword given other than Ray's default, naming why.
+        TypeError: ``_system_config`` not a dict (Ray's check).
+    """
     if kwargs.pop("local_mode", False):
-        raise ValueError(
-            "init(local_mode=True) is not supported by tpuray: tasks always run in worker "
-            "processes (Ray deprecates local mode too)"
+        raise RuntimeError(
+            "`local_mode` is no longer supported. For interactive debugging consider using "
+            "the Ray distributed debugger."
         )
-    unknown = [k for k in kwargs if k not in _RAY_INIT_WARNED]
+    if kwargs.get("allow_multiple"):
+        raise RuntimeError(
+            # Ray's message, naming its docs of the Ray Client feature it belongs to.
+            "`allow_multiple` argument is passed to `ray.init` when the ray client is not "
+            "used (https://docs.ray.io/en/releases-2.60.0/cluster/running-applications/"
+            "job-submission/ray-client.html#connect-to-multiple-ray-clusters-experimental). "
+            "Do not pass the `allow_multiple` to `ray.init` to fix the issue."
+        )
+    if kwargs.get("storage"):
+        raise RuntimeError(
+            "Cluster-wide storage configuration has been removed. The last Ray version "
+            "supporting the `storage` argument is `ray==2.47`."
+        )
+    unknown = [k for k in kwargs if k not in _RAY_INIT_EXTRAS]
     if unknown:
         raise RuntimeError(f"Unknown keyword argument(s): {', '.join(unknown)}")
-    # Ray's defaults (None, or False for its switches) change nothing; include_dashboard
-    # defaults to None, so False is a choice too.
-    given = {
-        k: v for k, v in kwargs.items()
-        if v is not None and (v is not False or k == "include_dashboard")
-    }
-    if given:
-        import warnings
+    sc = kwargs.get("_system_config")
+    if sc is not None and not isinstance(sc, dict):
+        raise TypeError("The _system_config must be a dict.")
+    local = {}
+    for k, v in kwargs.items():
+        how = _RAY_INIT_EXTRAS[k]
+        if how == "refuse":
+            if v is None or v in _INIT_DEFAULTS.get(k, ()):
+                continue
+            raise ValueError(f"tpuray.init does not support {k}={v!r}: {_INIT_REFUSALS[k]}")
+        if how == "local" and v is not None:
+            local[k] = v
+    if kwargs.get("_enable_object_reconstruction") not in (None, False, True):
+        raise TypeError("_enable_object_reconstruction must be a bool")
+    return local
 
-        warnings.warn(
-            "tpuray.init ignores "
-            + "; ".join(f"{k}= ({_RAY_INIT_WARNED[k]})" for k in given),
-            stacklevel=4,
-        )
+
+def _local_cluster_args(local: dict) -> list:
+    """``tpuray start`` flags for the ``"local"`` keywords of :data:`_RAY_INIT_EXTRAS`."""
+    args = []
+    for k, v in local.items():
+        if k == "labels":
+            if not isinstance(v, dict) or not all(
+                isinstance(a, str) and isinstance(b, str) for a, b in v.items()
+            ):
+                raise TypeError(f"labels must be a dict of str to str, got {v!r}")
+            if v:
+                args += ["--labels", ",".join(f"{a}={b}" for a, b in v.items())]
+            continue
+        if k in ("dashboard_port", "_memory", "_metrics_export_port"):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{k} must be a non-negative int, got {v!r}")
+        elif not isinstance(v, str):
+            raise TypeError(f"{k} must be a str, got {type(v).__name__}")
+        if k == "_temp_dir" and not os.path.isabs(v):
+            raise ValueError(f"_temp_dir must be an absolute path, got {v!r}")
+        args += [_LOCAL_FLAGS[k], str(v)]
+    return args
+
+
+def _job_config_fields(job_config, runtime_env, namespace):
+    """``(runtime_env, namespace)`` with a Ray ``JobConfig``'s applied: its runtime_env
+    when ``init`` names none (Ray: ``init``'s replaces the job config's), its
+    ``ray_namespace`` when ``init`` names none.
+
+    Raises:
+        TypeError: not a :class:`tpuray.job_config.JobConfig`.
+        ValueError: a field tpuray cannot honour (see ``JobConfig``).
+    """
+    if job_config is None:
+        return runtime_env, namespace
+    from tpuray.job_config import JobConfig
+
+    if not isinstance(job_config, JobConfig):
+        raise TypeError(f"job_config must be a JobConfig, got {type(job_config).__name__}")
+    job_config._check_supported()
+    if runtime_env is None and job_config.runtime_env:
+        runtime_env = dict(job_config.runtime_env)
+    if namespace is None:
+        namespace = job_config.ray_namespace
+    return runtime_env, namespace
 
 
 def _configure_logging(level, fmt) -> None:
@@ -268,10 +396,18 @@ def init(
     logging_format=None,
     **kwargs,
 ):
-    """Connects this process to a cluster as a driver (see :func:`tpuray.init`)."""
-    _check_init_keywords(kwargs)
+    """Connects this process to a cluster as a driver (see :func:`tpuray.init`); returns
+    a :class:`RayContext`."""
+    job_config = kwargs.get("job_config")
+    local = _init_extras(kwargs)
+    runtime_env, namespace = _job_config_fields(job_config, runtime_env, namespace)
     if configure_logging:
         _configure_logging(logging_level, logging_format)
+    else:
+        # Ray: configure_logging=False clears the handlers of its logger.
+        import logging
+
+        logging.getLogger("tpuray").handlers.clear()
     if isinstance(address, str) and address.startswith(("http://", "https://")):
         raise ValueError(
             f"{address} is an HTTP address (the dashboard's Jobs and state APIs); init() joins a "
@@ -286,17 +422,16 @@ def init(
     with state.lock:
         if state.connected:
             if ignore_reinit_error:
-                return state.info
+                import logging
+
+                logging.getLogger("tpuray").info(
+                    "Calling ray.init() again after it has already been called."
+                )
+                return state.context
             raise RuntimeError(
-                "Maybe you called tpuray.init twice by accident? This error can be "
-                "suppressed by passing in 'ignore_reinit_error=True'."
-            )
-        if _tpuray.is_initialized():
-            # The core starts once per process; say so before starting a cluster that
-            # nothing would then stop.
-            raise RuntimeError(
-                "tpuray.init was already called in this process and shut down: the core "
-                "worker starts once per process (start a new process for a new driver)"
+                "Maybe you called ray.init twice by accident? This error can be suppressed "
+                "by passing in 'ignore_reinit_error=True' or by calling 'ray.shutdown()' "
+                "prior to 'ray.init()'."
             )
         if address in ("local",):
             address = None
@@ -309,12 +444,33 @@ def init(
                 num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
                 object_store_memory=object_store_memory,
             )
+            if "labels" in local:
+                raise ValueError(
+                    "When connecting to an existing cluster, labels must not be provided."
+                )
+            if local:
+                k = next(iter(local))
+                raise ValueError(
+                    f"When connecting to an existing cluster, {k} must not be provided (it "
+                    f"sets up a new local cluster; give `tpuray start {_LOCAL_FLAGS[k]}` "
+                    "to the cluster's own nodes)"
+                )
         else:
-            address = _start_local_cluster(num_cpus, num_gpus, resources, object_store_memory)
+            address = _start_local_cluster(
+                num_cpus, num_gpus, resources, object_store_memory, _local_cluster_args(local)
+            )
         # A private cluster keeps its own process registry, which lists its node.
         registry = (state.local_cluster or {}).get("env", {}).get("TPURAY_REGISTRY_DIR")
         if log_to_driver is not None and not isinstance(log_to_driver, bool):
             raise TypeError(f"log_to_driver must be a bool, got {type(log_to_driver).__name__}")
+        if namespace is None:
+            # Ray: a job given no namespace gets an anonymous one of its own, so two such
+            # drivers never see each other's named actors.
+            import uuid
+
+            namespace = str(uuid.uuid4())
+        elif not isinstance(namespace, str) or not namespace:
+            raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
         try:
             info = _tpuray.init_driver(address, namespace, registry)
         except BaseException:
@@ -329,6 +485,12 @@ def init(
         state.connected = True
         state.mode = "driver"
         state.namespace = namespace
+        # Functions and classes exported to an earlier cluster (before a shutdown) go to
+        # this one too: RemoteFunction and ActorClass keep the keys they got.
+        for key, data in _exported_data.items():
+            _tpuray.kv_put(FUNCTION_NAMESPACE, key.encode(), data, False)
+        for key, module in _exported_modules.items():
+            _tpuray.kv_put(FUNCTION_MODULE_NAMESPACE, key.encode(), module.encode(), False)
         from tpuray._private import runtime_env as _rt
 
         job_env = _rt.upload(_rt.validate(runtime_env, job=True))
@@ -347,7 +509,7 @@ def init(
             # namespace, as Ray's do.
             "env_vars": {
                 **dict(job_env.get("env_vars") or {}),
-                **({"TPURAY_NAMESPACE": namespace} if namespace else {}),
+                "TPURAY_NAMESPACE": namespace,
             },
             "runtime_env": job_env,
         }
@@ -362,13 +524,94 @@ def init(
                 _tpuray.prestart_workers(os.cpu_count() or 1)
             except RuntimeError:
                 pass
-        atexit.register(shutdown)
-        return state.info
+        if not state.atexit_registered:
+            atexit.register(shutdown)
+            state.atexit_registered = True
+        state.context = RayContext(_address_info(info, address))
+        return state.context
+
+
+def _address_info(info: dict, head: str) -> dict:
+    """Ray's ``address_info`` keys that tpuray has (``node_ip_address``,
+    ``raylet_ip_address``, ``gcs_address``, ``address``, ``webui_url``, ``session_dir``,
+    ``metrics_export_port``, ``node_id``), plus ``job_id``, ``worker_id``,
+    ``head_address`` and ``agent_address``. Ray's raylet and plasma socket names have no
+    counterpart."""
+    try:
+        url = _tpuray.dashboard_url()
+    except RuntimeError:
+        url = ""
+    ip = info["agent_address"].rpartition(":")[0]
+    node = {}
+    try:
+        node = next((n for n in _tpuray.nodes() if n["NodeID"] == info["node_id"]), {})
+    except RuntimeError:
+        pass
+    return {
+        "node_ip_address": ip,
+        "raylet_ip_address": ip,
+        "gcs_address": info["head_address"] or head,
+        "address": info["head_address"] or head,
+        "webui_url": url.split("://", 1)[-1] if url else None,
+        "metrics_export_port": node.get("MetricsExportPort"),
+        "node_id": info["node_id"],
+        "job_id": info["job_id"],
+        "worker_id": info["worker_id"],
+        # tpuray's own: the head (as given to init) and this node's agent.
+        "head_address": info["head_address"] or head,
+        "agent_address": info["agent_address"],
+    }
+
+
+class RayContext(Mapping):
+    """What ``init`` returns (Ray's ``ray._private.worker.RayContext``): a mapping of
+    :attr:`address_info` (Ray keeps ``ctx["key"]`` working, deprecated), with
+    ``dashboard_url`` (``HOST:PORT``, no scheme, as Ray's; None when the head serves no
+    dashboard), ``python_version``, ``ray_version`` (tpuray's version), ``ray_commit``
+    and ``address_info``. As a context manager (``with tpuray.init():``) it shuts down at
+    exit; ``disconnect()`` shuts down too."""
+
+    def __init__(self, address_info: dict):
+        from tpuray._tpuray import __version__
+
+        self.address_info = address_info
+        self.dashboard_url = address_info.get("webui_url")
+        self.python_version = "{}.{}.{}".format(*sys.version_info[:3])
+        self.ray_version = __version__
+        # tpuray's wheels carry no commit id: "" (Ray's own dev builds say
+        # "{{RAY_COMMIT_SHA}}").
+        self.ray_commit = ""
+
+    def __getitem__(self, key):
+        return self.address_info[key]
+
+    def __len__(self) -> int:
+        return len(self.address_info)
+
+    def __iter__(self):
+        return iter(self.address_info)
+
+    def __enter__(self) -> "RayContext":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        shutdown()
+
+    def disconnect(self) -> None:
+        shutdown()
+
+    def __repr__(self) -> str:
+        return (
+            f"RayContext(dashboard_url={self.dashboard_url!r}, python_version="
+            f"{self.python_version!r}, ray_version={self.ray_version!r}, "
+            f"ray_commit={self.ray_commit!r})"
+        )
 
 
 def shutdown() -> None:
     """Disconnects; the job's non-detached actors and groups end (and a local cluster
-    started by ``init`` stops)."""
+    started by ``init`` stops). A later ``init`` connects again (Ray's ``ray.init()``
+    after ``ray.shutdown()``)."""
     with state.lock:
         if not state.connected:
             return
@@ -376,6 +619,13 @@ def shutdown() -> None:
         if state.mode == "driver":
             _tpuray.shutdown()
             _stop_local_cluster()
+            state.info = {}
+            state.exported = set()
+            state.namespace = None
+            state.runtime_env = None
+            state.context = None
+            state.mode = None
+            _node_ips.clear()
 
 
 def is_initialized() -> bool:
@@ -389,14 +639,36 @@ def check_connected() -> None:
         )
 
 
+#: Ray's ``RAY_ENABLE_AUTO_CONNECT`` (``ray/_private/auto_init_hook.py``): ``"0"`` turns
+#: auto-init off (calls then raise as not connected).
+_AUTO_CONNECT = os.environ.get("RAY_ENABLE_AUTO_CONNECT", "") != "0"
+
+
 def auto_init() -> None:
-    if not state.connected:
-        init()
+    """Ray's ``auto_init_ray``: the calls Ray wraps with it (``get``, ``put``, ``wait``,
+    ``cancel``, ``kill``, ``get_actor``, ``get_gpu_ids``, ``get_runtime_context``,
+    ``.remote()`` of functions, classes and actor methods, ``placement_group``) start or
+    join a cluster as ``init()`` with no arguments does when none is connected."""
+    if state.connected:
+        return
+    if not _AUTO_CONNECT:
+        check_connected()
+    with _auto_init_lock:
+        if not state.connected:
+            init()
+
+
+_auto_init_lock = threading.Lock()
 
 
 # ---- the function table ----
 
 _local_functions: dict[str, Any] = {}
+#: A driver's exported functions and classes, pickled, by key: a later ``init`` (after a
+#: ``shutdown``) puts them in the new cluster's function table too.
+_exported_data: dict[str, bytes] = {}
+#: ``FUNCTION_MODULE_NAMESPACE`` entries this driver wrote, for a later ``init`` too.
+_exported_modules: dict[str, str] = {}
 
 
 def export(obj) -> str:
@@ -408,7 +680,45 @@ def export(obj) -> str:
         _tpuray.kv_put(FUNCTION_NAMESPACE, key.encode(), data, False)
         state.exported.add(key)
         _local_functions[key] = obj
+        if state.mode == "driver":
+            _exported_data[key] = data
+        main_module = _main_module_name(obj)
+        if main_module:
+            _tpuray.kv_put(FUNCTION_MODULE_NAMESPACE, key.encode(), main_module.encode(), False)
+            if state.mode == "driver":
+                _exported_modules[key] = main_module
     return key
+
+
+def _main_module_name(obj):
+    """For a function or class of the script being run (``__main__``), the module name
+    its file would import as (Ray's function descriptors name ``__main__``'s objects so:
+    ``script.f`` for ``python script.py``); None otherwise."""
+    if getattr(obj, "__module__", None) != "__main__":
+        return None
+    try:
+        return inspect.getmodulename(inspect.getfile(obj))
+    except (TypeError, OSError):
+        return None
+
+
+_module_names: dict = {}
+
+
+def function_module(key: str, obj) -> str:
+    """The module an exported function or class is named under (Ray's
+    ``get_task_function_name``): its own ``__module__``, or for one of the driver's
+    script the script's module name, which the driver recorded at export."""
+    module = getattr(obj, "__module__", None) or ""
+    if module != "__main__":
+        return module
+    if key not in _module_names:
+        name = _exported_modules.get(key)
+        if name is None:
+            raw = _tpuray.kv_get(FUNCTION_MODULE_NAMESPACE, key.encode())
+            name = raw.decode() if raw else module
+        _module_names[key] = name
+    return _module_names[key]
 
 
 def load_function(key: str):
@@ -506,13 +816,33 @@ def _raise(err) -> None:
     if kind == "timeout":
         raise exceptions.GetTimeoutError(f"Get timed out: {message}")
     if kind == "object_lost":
-        # The core says "owner died: ..." when the object's owner process is gone.
-        owner_died = message.startswith("owner died")
-        cls = exceptions.OwnerDiedError if owner_died else exceptions.ObjectLostError
-        raise cls(f"object {function} was lost: {message}")
+        raise _object_lost_class(message)(f"object {function} was lost: {message}")
     if kind == "infeasible":
         raise exceptions.RaySchedulingError(message)
     raise exceptions.RaySystemError(message)
+
+
+#: Ray's class for each way the core reports an object lost (``sdk/src/core.rs``: the
+#: message's beginning), most specific first; anything else is ``ObjectLostError``.
+_OBJECT_LOST_CLASSES = (
+    # OWNER_DIED: the owner process is gone (a borrower's get).
+    ("owner died", exceptions.OwnerDiedError),
+    # OBJECT_FREED: ray._private.internal_api.free freed it.
+    ("freed explicitly", exceptions.ObjectFreedError),
+    # Lost with its node, and its task has no retries left to make it again.
+    ("every copy was lost with its node and the task that made it",
+     exceptions.ObjectReconstructionFailedError),
+    # The owner's table no longer has it: reference counting freed it.
+    ("freed by its owner", exceptions.ReferenceCountingAssertionError),
+    ("its owner no longer has it", exceptions.ReferenceCountingAssertionError),
+)
+
+
+def _object_lost_class(message: str):
+    for prefix, cls in _OBJECT_LOST_CLASSES:
+        if message.startswith(prefix):
+            return cls
+    return exceptions.ObjectLostError
 
 
 _node_ips: dict = {}
@@ -532,7 +862,7 @@ def _node_ip(node_id: str) -> str:
 
 
 def get(refs, timeout=None):
-    check_connected()
+    auto_init()
     single = isinstance(refs, ObjectRef)
     items = [refs] if single else list(refs)
     for r in items:
@@ -553,7 +883,7 @@ def get(refs, timeout=None):
 
 
 def put(value) -> ObjectRef:
-    check_connected()
+    auto_init()
     if isinstance(value, ObjectRef):
         raise TypeError("Calling 'put' on an ObjectRef is not allowed")
     parts, nested = serialize_parts(value)
@@ -583,7 +913,7 @@ def _wait_with_generators(refs, num_returns, timeout):
 
 
 def wait(refs, *, num_returns=1, timeout=None, fetch_local=True):
-    check_connected()
+    auto_init()
     if isinstance(refs, (ObjectRef, ObjectRefGenerator)):
         raise TypeError(
             f"wait() expected a list of ray.ObjectRef or ray.ObjectRefGenerator, got a single "
@@ -665,6 +995,14 @@ def is_canceled() -> bool:
     return bool(task_id) and _tpuray.is_cancelled(task_id)
 
 
+def current_task_info():
+    """The info dict (``tpuray::foreign::TaskInfo``) of the task this thread runs, or
+    None (a driver, or between tasks)."""
+    if getattr(_task_context, "task_id", None) is None:
+        return None
+    return getattr(_task_context, "info", None)
+
+
 #: ``_failure``'s default: the retry filter of the arguments this thread decoded last.
 _FROM_CONTEXT = object()
 
@@ -689,6 +1027,7 @@ class WorkerRuntime:
     def __init__(self):
         self.actor = None
         self.actor_id = ""
+        self.actor_resources: list = []
         self.loop = None
         self.loop_lock = threading.Lock()
         self._wake_read = -1
@@ -829,6 +1168,7 @@ class WorkerRuntime:
         _task_context.placement_group_id = info.get("placement_group_id") or None
         _task_context.capture_child_tasks = bool(info.get("capture_child_tasks"))
         self._enter_task(info["task_id"])
+        _task_context.info = info
         try:
             args, kwargs = decode_args(raw_args)
             result = fn(*args, **kwargs)
@@ -934,6 +1274,11 @@ class WorkerRuntime:
     def create_actor(self, info, raw_args):
         _task_context.task_id = info["task_id"]
         _task_context.label = info["class_name"]
+        _task_context.info = info
+        # An actor's methods hold what its creation asked for (Ray: the actor's
+        # resources, {} for an actor given none).
+        self.actor_resources = info.get("resources") or []
+        self.actor_key = info["function"]
         _ActorLabel.name = info["class_name"]
         try:
             cls = load_function(info["function"])
@@ -981,6 +1326,7 @@ class WorkerRuntime:
             args, kwargs = decode_args(raw_args)
             _task_context.task_id = info["task_id"]
             _task_context.label = _label(info)
+            _task_context.info = info
             gen = fn(*args, **kwargs)
             if inspect.isasyncgen(gen):
                 # An async generator (an async actor's method): each item is produced on
@@ -1047,6 +1393,7 @@ class _Stream:
         _task_context.label = _label(self._info)
         _task_context.placement_group_id = self._info.get("placement_group_id") or None
         _task_context.capture_child_tasks = bool(self._info.get("capture_child_tasks"))
+        _task_context.info = self._info
         task_id = self._info["task_id"]
         self._runtime._enter_task(task_id)
         try:
