@@ -17,6 +17,7 @@ mod procs;
 mod serve;
 mod show;
 pub mod timeline;
+pub mod tls;
 
 use clap::Parser;
 
