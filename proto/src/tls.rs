@@ -503,6 +503,80 @@ impl axum::serve::Listener for HttpsListener {
     }
 }
 
+/// A client connection to an HTTP server: plain TCP, or TLS over it (for the CLI's
+/// Jobs, state and log clients; not a hot path).
+pub enum ClientStream {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl ClientStream {
+    /// Over `tcp` to `host` (the name the server's certificate must hold): TLS with
+    /// `tls`'s HTTP/1.1 client identity, or plain without one.
+    ///
+    /// # Errors
+    /// The handshake's failure, its reason in words (TLS-4).
+    pub async fn connect(tcp: TcpStream, host: &str, tls: Option<&Tls>) -> Result<Self, String> {
+        let Some(t) = tls else { return Ok(ClientStream::Plain(tcp)) };
+        let name = ServerName::try_from(host.to_string())
+            .map_err(|e| format!("{host:?} is not a host name for TLS: {e}"))?;
+        match tokio::time::timeout(HANDSHAKE_TIMEOUT, t.http_connector().connect(name, tcp)).await {
+            Ok(Ok(s)) => Ok(ClientStream::Tls(Box::new(s))),
+            Ok(Err(e)) => Err(format!(
+                "TLS handshake failed: {}",
+                explain_chain(&e, "the server").unwrap_or_else(|| e.to_string())
+            )),
+            Err(_) => Err(format!("no TLS handshake within {HANDSHAKE_TIMEOUT:?}")),
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for ClientStream {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            ClientStream::Plain(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+            ClientStream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for ClientStream {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            ClientStream::Plain(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+            ClientStream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            ClientStream::Plain(s) => std::pin::Pin::new(s).poll_flush(cx),
+            ClientStream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            ClientStream::Plain(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+            ClientStream::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
 /// What a server speaks, as [`probe`] finds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Speaks {
