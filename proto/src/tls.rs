@@ -59,6 +59,8 @@ pub enum TlsError {
     Read { what: &'static str, path: PathBuf, source: std::io::Error },
     #[error("the TLS {what} {path} is not valid: {detail}")]
     Bad { what: &'static str, path: PathBuf, detail: String },
+    #[error("this process already uses {0}")]
+    AlreadySet(String),
 }
 
 /// Where a process's TLS identity lives.
@@ -288,10 +290,10 @@ pub fn install(files: Option<&TlsFiles>) -> Result<(), TlsError> {
         Err(_) => None,
     };
     if now != wanted {
-        return Err(TlsError::Incomplete(format!(
-            "this process already uses {} TLS identity ",
-            if now.is_some() { "another" } else { "no" }
-        )));
+        return Err(TlsError::AlreadySet(match now {
+            Some(f) => format!("the TLS identity of {}", f.cert.display()),
+            None => "no TLS identity (plain)".into(),
+        }));
     }
     Ok(())
 }
