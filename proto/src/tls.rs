@@ -328,19 +328,15 @@ pub fn explain(e: &rustls::Error, peer: &str) -> String {
     use rustls::{AlertDescription as A, CertificateError as C, Error as E};
     match e {
         E::InvalidCertificate(c) => match c {
-            C::UnknownIssuer | C::BadSignature | C::InvalidPurpose | C::NotValidForName => {
-                match c {
-                    C::UnknownIssuer | C::BadSignature => format!(
-                        "{peer}'s certificate is not signed by this cluster's CA ({CA_ENV} / --tls-ca)"
-                    ),
-                    C::InvalidPurpose => format!(
-                        "{peer}'s certificate is not for this use (it needs both the serverAuth and clientAuth extended key usages; make it with `tpuray tls make-cert`)"
-                    ),
-                    _ => format!(
-                        "{peer}'s certificate does not name the address dialled (make it with `tpuray tls make-cert --host` naming every host name and IP it is reached by)"
-                    ),
-                }
-            }
+            C::UnknownIssuer | C::BadSignature => format!(
+                "{peer}'s certificate is not signed by this cluster's CA ({CA_ENV} / --tls-ca)"
+            ),
+            C::InvalidPurpose | C::InvalidPurposeContext { .. } => format!(
+                "{peer}'s certificate is not for this use (it needs both the serverAuth and clientAuth extended key usages; make it with `tpuray tls make-cert`)"
+            ),
+            C::NotValidForName => format!(
+                "{peer}'s certificate does not name the address dialled (make it with `tpuray tls make-cert --host` naming every host name and IP it is reached by)"
+            ),
             C::Expired | C::ExpiredContext { .. } => {
                 format!("{peer}'s certificate has expired ({c})")
             }

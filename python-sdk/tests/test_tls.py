@@ -5,6 +5,7 @@ naming the mismatch."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -51,8 +52,6 @@ def _cli(args, env):
 @pytest.fixture
 def tls_cluster(tmp_path):
     ca, node = tmp_path / "ca", tmp_path / "node"
-    import os
-
     env = dict(os.environ)
     r = _cli(["tls", "make-ca", "--out", str(ca)], env)
     assert r.returncode == 0, r.stderr
