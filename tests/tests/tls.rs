@@ -225,6 +225,17 @@ fn a_tls_head_refuses_other_cas_expired_certificates_and_plain_nodes_naming_why(
     let node = c.add_node(&["--num-cpus", "1"]);
     assert_ne!(node.node_id, head.node_id);
     assert!(c.status().contains("2 alive"), "{}", c.status());
+    // The Jobs API over HTTPS (the head names its https:// dashboard), token on top.
+    let addr = c.head_addr();
+    let jobs = c.cli_ok(&["job", "list", "--address", &addr]);
+    assert!(jobs.contains("https://127.0.0.1:"), "{jobs}");
+    let mut plain_cli = c.command(&["job", "list", "--address", &addr]);
+    plain_cli
+        .env_remove("TPURAY_TLS_CERT")
+        .env_remove("TPURAY_TLS_KEY")
+        .env_remove("TPURAY_TLS_CA");
+    let out = text(&output_within(plain_cli, CLI_TIMEOUT));
+    assert!(out.contains("TLS mismatch") && out.contains("this process is plain"), "{out}");
 
     // Another CA: the node refuses the head's certificate, the head the node's.
     let other_ca = make_ca(&d.path().join("other-ca"));

@@ -221,11 +221,15 @@ pub async fn dashboard_of_head(head: &str, token: Option<&str>) -> Result<HttpAd
         .await
         .map_err(|s| JobError::Connect {
             address: head.to_string(),
-            reason: format!(
-                "the head did not answer GetHeadInfo ({:?}: {}); if this is the dashboard's port, pass http://{head}",
-                s.code(),
-                s.message()
-            ),
+            // TLS-3/TLS-4: a TLS mismatch or a refused certificate is named as such.
+            reason: match tpuray_proto::tls::why_failed(head, "head", &s) {
+                Some(why) => why,
+                None => format!(
+                    "the head did not answer GetHeadInfo ({:?}: {}); if this is the dashboard's port, pass http://{head}",
+                    s.code(),
+                    s.message()
+                ),
+            },
         })?
         .into_inner();
     if info.dashboard_url.is_empty() {
