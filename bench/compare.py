@@ -9,6 +9,7 @@ tpuray runs measure.
     bench/compare.py                 # 3 rounds, every case (about an hour on 2 cores)
     bench/compare.py --quick         # 1 round, 7 cheap cases, short trials
     bench/compare.py --rounds 1 --warmup-sleep 1
+    bench/compare.py --skip-ray --tls --cases '1:1 actor calls sync|single client tasks sync'
 
 Ray comes from PyPI into its own virtual environment (RAY_VENV, default
 bench/.ray-venv, `ray==RAY_VERSION`, default 2.60.0). tpuray is a release build of
@@ -21,6 +22,11 @@ Ray's cases run through `ray._private.ray_perf.main()`, the function behind
 `ray microbenchmark`, with its Ray Client cases left out (tpuray has none) and
 Ray's 10 s idle pause before each case set by --warmup-sleep (the same for all
 three). Every run's output is kept in a folder printed at the end.
+
+--tls runs the tpuray clusters with mutual TLS (README "Mutual TLS"): a throwaway CA
+and a certificate for this machine are made with `tpuray tls make-ca/make-cert` in the
+output folder and given to every tpuray process as TPURAY_TLS_CERT, TPURAY_TLS_KEY and
+TPURAY_TLS_CA (the Ray column is unchanged: Ray runs without TLS).
 """
 
 from __future__ import annotations
@@ -241,6 +247,8 @@ def main() -> int:
                     help="the tpuray CLI for the --rust run (default: the venv's python -m tpuray)")
     ap.add_argument("--skip-ray", action="store_true", help="tpuray runs only (no Ray column)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    ap.add_argument("--tls", action="store_true",
+                    help="run tpuray with mutual TLS (a throwaway CA and certificate)")
     a = ap.parse_args()
     rounds = a.rounds or (1 if a.quick else 3)
     pause = a.warmup_sleep if a.warmup_sleep is not None else (0.0 if a.quick else 10.0)
@@ -265,6 +273,14 @@ def main() -> int:
         ray_env.update(CMP_TRIALS="1", CMP_TRIAL_S="0.5")
 
     outdir = Path(tempfile.mkdtemp(prefix="tpuray-compare-"))
+    if a.tls:
+        for args in (["tls", "make-ca", "--out", str(outdir / "ca")],
+                     ["tls", "make-cert", "--ca", str(outdir / "ca"), "--host", "localhost",
+                      "--out", str(outdir / "cert")]):
+            subprocess.run(tpuray + args, env=env, check=True, stdout=subprocess.DEVNULL)
+        env = dict(env, TPURAY_TLS_CERT=str(outdir / "cert" / "cert.pem"),
+                   TPURAY_TLS_KEY=str(outdir / "cert" / "key.pem"),
+                   TPURAY_TLS_CA=str(outdir / "ca" / "ca.pem"))
     results: dict[str, dict[str, list[float]]] = {"ray": {}, "py": {}, "rust": {}}
     skipped: dict[str, dict[str, str]] = {"ray": {}, "py": {}, "rust": {}}
     for r in range(1, rounds + 1):
@@ -286,7 +302,8 @@ def main() -> int:
     names = [c for c in CASES if not cases or c in cases]
     w = max(len(n) for n in names) + 2
     print(f"\nmedians of {rounds} round(s), operations per second (Ray {a.ray_version}; "
-          f"idle pause {pause:g} s; {os.cpu_count()} CPUs)\n")
+          f"idle pause {pause:g} s; {os.cpu_count()} CPUs"
+          f"{'; tpuray with mutual TLS' if a.tls else ''})\n")
     head = f"{'case':<{w}}{'Ray':>12}{'tpuray (Python)':>17}{'tpuray (Rust)':>15}{'Py/Ray':>8}{'Rust/Ray':>10}"
     print(head)
     print("-" * len(head))

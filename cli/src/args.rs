@@ -57,6 +57,10 @@ pub enum Command {
     /// them (prints the file when one matches), `logs actor|task|worker|job` prints the
     /// log of one.
     Logs(LogsArgs),
+    /// Certificates for mutual TLS (`--tls-*` on `tpuray start`): `tls make-ca` once,
+    /// then `tls make-cert` for each host.
+    #[command(subcommand)]
+    Tls(TlsCommand),
     #[command(name = "_head", hide = true)]
     Head(HeadArgs),
     #[command(name = "_agent", hide = true)]
@@ -208,6 +212,18 @@ pub struct StartArgs {
     /// `available_node_types`; README "Autoscaling"). Nodes it starts stop with the head.
     #[arg(long, value_name = "FILE", requires = "head")]
     pub autoscaling_config: Option<PathBuf>,
+    /// Mutual TLS (TLS-1): this node's certificate (PEM, signed by --tls-ca; make one
+    /// with `tpuray tls make-cert`). With --tls-key and --tls-ca, every server and client
+    /// of this node's processes (head, agent, workers, object transfer, HTTP) uses TLS;
+    /// every process of the cluster must (drivers and the CLI through TPURAY_TLS_*).
+    #[arg(long, env = "TPURAY_TLS_CERT", value_name = "PEM")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "TPURAY_TLS_KEY", value_name = "PEM")]
+    pub tls_key: Option<PathBuf>,
+    /// The cluster's CA certificate (PEM): peers must present a certificate it signed.
+    #[arg(long, env = "TPURAY_TLS_CA", value_name = "PEM")]
+    pub tls_ca: Option<PathBuf>,
     #[command(flatten)]
     pub resources: ResourceFlags,
 }
@@ -215,6 +231,38 @@ pub struct StartArgs {
 /// `--drain-grace-period`'s default in seconds (the manifests' terminationGracePeriodSeconds
 /// is this plus [`crate::k8s::TERMINATION_MARGIN_S`]).
 pub const DEFAULT_DRAIN_GRACE_S: u64 = crate::k8s::DRAIN_GRACE_S as u64;
+
+#[derive(Subcommand, Debug)]
+pub enum TlsCommand {
+    /// Make a cluster CA: writes OUT/ca.pem (give it to every process as --tls-ca or
+    /// TPURAY_TLS_CA) and OUT/ca-key.pem (keep it private; only make-cert needs it).
+    MakeCa(MakeCaArgs),
+    /// Make a certificate signed by the CA in --ca for one host: writes OUT/cert.pem and
+    /// OUT/key.pem. It names every --host entry and localhost, 127.0.0.1 and ::1, and
+    /// serves as both server and client certificate (clients verify the host they dial).
+    MakeCert(MakeCertArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct MakeCaArgs {
+    /// The folder to write ca.pem and ca-key.pem to (made if missing).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct MakeCertArgs {
+    /// The folder holding ca.pem and ca-key.pem (from `tpuray tls make-ca`).
+    #[arg(long)]
+    pub ca: PathBuf,
+    /// The host's names and IP addresses, comma-separated (NAME[,IP...]): every address
+    /// other processes dial it by.
+    #[arg(long)]
+    pub host: String,
+    /// The folder to write cert.pem and key.pem to (made if missing).
+    #[arg(long)]
+    pub out: PathBuf,
+}
 
 #[derive(Args, Debug)]
 pub struct AddressArg {
@@ -773,6 +821,8 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Command::Logs(a) => logs::run(a),
+        Command::Tls(TlsCommand::MakeCa(a)) => crate::tls::make_ca_cmd(&a.out),
+        Command::Tls(TlsCommand::MakeCert(a)) => crate::tls::make_cert_cmd(&a.ca, &a.host, &a.out),
         Command::Microbenchmark(a) => {
             // A driver of a cluster for minutes (--rust): a peer that hangs up must fail
             // that connection, not kill the run.

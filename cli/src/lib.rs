@@ -3,7 +3,7 @@
 //!
 //! Verbs follow Ray's CLI (DESIGN.md §6): `start`, `status`, `list`, `stop`,
 //! `memory`, `microbenchmark`, `serve status`, `timeline`, `k8s manifests` ([`k8s`]),
-//! `job submit|status|logs|stop|list|delete`
+//! `job submit|status|logs|stop|list|delete`, `tls make-ca|make-cert` ([`tls`])
 //! (the client of the head's Jobs REST API is [`job`], also used by the Python package).
 //! Hidden verbs `_head`, `_agent` and `_worker` are the long-running
 //! processes that `start` spawns; they are not for users.
@@ -18,6 +18,7 @@ mod procs;
 mod serve;
 mod show;
 pub mod timeline;
+pub mod tls;
 
 use clap::Parser;
 

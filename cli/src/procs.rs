@@ -338,6 +338,16 @@ pub fn start(mut a: StartArgs) -> Result<i32> {
     if !a.head && a.node_ip_address.is_some() {
         node_ip(&a)?;
     }
+    // TLS-1: all three files or none, read and checked before anything starts; the
+    // head and agent get them as their environment (and workers from the agent's).
+    let tls = tpuray_proto::tls::TlsFiles::from_parts(
+        a.tls_cert.clone(),
+        a.tls_key.clone(),
+        a.tls_ca.clone(),
+    )?;
+    tpuray_proto::tls::install(tls.as_ref())
+        .map_err(|e| anyhow!("--tls-cert, --tls-key, --tls-ca: {e}"))?;
+    let tls_env: Vec<(&str, String)> = tls.as_ref().map(|f| f.env()).unwrap_or_default();
     let session = new_session_dir(&a.temp_dir)?;
     let detach = !a.block;
     // How long `--block` waits for the agent it stops: its drain grace period plus the
@@ -384,7 +394,7 @@ pub fn start(mut a: StartArgs) -> Result<i32> {
         if let Some(c) = &a.autoscaling_config {
             args.extend(["--autoscaling-config".into(), c.display().to_string()]);
         }
-        let s = spawn_with(&session, "head", "head", args, detach, "", Wait::Ready, &[], "")?;
+        let s = spawn_with(&session, "head", "head", args, detach, "", Wait::Ready, &tls_env, "")?;
         let addr = s.ready["address"].as_str().unwrap_or_default().to_string();
         spawned.push(s);
         if peers.is_empty() { addr } else { peers }
@@ -445,6 +455,7 @@ pub fn start(mut a: StartArgs) -> Result<i32> {
     } else {
         (Wait::Ready, vec![])
     };
+    envs.extend(tls_env.iter().cloned());
     // A pod's worker id (from JOB_COMPLETION_INDEX or the HOSTNAME ordinal) goes into the
     // agent's environment, so its tasks see TPU_WORKER_ID as JAX and libtpu expect.
     let env = &a.resources.options().env;

@@ -39,7 +39,10 @@ pub fn status(address: &str, json: bool) -> Result<i32> {
         });
         req.set_timeout(Duration::from_secs(10));
         let reply = head.kv_get(req).await.map_err(|s| {
-            anyhow!("the head at {address} answered {:?}: {}", s.code(), s.message())
+            match tpuray_proto::tls::why_failed(address, "head", &s) {
+                Some(why) => anyhow!(why),
+                None => anyhow!("the head at {address} answered {:?}: {}", s.code(), s.message()),
+            }
         })?;
         Ok::<_, anyhow::Error>(reply.into_inner())
     })?;

@@ -100,7 +100,10 @@ fn print_replicas(replicas: &[(String, Result<pb::GetReplicaStatusReply, String>
 }
 
 fn call_err(address: &str, s: tonic::Status) -> anyhow::Error {
-    anyhow!("the head at {address} answered {:?}: {}", s.code(), s.message())
+    match tpuray_proto::tls::why_failed(address, "head", &s) {
+        Some(why) => anyhow!(why),
+        None => anyhow!("the head at {address} answered {:?}: {}", s.code(), s.message()),
+    }
 }
 
 fn fmt_amount(name: &str, v: f64) -> String {

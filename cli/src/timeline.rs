@@ -20,8 +20,9 @@ pub fn trace_json(address: &str, job: Option<&str>) -> Result<String> {
     let (tasks, nodes, job) = rt.block_on(async {
         let token = tpuray_proto::auth::load_token()?;
         let mut head = tpuray_proto::client::head(address, token.as_deref())?;
-        let err = |s: tonic::Status| {
-            anyhow!("the head at {address} answered {:?}: {}", s.code(), s.message())
+        let err = |s: tonic::Status| match tpuray_proto::tls::why_failed(address, "head", &s) {
+            Some(why) => anyhow!(why),
+            None => anyhow!("the head at {address} answered {:?}: {}", s.code(), s.message()),
         };
         let mut req = Request::new(pb::ListTasksRequest { limit: 0 });
         req.set_timeout(Duration::from_secs(30));

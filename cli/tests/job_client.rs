@@ -245,7 +245,12 @@ fn fake_server() -> (SocketAddr, S) {
 }
 
 fn client(addr: SocketAddr, token: Option<&str>) -> JobClient {
-    let a = HttpAddress { host: addr.ip().to_string(), port: addr.port(), prefix: String::new() };
+    let a = HttpAddress {
+        host: addr.ip().to_string(),
+        port: addr.port(),
+        prefix: String::new(),
+        https: false,
+    };
     JobClient::with_address(a, &ClientOptions::default(), token).unwrap()
 }
 
@@ -361,7 +366,12 @@ fn stop_and_missing_jobs_and_tokens_answer_as_rays_server_does() {
     let e = client(addr, Some("wrong")).version().unwrap_err();
     assert!(matches!(e, JobError::Auth { status: 403, .. }), "{e}");
     // A caller's own Authorization header wins over the cluster token.
-    let a = HttpAddress { host: addr.ip().to_string(), port: addr.port(), prefix: String::new() };
+    let a = HttpAddress {
+        host: addr.ip().to_string(),
+        port: addr.port(),
+        prefix: String::new(),
+        https: false,
+    };
     let mut opts = ClientOptions::default();
     opts.headers.insert("Authorization".into(), "Bearer wrong".into());
     let e = JobClient::with_address(a, &opts, Some(TOKEN)).unwrap().list().unwrap_err();

@@ -617,7 +617,15 @@ pub(crate) async fn serve(
     router: Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) {
-    if let Err(e) = axum::serve(listener, router).with_graceful_shutdown(shutdown).await {
+    // TLS-2: HTTPS with the head's certificate when the head uses TLS.
+    let served = match tpuray_proto::tls::current() {
+        Ok(Some(t)) => match tpuray_proto::tls::HttpsListener::new(listener, t, "dashboard") {
+            Ok(l) => axum::serve(l, router).with_graceful_shutdown(shutdown).await,
+            Err(e) => Err(e),
+        },
+        _ => axum::serve(listener, router).with_graceful_shutdown(shutdown).await,
+    };
+    if let Err(e) = served {
         tracing::error!("the dashboard's HTTP server stopped: {e}");
     }
 }

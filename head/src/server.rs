@@ -960,6 +960,7 @@ impl HeadService for HeadSvc {
         Ok(Response::new(pb::GetHeadInfoReply {
             protocol_version: PROTOCOL_VERSION,
             auth_required: h.config.auth_required,
+            tls: tpuray_proto::tls::enabled(),
             cluster_id: h.cluster_id(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             heartbeat_interval_ms: h.config.heartbeat_interval.as_millis() as u64,
@@ -1024,6 +1025,7 @@ impl HeadService for HeadSvc {
             cluster_id: self.0.cluster_id(),
             heartbeat_interval_ms: self.0.config.heartbeat_interval.as_millis() as u64,
             auth_required: self.0.config.auth_required,
+            tls: tpuray_proto::tls::enabled(),
         }))
     }
 
@@ -2161,7 +2163,8 @@ pub async fn serve(
     .max_decoding_message_size(tpuray_proto::MAX_PEER_MESSAGE_BYTES)
     .max_encoding_message_size(tpuray_proto::MAX_PEER_MESSAGE_BYTES);
     let peer = InterceptedService::new(peer, auth);
-    let incoming = tpuray_proto::incoming(listener);
+    // TLS-1: this process's identity (from the environment `tpuray start` sets).
+    let tls = tpuray_proto::tls::current().map_err(ServeError::Config)?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         shutdown.await;
@@ -2181,7 +2184,8 @@ pub async fn serve(
             Some(h) if !h.is_unspecified() => h,
             _ => addr.ip(),
         };
-        let url = format!("http://{}", SocketAddr::new(host, port));
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://{}", SocketAddr::new(host, port));
         let _ = head.dashboard_url.set(url.clone());
         let own = if config.peers.is_empty() { addr.to_string() } else { config.peers.join(",") };
         let router = crate::http::router(Arc::clone(&head), &own).map_err(ServeError::Config)?;
@@ -2193,12 +2197,23 @@ pub async fn serve(
         crate::metrics::spawn_discovery_writer(Arc::clone(&head), dir.clone());
     }
     ready(Ready { address: addr, dashboard_url });
-    let served = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
-        .add_service(svc)
-        .add_service(peer)
-        .serve_with_incoming_shutdown(incoming, stopped(stop_rx))
-        .await;
+    let router =
+        tonic::transport::Server::builder().tcp_nodelay(true).add_service(svc).add_service(peer);
+    let served = match tls {
+        None => {
+            router
+                .serve_with_incoming_shutdown(tpuray_proto::incoming(listener), stopped(stop_rx))
+                .await
+        }
+        Some(t) => {
+            router
+                .serve_with_incoming_shutdown(
+                    tpuray_proto::tls::incoming(listener, t, "head"),
+                    stopped(stop_rx),
+                )
+                .await
+        }
+    };
     if let Some(t) = http_task {
         let _ = t.await;
     }

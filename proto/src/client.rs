@@ -134,6 +134,14 @@ pub fn status_chain(s: &tonic::Status) -> String {
         }
         cur = e.source();
     }
+    // TLS-4: a failed handshake says why in words.
+    if let Some(src) = std::error::Error::source(s)
+        && let Some(why) = crate::tls::explain_chain(src, "the server")
+    {
+        out.push_str(" (");
+        out.push_str(&why);
+        out.push(')');
+    }
     out
 }
 
@@ -142,14 +150,28 @@ pub fn status_chain(s: &tonic::Status) -> String {
 pub enum ClientError {
     #[error("invalid address {addr:?}: {detail} (expected HOST:PORT)")]
     BadAddress { addr: String, detail: String },
+    /// This process's TLS identity cannot be used (TLS-1).
+    #[error("{0}")]
+    Tls(String),
 }
 
+/// An endpoint for `addr`: `http://`, or with this process's TLS identity (TLS-1)
+/// `https://` verifying the server's certificate against the host dialled (TLS-2).
 fn endpoint(addr: &str) -> Result<Endpoint, ClientError> {
     check_address(addr)?;
-    Ok(Endpoint::from_shared(format!("http://{addr}"))
-        .map_err(|e| ClientError::BadAddress { addr: addr.to_string(), detail: e.to_string() })?
-        .connect_timeout(Duration::from_secs(5))
-        .tcp_nodelay(true))
+    let bad = |e: &dyn std::fmt::Display| ClientError::BadAddress {
+        addr: addr.to_string(),
+        detail: e.to_string(),
+    };
+    let tls = crate::tls::current().map_err(ClientError::Tls)?;
+    let ep = match tls {
+        None => Endpoint::from_shared(format!("http://{addr}")).map_err(|e| bad(&e))?,
+        Some(t) => Endpoint::from_shared(format!("https://{addr}"))
+            .map_err(|e| bad(&e))?
+            .tls_config(t.tonic_client())
+            .map_err(|e| ClientError::Tls(format!("TLS for {addr}: {e}")))?,
+    };
+    Ok(ep.connect_timeout(Duration::from_secs(5)).tcp_nodelay(true))
 }
 
 /// A lazily connecting channel to `addr` (`HOST:PORT`).
@@ -423,8 +445,9 @@ pub fn worker(
     token: Option<&str>,
 ) -> Result<WorkerServiceClient<AuthChannel>, ClientError> {
     check_address(addr)?;
-    let ch = H2Channel::new(addr)
-        .map_err(|e| ClientError::BadAddress { addr: addr.to_string(), detail: e.to_string() })?;
+    let tls = crate::tls::current().map_err(ClientError::Tls)?;
+    let ch = H2Channel::new(addr, tls.map(|t| &**t))
+        .map_err(|e| ClientError::BadAddress { addr: addr.to_string(), detail: e })?;
     Ok(WorkerServiceClient::new(AuthChannel(Route::H2 { ch, auth: auth_header(token) }))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(usize::MAX))

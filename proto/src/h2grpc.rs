@@ -69,6 +69,8 @@ pub(crate) struct H2Channel(Arc<Shared>);
 
 struct Shared {
     addr: String,
+    /// With TLS (TLS-2): the connector and the name the server's certificate must hold.
+    tls: Option<(tokio_rustls::TlsConnector, rustls::pki_types::ServerName<'static>)>,
     authority: http::uri::Authority,
     /// The current connection attempt: every call waits for the same one; a failed or
     /// lost one is replaced by the next call.
@@ -92,11 +94,17 @@ impl Drop for AliveGuard {
 }
 
 impl H2Channel {
-    /// A channel to `addr` (`HOST:PORT`, already checked); connects at the first call.
-    pub(crate) fn new(addr: &str) -> Result<Self, http::uri::InvalidUri> {
-        let authority = addr.parse()?;
+    /// A channel to `addr` (`HOST:PORT`, already checked), over TLS with `tls`;
+    /// connects at the first call.
+    pub(crate) fn new(addr: &str, tls: Option<&crate::tls::Tls>) -> Result<Self, String> {
+        let authority = addr.parse().map_err(|e: http::uri::InvalidUri| e.to_string())?;
+        let tls = match tls {
+            Some(t) => Some((t.grpc_connector(), crate::tls::server_name(addr)?)),
+            None => None,
+        };
         Ok(H2Channel(Arc::new(Shared {
             addr: addr.to_string(),
+            tls,
             authority,
             attempt: Mutex::new(Arc::new(tokio::sync::OnceCell::new())),
         })))
@@ -168,7 +176,7 @@ impl H2Channel {
             }
             Arc::clone(&attempt)
         };
-        let r = cell.get_or_init(|| connect(self.0.addr.clone())).await.clone();
+        let r = cell.get_or_init(|| connect(self.0.addr.clone(), self.0.tls.clone())).await.clone();
         if r.is_err() {
             // The next call tries again.
             let mut attempt = self.0.attempt.lock().unwrap_or_else(|p| p.into_inner());
@@ -190,7 +198,10 @@ impl H2Channel {
     }
 }
 
-async fn connect(addr: String) -> Result<Conn, tonic::Status> {
+async fn connect(
+    addr: String,
+    tls: Option<(tokio_rustls::TlsConnector, rustls::pki_types::ServerName<'static>)>,
+) -> Result<Conn, tonic::Status> {
     let tcp = match tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(&addr))
         .await
     {
@@ -203,10 +214,39 @@ async fn connect(addr: String) -> Result<Conn, tonic::Status> {
         }
     };
     let _ = tcp.set_nodelay(true);
+    match tls {
+        None => handshake(tcp).await,
+        Some((connector, name)) => {
+            let s = match tokio::time::timeout(CONNECT_TIMEOUT, connector.connect(name, tcp)).await
+            {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    let why = crate::tls::explain_chain(&e, "the server")
+                        .unwrap_or_else(|| e.to_string());
+                    return Err(tonic::Status::unavailable(format!(
+                        "connect error: TLS handshake with {addr}: {why}"
+                    )));
+                }
+                Err(_) => {
+                    return Err(tonic::Status::unavailable(format!(
+                        "connect error: no TLS handshake from {addr} within {CONNECT_TIMEOUT:?}"
+                    )));
+                }
+            };
+            handshake(s).await
+        }
+    }
+}
+
+/// The HTTP/2 handshake on a connected stream (TCP, or TLS over it).
+async fn handshake<IO>(io: IO) -> Result<Conn, tonic::Status>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let (send, mut conn) = h2::client::Builder::new()
         .initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
-        .handshake::<_, Bytes>(tcp)
+        .handshake::<_, Bytes>(io)
         .await
         .map_err(|e| tonic::Status::unavailable(format!("connect error: HTTP/2 handshake: {e}")))?;
     let alive = Arc::new(AtomicBool::new(true));
@@ -328,14 +368,43 @@ pub async fn serve<S, RB>(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut connections = tokio::task::JoinSet::new();
     tokio::pin!(shutdown);
+    // TLS-2: with TLS, each connection's handshake runs in its own task first.
+    let tls = match crate::tls::current() {
+        Ok(t) => t.map(|t| t.grpc_acceptor()),
+        Err(e) => {
+            tracing::error!("the worker's server cannot start: {e}");
+            return;
+        }
+    };
     loop {
         tokio::select! {
             () = &mut shutdown => break,
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => {
+                Ok((tcp, peer)) => {
                     let _ = tcp.set_nodelay(true);
-                    connections.spawn(serve_connection(tcp, svc.clone(), stop_rx.clone()));
+                    match &tls {
+                        None => {
+                            connections.spawn(serve_connection(tcp, svc.clone(), stop_rx.clone()));
+                        }
+                        Some(acceptor) => {
+                            let acceptor = acceptor.clone();
+                            let (svc, stop) = (svc.clone(), stop_rx.clone());
+                            connections.spawn(async move {
+                                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                                    Ok(Ok(s)) => serve_connection(s, svc, stop).await,
+                                    Ok(Err(e)) => tracing::warn!(
+                                        "the worker refused a TLS connection from {peer}: {}",
+                                        crate::tls::explain_chain(&e, "the client")
+                                            .unwrap_or_else(|| e.to_string())
+                                    ),
+                                    Err(_) => tracing::warn!(
+                                        "the worker dropped a connection from {peer}: no TLS handshake within {HANDSHAKE_TIMEOUT:?}"
+                                    ),
+                                }
+                            });
+                        }
+                    }
                 }
                 Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
             },
@@ -346,11 +415,8 @@ pub async fn serve<S, RB>(
     while connections.join_next().await.is_some() {}
 }
 
-async fn serve_connection<S, RB>(
-    tcp: tokio::net::TcpStream,
-    svc: S,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) where
+async fn serve_connection<IO, S, RB>(io: IO, svc: S, mut stop: tokio::sync::watch::Receiver<bool>)
+where
     S: tower_service::Service<http::Request<Body>, Response = http::Response<RB>>
         + Clone
         + Send
@@ -359,12 +425,13 @@ async fn serve_connection<S, RB>(
     S::Future: Send + 'static,
     RB: http_body::Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let handshake = h2::server::Builder::new()
         .initial_window_size(SERVER_WINDOW)
         .initial_connection_window_size(SERVER_WINDOW)
         .max_header_list_size(SERVER_MAX_HEADER_LIST)
-        .handshake::<_, Bytes>(tcp);
+        .handshake::<_, Bytes>(io);
     // A peer that never sends the HTTP/2 preface is dropped, and does not hold up a stop.
     let conn = tokio::select! {
         c = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake) => c,

@@ -14,6 +14,7 @@ pub mod net;
 pub mod packages;
 pub mod registry;
 pub mod runtime_env;
+pub mod tls;
 
 /// Generated messages and services of package `tpuray.v1`.
 #[allow(clippy::all, missing_docs)]

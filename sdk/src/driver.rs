@@ -77,7 +77,7 @@ fn local_node<'a>(
 }
 
 fn cluster_err(what: &str, s: tonic::Status) -> Error {
-    Error::Cluster(format!("{what}: {}", s.message()))
+    Error::Cluster(format!("{what}: {}", tpuray_proto::client::status_chain(&s)))
 }
 
 /// Uploads `path` to the head's KV unless a copy with the same hash is
@@ -184,11 +184,19 @@ pub fn init_with(address: Option<&str>, opts: &DriverOptions) -> Result<(), Erro
     let (job_id, node, listener, remote) = rt.block_on(async {
         let mut head = tpuray_proto::client::head(&head_address, token.as_deref())
             .map_err(|e| Error::Cluster(e.to_string()))?;
-        let status = head
-            .get_cluster_status(pb::GetClusterStatusRequest {})
-            .await
-            .map_err(|s| cluster_err(&format!("the head at {head_address}"), s))?
-            .into_inner();
+        let status = match head.get_cluster_status(pb::GetClusterStatusRequest {}).await {
+            Ok(r) => r.into_inner(),
+            Err(s) => {
+                // TLS-3: a head that speaks otherwise (TLS or plain) is named as such.
+                for a in head_address.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+                    let what = format!("the head at {a}");
+                    if let Some(m) = tpuray_proto::tls::diagnose(a, &what).await {
+                        return Err(Error::Cluster(m));
+                    }
+                }
+                return Err(cluster_err(&format!("the head at {head_address}"), s));
+            }
+        };
         // Attach to this machine's node agent, found through its process registry
         // (NET-3); with several (a simulated cluster), to the head node's (DESIGN.md §4).
         let alive: Vec<&pb::NodeInfo> =
@@ -342,12 +350,20 @@ async fn serve_private_store(
         .max_encoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES),
         auth,
     );
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .tcp_nodelay(true)
-            .add_service(svc)
-            .serve_with_incoming(tpuray_proto::incoming(listener)),
-    );
+    let router = tonic::transport::Server::builder().tcp_nodelay(true).add_service(svc);
+    // TLS-2: with TLS, served as every tpuray server is.
+    match tpuray_proto::tls::current().map_err(Error::Cluster)? {
+        None => {
+            tokio::spawn(router.serve_with_incoming(tpuray_proto::incoming(listener)));
+        }
+        Some(t) => {
+            tokio::spawn(router.serve_with_incoming(tpuray_proto::tls::incoming(
+                listener,
+                t,
+                "driver's object store",
+            )));
+        }
+    }
     Ok((store, served))
 }
 

@@ -224,6 +224,9 @@ impl Host {
             .env_remove("TPURAY_ADDRESS")
             .env_remove("TPURAY_AUTH_TOKEN")
             .env_remove("TPURAY_REGISTRY_DIR")
+            .env_remove("TPURAY_TLS_CERT")
+            .env_remove("TPURAY_TLS_KEY")
+            .env_remove("TPURAY_TLS_CA")
             .env_remove("TMPDIR")
             .current_dir(repo_root());
         c

@@ -267,6 +267,9 @@ impl Cluster {
             .env_remove("TPURAY_ADDRESS")
             .env_remove("TPURAY_AUTH_TOKEN")
             .env_remove("TPURAY_SELF_COMMAND")
+            .env_remove("TPURAY_TLS_CERT")
+            .env_remove("TPURAY_TLS_KEY")
+            .env_remove("TPURAY_TLS_CA")
             .stdin(std::process::Stdio::null());
         for (k, v) in &self.envs {
             cmd.env(k, v);

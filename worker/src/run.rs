@@ -27,6 +27,9 @@ pub enum StartError {
     HeadUnreachable { address: String, waited: Duration, detail: String },
     #[error("the head at {address} refused this node: {detail}")]
     Refused { address: String, detail: String },
+    /// TLS-3/TLS-4: the modes differ, or a certificate was refused.
+    #[error("cannot join the head at {address} over TLS: {detail}")]
+    Tls { address: String, detail: String },
     #[error("cannot listen on {addr}: {detail}")]
     Listen { addr: String, detail: String },
     #[error("node agent server failed: {0}")]
@@ -248,7 +251,9 @@ async fn join_head(
     let mut client = tpuray_proto::client::head(&address, agent.config.token.as_deref())
         .map_err(|e| StartError::BadFlag(format!("--address: {e}")))?;
     let request_id = tpuray_proto::new_request_id();
+    let mut attempts = 0u32;
     loop {
+        attempts += 1;
         let req = pb::RegisterNodeRequest {
             request_id: request_id.clone(),
             protocol_version: tpuray_proto::PROTOCOL_VERSION,
@@ -257,6 +262,15 @@ async fn join_head(
         let mut req = Request::new(req);
         req.set_timeout(Duration::from_secs(5));
         match client.register_node(req).await {
+            // TLS-3: the head's mode, learnt at registration as its auth mode is.
+            Ok(r) if r.get_ref().tls != tpuray_proto::tls::enabled() => {
+                let detail = if r.get_ref().tls {
+                    "TLS mismatch: the head uses TLS but this node is plain".to_string()
+                } else {
+                    "TLS mismatch: this node uses TLS but the head is plain".to_string()
+                };
+                return Err(StartError::Tls { address, detail });
+            }
             Ok(r) => return Ok(r.into_inner()),
             Err(s)
                 if matches!(
@@ -264,6 +278,17 @@ async fn join_head(
                     tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Unknown
                 ) =>
             {
+                // TLS-4: a refused certificate does not get better by waiting.
+                if let Some(why) = tpuray_proto::tls::status_reason(&s) {
+                    return Err(StartError::Tls { address, detail: why });
+                }
+                // TLS-3/TLS-4: a head that speaks otherwise (TLS or plain), or refuses
+                // this node's certificate, is named at once.
+                if attempts % 10 == 1
+                    && let Some(m) = diagnose_heads(&address).await
+                {
+                    return Err(StartError::Tls { address, detail: m });
+                }
                 if started.elapsed() >= retry_for {
                     return Err(StartError::HeadUnreachable {
                         address,
@@ -274,10 +299,26 @@ async fn join_head(
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
             Err(s) => {
+                if matches!(s.code(), tonic::Code::Cancelled | tonic::Code::Internal)
+                    && let Some(m) = diagnose_heads(&address).await
+                {
+                    return Err(StartError::Tls { address, detail: m });
+                }
                 return Err(StartError::Refused { address, detail: s.message().to_string() });
             }
         }
     }
+}
+
+/// TLS-3/TLS-4: why TLS keeps this process from the heads at `address` (a list), when
+/// it does.
+pub async fn diagnose_heads(address: &str) -> Option<String> {
+    for a in address.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+        if let Some(m) = tpuray_proto::tls::diagnose(a, &format!("the head at {a}")).await {
+            return Some(m);
+        }
+    }
+    None
 }
 
 /// AGENT-1: heartbeats on a dedicated OS thread with its own runtime, so
@@ -442,15 +483,27 @@ pub async fn serve_agent(
     };
     let agent = Agent::new(config);
     let _ = agent.metrics.port.set(metrics_port);
+    // TLS-1: this process's identity (from the environment `tpuray start` sets).
+    let tls = tpuray_proto::tls::current().map_err(StartError::BadFlag)?;
     let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
     let metrics_router = crate::metrics::router(Arc::clone(&agent));
     tokio::spawn(async move {
         let stopped = async {
             let _ = metrics_stopped.await;
         };
-        if let Err(e) =
-            axum::serve(metrics_listener, metrics_router).with_graceful_shutdown(stopped).await
-        {
+        // TLS-2: HTTPS with the node's certificate when it uses TLS.
+        let served = match tls {
+            None => {
+                axum::serve(metrics_listener, metrics_router).with_graceful_shutdown(stopped).await
+            }
+            Some(t) => {
+                match tpuray_proto::tls::HttpsListener::new(metrics_listener, t, "metrics server") {
+                    Ok(l) => axum::serve(l, metrics_router).with_graceful_shutdown(stopped).await,
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        if let Err(e) = served {
             tracing::error!("the metrics HTTP server stopped: {e}");
         }
     });
@@ -468,17 +521,28 @@ pub async fn serve_agent(
         .max_encoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES),
         auth.clone(),
     );
-    let incoming = tokio_stream_listener(listener);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
-        tonic::transport::Server::builder()
+        let router = tonic::transport::Server::builder()
             .tcp_nodelay(true)
             .add_service(svc)
-            .add_service(objects)
-            .serve_with_incoming_shutdown(incoming, async {
-                let _ = stop_rx.await;
-            })
-            .await
+            .add_service(objects);
+        let stopped = async {
+            let _ = stop_rx.await;
+        };
+        match tls {
+            None => {
+                router.serve_with_incoming_shutdown(tokio_stream_listener(listener), stopped).await
+            }
+            Some(t) => {
+                router
+                    .serve_with_incoming_shutdown(
+                        tpuray_proto::tls::incoming(listener, t, "node agent"),
+                        stopped,
+                    )
+                    .await
+            }
+        }
     });
 
     let retry_for = env_duration_ms("TPURAY_HEAD_CONNECT_TIMEOUT_MS", 30_000);

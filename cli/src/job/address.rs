@@ -17,7 +17,7 @@ use super::JobError;
 /// Environment variables read, in order, after an explicit address.
 pub const ENV_VARS: [&str; 3] = ["RAY_API_SERVER_ADDRESS", "RAY_ADDRESS", "TPURAY_ADDRESS"];
 
-/// A parsed `http://` address.
+/// A parsed `http://` or `https://` address.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HttpAddress {
     /// Host as written (a name, an IPv4 address, or an IPv6 address without brackets).
@@ -25,6 +25,9 @@ pub struct HttpAddress {
     pub port: u16,
     /// A path prefix the routes hang under (empty, or starting with `/`, no trailing `/`).
     pub prefix: String,
+    /// `https://`: the server of a TLS cluster, reached with this process's TLS identity
+    /// (TLS-2: `TPURAY_TLS_CERT`, `TPURAY_TLS_KEY`, `TPURAY_TLS_CA`).
+    pub https: bool,
 }
 
 impl HttpAddress {
@@ -37,9 +40,11 @@ impl HttpAddress {
         }
     }
 
-    /// The address as Ray's `get_address()` returns it: `http://host:port[/prefix]`.
+    /// The address as Ray's `get_address()` returns it: `http://host:port[/prefix]`
+    /// (`https://` for a TLS cluster's).
     pub fn url(&self) -> String {
-        format!("http://{}{}", self.authority(), self.prefix)
+        let scheme = if self.https { "https" } else { "http" };
+        format!("{scheme}://{}{}", self.authority(), self.prefix)
     }
 }
 
@@ -94,13 +99,9 @@ pub fn classify(addr: &str) -> Result<Target, JobError> {
         }
         return Ok(Target::Head(a.to_string()));
     };
-    match scheme.to_ascii_lowercase().as_str() {
-        "http" => {}
-        "https" => {
-            return Err(JobError::Address(format!(
-                "{addr:?}: https job server addresses are not supported by this build of tpuray (no TLS client); use http://, or the head's HOST:PORT"
-            )));
-        }
+    let https = match scheme.to_ascii_lowercase().as_str() {
+        "http" => false,
+        "https" => true,
         "ray" => {
             return Err(JobError::Address(format!(
                 "{addr:?}: Ray Client (ray://) addresses are not supported; pass the dashboard's http://HOST:PORT, or the head's HOST:PORT"
@@ -109,7 +110,8 @@ pub fn classify(addr: &str) -> Result<Target, JobError> {
         other => {
             return Err(bad(addr, &format!("unknown scheme {other:?}")));
         }
-    }
+    };
+    let default_port = if https { 443 } else { 80 };
     let (authority, prefix) = match rest.find('/') {
         Some(i) => (&rest[..i], rest[i..].to_string()),
         None => (rest, String::new()),
@@ -125,16 +127,18 @@ pub fn classify(addr: &str) -> Result<Target, JobError> {
     }
     let (host, port) = match split_host_port(authority) {
         Some((h, p)) => (h, p),
-        None if !authority.is_empty() && !authority.contains(':') => (authority.to_string(), 80),
+        None if !authority.is_empty() && !authority.contains(':') => {
+            (authority.to_string(), default_port)
+        }
         None if authority.starts_with('[') && authority.ends_with(']') => {
-            (authority[1..authority.len() - 1].to_string(), 80)
+            (authority[1..authority.len() - 1].to_string(), default_port)
         }
         None => return Err(bad(addr, &format!("{authority:?} is not HOST[:PORT]"))),
     };
     if host.is_empty() {
         return Err(bad(addr, "the host is empty"));
     }
-    Ok(Target::Http(HttpAddress { host, port, prefix }))
+    Ok(Target::Http(HttpAddress { host, port, prefix, https }))
 }
 
 /// `host:port` or `[v6]:port`, the host without brackets.
@@ -217,11 +221,15 @@ pub async fn dashboard_of_head(head: &str, token: Option<&str>) -> Result<HttpAd
         .await
         .map_err(|s| JobError::Connect {
             address: head.to_string(),
-            reason: format!(
-                "the head did not answer GetHeadInfo ({:?}: {}); if this is the dashboard's port, pass http://{head}",
-                s.code(),
-                s.message()
-            ),
+            // TLS-3/TLS-4: a TLS mismatch or a refused certificate is named as such.
+            reason: match tpuray_proto::tls::why_failed(head, "head", &s) {
+                Some(why) => why,
+                None => format!(
+                    "the head did not answer GetHeadInfo ({:?}: {}); if this is the dashboard's port, pass http://{head}",
+                    s.code(),
+                    s.message()
+                ),
+            },
         })?
         .into_inner();
     if info.dashboard_url.is_empty() {
@@ -233,7 +241,7 @@ pub async fn dashboard_of_head(head: &str, token: Option<&str>) -> Result<HttpAd
         Ok(Target::Http(h)) => h,
         _ => {
             return Err(JobError::Protocol(format!(
-                "the head at {head} names dashboard_url {:?}, which is not an http://HOST:PORT address",
+                "the head at {head} names dashboard_url {:?}, which is not an http(s)://HOST:PORT address",
                 info.dashboard_url
             )));
         }
@@ -254,7 +262,7 @@ mod tests {
     use super::*;
 
     fn http(host: &str, port: u16, prefix: &str) -> Target {
-        Target::Http(HttpAddress { host: host.into(), port, prefix: prefix.into() })
+        Target::Http(HttpAddress { host: host.into(), port, prefix: prefix.into(), https: false })
     }
 
     #[test]
@@ -289,7 +297,8 @@ mod tests {
             assert!(e.contains(says), "{a:?}: {e}");
             assert!(e.contains("expected http://HOST:DASHBOARD_PORT"), "{a:?}: {e}");
         }
-        assert!(classify("https://h:1").unwrap_err().to_string().contains("https"));
+        let Target::Http(h) = classify("https://h").unwrap() else { panic!("an https address") };
+        assert!(h.https && h.port == 443 && h.url() == "https://h:443", "{h:?}");
         assert!(classify("ray://h:10001").unwrap_err().to_string().contains("Ray Client"));
     }
 

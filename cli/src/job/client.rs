@@ -29,6 +29,7 @@ use tokio_stream::StreamExt;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tpuray_proto::tls::ClientStream;
 
 use super::address::{self, HttpAddress};
 use super::{JobError, block_on};
@@ -172,16 +173,33 @@ impl JobClient {
         self.address.url()
     }
 
-    async fn connect_tcp(&self) -> Result<TcpStream, JobError> {
+    /// A connection to the server: TCP, and for an `https://` address TLS over it with
+    /// this process's identity (TLS-2), the server's certificate checked against its host.
+    async fn connect_tcp(&self) -> Result<ClientStream, JobError> {
         let a = &self.address;
         let err = |reason: String| JobError::Connect { address: a.url(), reason };
+        let tls = if a.https {
+            match tpuray_proto::tls::current().map_err(&err)? {
+                Some(t) => Some(t.as_ref()),
+                None => {
+                    return Err(err(format!(
+                        "an https:// job server (a TLS cluster's) needs this process's TLS identity: set {}, {} and {}",
+                        tpuray_proto::tls::CERT_ENV,
+                        tpuray_proto::tls::KEY_ENV,
+                        tpuray_proto::tls::CA_ENV
+                    )));
+                }
+            }
+        } else {
+            None
+        };
         let tcp =
             tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect((a.host.as_str(), a.port)))
                 .await
                 .map_err(|_| err(format!("no answer in {} s", CONNECT_TIMEOUT.as_secs())))?
                 .map_err(|e| err(e.to_string()))?;
         let _ = tcp.set_nodelay(true);
-        Ok(tcp)
+        ClientStream::connect(tcp, &a.host, tls).await.map_err(err)
     }
 
     async fn request_async(
@@ -466,9 +484,10 @@ impl JobClient {
         }
     }
 
-    async fn open_tail(&self, job_id: &str) -> Result<WebSocketStream<TcpStream>, JobError> {
+    async fn open_tail(&self, job_id: &str) -> Result<WebSocketStream<ClientStream>, JobError> {
         let path = format!("{}/api/jobs/{}/logs/tail", self.address.prefix, segment(job_id));
-        let url = format!("ws://{}{}", self.address.authority(), path);
+        let scheme = if self.address.https { "wss" } else { "ws" };
+        let url = format!("{scheme}://{}{}", self.address.authority(), path);
         let mut req = url.as_str().into_client_request().map_err(|e| {
             JobError::Invalid(format!("cannot build the WebSocket request for {url}: {e}"))
         })?;
@@ -518,7 +537,7 @@ pub fn is_terminal(status: &str) -> bool {
 pub struct LogTail {
     client: JobClient,
     job_id: String,
-    ws: Option<WebSocketStream<TcpStream>>,
+    ws: Option<WebSocketStream<ClientStream>>,
     /// Bytes delivered so far.
     sent: usize,
     /// Bytes of the current stream still to skip (delivered through an earlier one).
@@ -696,7 +715,7 @@ mod tests {
 
     #[test]
     fn the_cluster_token_is_sent_unless_the_caller_sends_an_authorization_header() {
-        let addr = HttpAddress { host: "h".into(), port: 1, prefix: String::new() };
+        let addr = HttpAddress { host: "h".into(), port: 1, prefix: String::new(), https: false };
         let c =
             JobClient::with_address(addr.clone(), &ClientOptions::default(), Some("tok")).unwrap();
         assert_eq!(c.headers, vec![(AUTHORIZATION, HeaderValue::from_static("Bearer tok"))]);
@@ -720,7 +739,7 @@ mod tests {
 
     #[test]
     fn jobc_2_a_tail_skips_what_an_earlier_stream_delivered() {
-        let addr = HttpAddress { host: "h".into(), port: 1, prefix: String::new() };
+        let addr = HttpAddress { host: "h".into(), port: 1, prefix: String::new(), https: false };
         let c = JobClient::with_address(addr, &ClientOptions::default(), None).unwrap();
         let mut t = c.tail("j");
         assert_eq!(t.take(b"one\ntwo\n").as_deref(), Some("one\ntwo\n"));

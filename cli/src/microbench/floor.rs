@@ -80,14 +80,27 @@ fn rpc(t: &Timing) -> Result<()> {
         .context("floor server cannot listen on loopback")?;
     let addr = listener.local_addr()?.to_string();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    rt.spawn(
-        tonic::transport::Server::builder()
-            .tcp_nodelay(true)
-            .add_service(ObjectTransferServiceServer::new(Empty))
-            .serve_with_incoming_shutdown(tpuray_proto::incoming(listener), async {
-                let _ = stop_rx.await;
-            }),
-    );
+    let router = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(ObjectTransferServiceServer::new(Empty));
+    let stopped = async {
+        let _ = stop_rx.await;
+    };
+    // With TPURAY_TLS_* set, the floor is that of a TLS call (the client below uses it too).
+    match tpuray_proto::tls::current().map_err(|e| anyhow::anyhow!(e))? {
+        None => {
+            rt.spawn(
+                router.serve_with_incoming_shutdown(tpuray_proto::incoming(listener), stopped),
+            );
+        }
+        Some(tls) => {
+            let _in_rt = rt.enter();
+            rt.spawn(router.serve_with_incoming_shutdown(
+                tpuray_proto::tls::incoming(listener, tls, "floor server"),
+                stopped,
+            ));
+        }
+    }
     let mut client = {
         let _in_rt = rt.enter(); // the channel's lazy connector needs a runtime
         tpuray_proto::client::objects(&addr, None)?

@@ -1034,6 +1034,7 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
         "owner-died" => owner_died(args)?,
         // One large object read on several nodes at once: see `broadcast`.
         "broadcast" => broadcast(args)?,
+        "mesh" => mesh(args)?,
         other => bail!("unknown scenario {other:?}"),
     }
     Ok(())
@@ -1308,5 +1309,52 @@ fn broadcast(args: &[String]) -> anyhow::Result<()> {
         say(&format!("READ name={n} ok={ok} len={len} ms={ms} node={node}"));
     }
     say(&format!("DONE ms={}", t.elapsed().as_millis()));
+    Ok(())
+}
+
+/// Makes a [`tpuray::Blob`] of `bytes` bytes of the `spill-objects` pattern `k` (stored
+/// in the executing node's store when large).
+#[tpuray::remote]
+fn make_pattern(k: usize, bytes: usize) -> tpuray::Blob {
+    tpuray::Blob(spill_pattern(k, bytes))
+}
+
+/// `mesh BYTES NAMES`: for each custom resource in the comma-separated NAMES (one per
+/// host): a task there reports its node; a `Journal` actor pinned to that node takes
+/// two calls; an object of BYTES made by a task there is read byte-exact here and by a
+/// task on the next name's node. Prints one `MESH name=N task=NODE actor=NODE calls=2
+/// here=BOOL next=BOOL next_node=NODE` line per name, then `DONE`.
+fn mesh(args: &[String]) -> anyhow::Result<()> {
+    let bytes: usize = arg(args, 0, "bytes")?.parse()?;
+    let names: Vec<String> = arg(args, 1, "resource names")?.split(',').map(String::from).collect();
+    let on = |n: &str| TaskOptions {
+        resources: [(n.to_string(), 1.0)].into_iter().collect(),
+        ..Default::default()
+    };
+    let t = Duration::from_secs(600);
+    for (i, n) in names.iter().enumerate() {
+        let next = &names[(i + 1) % names.len()];
+        let node = tpuray::get_timeout(&where_am_i::options(on(n)).remote(), t)?;
+        let j = Journal::options(ActorOptions {
+            scheduling: Scheduling::NodeAffinity { node_id: node.clone(), soft: false },
+            ..Default::default()
+        })
+        .remote()?;
+        j.append(1);
+        let calls = tpuray::get_timeout(&j.append(2), t)?;
+        let (actor_node, _) = tpuray::get_timeout(&j.whereabouts(), t)?;
+        j.handle().kill(true)?;
+        let k = i + 1;
+        let obj = make_pattern::options(on(n)).remote(k, bytes);
+        let here = spill_pattern(k, bytes);
+        let got = tpuray::get_bytes(&obj)?;
+        let here_ok = got.len() >= bytes && got[got.len() - bytes..] == here[..];
+        let (next_ok, _, _, next_node) =
+            tpuray::get_timeout(&read_pattern::options(on(next)).remote(vec![obj], k, bytes), t)?;
+        say(&format!(
+            "MESH name={n} task={node} actor={actor_node} calls={calls} here={here_ok} next={next_ok} next_node={next_node}"
+        ));
+    }
+    say("DONE");
     Ok(())
 }

@@ -226,8 +226,20 @@ def _deploy_rest(url: str, doc: dict) -> int:
                                  data=json.dumps(doc).encode(),
                                  headers={"Content-Type": "application/json",
                                           **({"Authorization": f"Bearer {token}"} if token else {})})
+    context = None
+    if url.startswith("https://"):
+        # A TLS cluster's head (mutual TLS, TLS-2): the CA and this process's certificate.
+        import ssl
+        cert, key, ca = (os.environ.get(v) for v in
+                         ("TPURAY_TLS_CERT", "TPURAY_TLS_KEY", "TPURAY_TLS_CA"))
+        if not (cert and key and ca):
+            print(f"tpuray serve deploy: {url} is a TLS cluster's: set TPURAY_TLS_CERT, "
+                  "TPURAY_TLS_KEY and TPURAY_TLS_CA", file=sys.stderr)
+            return 1
+        context = ssl.create_default_context(cafile=ca)
+        context.load_cert_chain(cert, key)
     try:
-        with urllib.request.urlopen(req, timeout=60):
+        with urllib.request.urlopen(req, timeout=60, context=context):
             pass
     except urllib.error.HTTPError as e:
         print(f"tpuray serve deploy: {url} answered {e.code}: {e.read().decode(errors='replace')}",
