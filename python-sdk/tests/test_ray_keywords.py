@@ -300,6 +300,9 @@ def test_max_calls_and_concurrency_groups_are_refused_in_options_as_ray_does():
 def test_node_affinity_and_pg_strategies_reach_the_core():
     f = tpuray.remote(scheduling_strategy=NodeAffinitySchedulingStrategy("n1", soft=True))(_plain)
     assert _options.task_core_options(f._options, "f")["scheduling"] == ("node", "n1", True)
+    for private in ("_spill_on_unavailable", "_fail_on_unavailable"):
+        with pytest.raises(ValueError, match=private):
+            NodeAffinitySchedulingStrategy("n1", soft=True, **{private: True})
     s = PlacementGroupSchedulingStrategy(_PG, 1, placement_group_capture_child_tasks=True)
     core = _options.task_core_options(tpuray.remote(scheduling_strategy=s)(_plain)._options, "f")
     assert core["scheduling"] == ("pg", _PG.id.hex(), 1) and core["capture_child_tasks"]

@@ -17,8 +17,21 @@ class NodeAffinitySchedulingStrategy:
     """Run on node ``node_id`` (``soft``: elsewhere when it cannot)."""
 
     def __init__(self, node_id: str, soft: bool, _spill_on_unavailable=False, _fail_on_unavailable=False):
+        """:raises ValueError: ``_spill_on_unavailable`` or ``_fail_on_unavailable`` true
+            (Ray's private options: spill elsewhere, or fail at once, while the node is
+            busy); tpuray's node affinity always waits for a busy node that exists, so
+            they are refused by name rather than ignored."""
+        for name, value in (("_spill_on_unavailable", _spill_on_unavailable),
+                            ("_fail_on_unavailable", _fail_on_unavailable)):
+            if value:
+                raise ValueError(
+                    f"NodeAffinitySchedulingStrategy({name}=True) is not supported by tpuray: "
+                    "a task with node affinity waits while its node exists and is busy"
+                )
         self.node_id = node_id
         self.soft = soft
+        self._spill_on_unavailable = False
+        self._fail_on_unavailable = False
 
 
 class In:
