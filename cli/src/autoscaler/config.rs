@@ -137,6 +137,15 @@ pub struct NodeType {
 }
 
 impl NodeType {
+    /// `tpuray start`'s `--labels` for a host of instance `instance`: the type's labels
+    /// and the autoscaler's two ([`NODE_TYPE_LABEL`], [`INSTANCE_LABEL`]).
+    pub fn labels_arg(&self, instance: &str) -> [String; 2] {
+        let mut labels: Vec<String> = self.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        labels.push(format!("{NODE_TYPE_LABEL}={}", self.name));
+        labels.push(format!("{INSTANCE_LABEL}={instance}"));
+        ["--labels".into(), labels.join(",")]
+    }
+
     /// Hosts per instance: a slice's hosts, else 1.
     pub fn hosts(&self) -> u32 {
         self.slice.as_ref().map_or(1, SliceShape::hosts)

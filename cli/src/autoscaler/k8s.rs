@@ -57,10 +57,7 @@ pub fn agent_args(t: &NodeType, instance: &str) -> Vec<String> {
     if !custom.is_empty() {
         args.extend(["--resources".into(), serde_json::Value::Object(custom).to_string()]);
     }
-    let mut labels: Vec<String> = t.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    labels.push(format!("{NODE_TYPE_LABEL}={}", t.name));
-    labels.push(format!("{INSTANCE_LABEL}={instance}"));
-    args.extend(["--labels".into(), labels.join(",")]);
+    args.extend(t.labels_arg(instance));
     args
 }
 

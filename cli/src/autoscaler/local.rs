@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 
-use super::config::{INSTANCE_LABEL, NODE_TYPE_LABEL, NodeType};
+use super::config::NodeType;
 use super::decide::InstanceView;
 use super::provider::Provider;
 
@@ -128,10 +128,7 @@ impl LocalProvider {
         if !custom.is_empty() {
             args.extend(["--resources".into(), serde_json::Value::Object(custom).to_string()]);
         }
-        let mut labels: Vec<String> = t.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        labels.push(format!("{NODE_TYPE_LABEL}={}", t.name));
-        labels.push(format!("{INSTANCE_LABEL}={instance}"));
-        args.extend(["--labels".into(), labels.join(",")]);
+        args.extend(t.labels_arg(instance));
         (args, env)
     }
 
