@@ -845,8 +845,9 @@ pub fn dispatch(cli: Cli) -> Result<i32> {
     }
 }
 
-/// Long-running processes ignore SIGPIPE (the binary's `main` restores the default for
-/// the short commands): a vectored write to a peer that hung up would otherwise kill a
+/// Long-running processes ignore SIGPIPE (the native binary's `main` leaves it ignored
+/// for every command; this also covers a CLI run from elsewhere, e.g. embedded with its
+/// disposition changed): a vectored write to a peer that hung up would otherwise kill a
 /// head or agent instead of failing that one connection.
 fn ignore_sigpipe() {
     // SAFETY: setting a signal disposition has no memory-safety preconditions; it runs

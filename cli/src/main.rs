@@ -9,11 +9,24 @@
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
-    // Die quietly on a closed pipe (`tpuray list tasks | head`), like other
-    // command-line tools, instead of panicking in println!.
-    // SAFETY: setting a signal disposition before any thread starts.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
+    // SIGPIPE stays ignored (Rust's default) in every command: a socket write to a peer
+    // that hung up (a plain client that a TLS server refused, hyper's vectored writes,
+    // which cannot pass MSG_NOSIGNAL) must fail that connection with EPIPE, not kill the
+    // command before it can name why. A closed stdout (`tpuray list tasks | head`) still
+    // ends the command quietly, as other command-line tools do: println! panics on EPIPE,
+    // and this hook turns that one panic into a silent exit with SIGPIPE's status (141).
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(128 + libc::SIGPIPE);
+        }
+        default_hook(info);
+    }));
     std::process::exit(tpuray_cli::run(std::env::args().collect()));
 }
