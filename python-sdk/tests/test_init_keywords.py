@@ -181,3 +181,26 @@ def test_local_cluster_keywords_set_up_the_new_cluster_and_are_refused_when_join
     assert first["temp_used"] and first["handlers"] == 0, first
     for k, msg in joins.items():
         assert msg.startswith(f"When connecting to an existing cluster, {k} must not be provided"), (k, msg)
+
+
+def test_address_auto_with_no_cluster_running_raises_rays_connection_error(tmp_path, env):
+    # Ray's: "auto" joins a running cluster and never starts one.
+    env = dict(env, TPURAY_REGISTRY_DIR=str(tmp_path / "empty-registry"))
+    env.pop("TPURAY_ADDRESS", None)
+    env.pop("RAY_ADDRESS", None)
+    code = textwrap.dedent("""
+        import tpuray
+        try:
+            tpuray.init(address="auto")
+        except ConnectionError as e:
+            print("ConnectionError:", e)
+        print("initialized:", tpuray.is_initialized())
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "ConnectionError: Could not find any running Ray instance. Please specify the one "
+        "to connect to by setting `--address` flag or `RAY_ADDRESS` environment variable.",
+        "initialized: False",
+    ], r.stdout

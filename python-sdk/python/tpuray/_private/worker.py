@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import contextvars
 import inspect
 import json
 import os
@@ -57,6 +58,10 @@ class _State:
 
 state = _State()
 _task_context = threading.local()
+#: The info of the async actor call a coroutine runs for (an asyncio task copies the
+#: context it was created in, so each call's coroutine sees its own; the loop thread's
+#: ``_task_context`` cannot tell overlapping calls apart).
+_async_call = contextvars.ContextVar("tpuray_async_call", default=None)
 
 
 def _free_port() -> int:
@@ -436,9 +441,18 @@ def init(
         if address in ("local",):
             address = None
         elif address in (None, "auto"):
+            asked = address or os.environ.get("TPURAY_ADDRESS") or os.environ.get("RAY_ADDRESS")
             address = os.environ.get("TPURAY_ADDRESS") or os.environ.get("RAY_ADDRESS")
             if not address or address == "auto":
                 address = _current_cluster_address()
+            if not address and asked == "auto":
+                # Ray's: "auto" joins a running cluster and never starts one
+                # (ray/_private/services.py, canonicalize_bootstrap_address_or_die).
+                raise ConnectionError(
+                    "Could not find any running Ray instance. Please specify the one to "
+                    "connect to by setting `--address` flag or `RAY_ADDRESS` environment "
+                    "variable."
+                )
         if address:
             _refuse_local_cluster_options(
                 num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
@@ -956,6 +970,9 @@ def wait(refs, *, num_returns=1, timeout=None, fetch_local=True):
 
 
 def current_task_id():
+    info = _async_call.get()
+    if info is not None:
+        return info["task_id"]
     return getattr(_task_context, "task_id", None)
 
 
@@ -998,6 +1015,9 @@ def is_canceled() -> bool:
 def current_task_info():
     """The info dict (``tpuray::foreign::TaskInfo``) of the task this thread runs, or
     None (a driver, or between tasks)."""
+    info = _async_call.get()
+    if info is not None:
+        return info
     if getattr(_task_context, "task_id", None) is None:
         return None
     return getattr(_task_context, "info", None)
@@ -1087,23 +1107,33 @@ class WorkerRuntime:
         # Runs on the loop thread: the coroutine starts as a task (so calls overlap) that
         # answers itself when it ends.
         retry_filter = None
+        cls = type(self.actor).__name__
+        # What get_runtime_context() names inside the call (the sync path's TaskInfo keys).
+        token = _async_call.set({
+            "task_id": task_id or None, "name": f"{cls}.{name}", "function": name,
+            "class_name": cls, "actor_id": os.environ.get("TPURAY_ACTOR_ID", ""),
+        })
         try:
-            method = getattr(self.actor, name)
-            args, kwargs, retry_filter = _decode(raw_args)
-            result = method(*args, **kwargs)
-            if not inspect.iscoroutine(result):
-                reply.send(self._returns(num_returns, result))
+            try:
+                method = getattr(self.actor, name)
+                args, kwargs, retry_filter = _decode(raw_args)
+                result = method(*args, **kwargs)
+                if not inspect.iscoroutine(result):
+                    reply.send(self._returns(num_returns, result))
+                    return
+            except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+                if _is_actor_exit(e):
+                    self._exit_from_loop(reply)
+                    return
+                reply.send(self._failure(None, e, retry_filter))
                 return
-        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
-            if _is_actor_exit(e):
-                self._exit_from_loop(reply)
-                return
-            reply.send(self._failure(None, e, retry_filter))
-            return
-        # The loop holds tasks weakly: the set keeps a waiting one alive.
-        task = self.loop.create_task(
-            self._answer(result, reply, num_returns, retry_filter, task_id)
-        )
+            # The loop holds tasks weakly: the set keeps a waiting one alive. The task
+            # copies this context, so the coroutine sees this call's info.
+            task = self.loop.create_task(
+                self._answer(result, reply, num_returns, retry_filter, task_id)
+            )
+        finally:
+            _async_call.reset(token)
         self._async_tasks.add(task)
         if task_id:
             with self._cancel_lock:
