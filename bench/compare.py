@@ -128,7 +128,9 @@ perf.main()
 
 def ensure_ray(venv: Path, version: str) -> Path:
     py = venv / "bin" / "python"
-    if not py.exists():
+    ready = py.exists() and subprocess.run(
+        [str(py), "-c", "import ray, numpy"], capture_output=True).returncode == 0
+    if not ready:  # missing, or left half-made by an interrupted install
         print(f"creating {venv} with ray=={version} from PyPI", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         # grpcio: ray_perf imports Ray Client's helpers, which need it, and plain `ray`

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Single-node limits with real processes, tpuray against Ray on this machine in one run
-(issue 34, part 2; Ray's envelope is ray ``release/benchmarks/README.md``: on one node
+(Ray's envelope is ray ``release/benchmarks/README.md``: on one node
 1,000,000 queued tasks, 10,000 objects returned from one task, 10,000 objects in one
 ``get``):
 
@@ -176,9 +176,12 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default="tpuray,ray", help="comma-separated: tpuray, ray")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
-    ap.add_argument("--queued", type=int, default=CASES["queued"][1])
-    ap.add_argument("--big-gib", type=float, default=CASES["big"][1])
-    ap.add_argument("--actors", type=int, default=CASES["actors"][1])
+    ap.add_argument("--queued", type=int, default=CASES["queued"][1],
+                    help="tasks queued in the 'queued' case (default %(default)s)")
+    ap.add_argument("--big-gib", type=float, default=CASES["big"][1],
+                    help="GiB of the 'big' case's array (default %(default)s)")
+    ap.add_argument("--actors", type=int, default=CASES["actors"][1],
+                    help="actors created at once in the 'actors' case (default %(default)s)")
     ap.add_argument("--out", default=None, help="folder for limits.json (default: /tmp/...)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     a = ap.parse_args()

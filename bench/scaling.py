@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How cost grows with the work, tpuray against Ray on this machine, interleaved in one
-run, each curve drawn as a PNG with Ray's beside tpuray's (issue 34, part 3):
+run, each curve drawn as a PNG with Ray's beside tpuray's:
 
 - ``tasks_vs_nodes.png``: tasks per second (empty tasks from one driver, submitted in
   one batch and then all gotten) against 1, 2, 4 and 8 node agents of 1 CPU each,

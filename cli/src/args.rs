@@ -33,7 +33,8 @@ pub enum Command {
     Summary(SummaryArgs),
     /// Show each node's object store: capacity, used, spilled, pinned and its largest objects.
     Memory(MemoryArgs),
-    /// Stop every tpuray process started on this machine.
+    /// Stop every tpuray process started on this machine (those in its process registry:
+    /// `$TPURAY_REGISTRY_DIR`, default /tmp/tpuray/registry).
     Stop(StopArgs),
     /// Write the cluster's task events as Chrome trace JSON (open it in Perfetto).
     Timeline(TimelineArgs),

@@ -2096,6 +2096,12 @@ pub async fn serve(
         .local_addr()
         .map(|bound| SocketAddr::new(config.listen.ip(), bound.port()))
         .map_err(|e| ServeError::Listen { addr: config.listen, detail: e.to_string() })?;
+    // A lone head given port 0 is at the port it was bound to: its replica list (`tpuray
+    // status`, the HTTP API) names that one, not an unreachable port 0.
+    let mut config = config;
+    if config.peers.is_empty() {
+        config.listen = addr;
+    }
     let dashboard = match &config.dashboard {
         Some(d) => {
             Some(crate::http::bind(d, config.listen.ip()).await.map_err(ServeError::Config)?)

@@ -344,7 +344,8 @@ pub fn explain(e: &rustls::Error, peer: &str) -> String {
                 format!("{peer}'s certificate is not valid yet ({c}; check the clocks)")
             }
             C::NotValidForNameContext { expected, .. } => format!(
-                "{peer}'s certificate does not name {expected:?}, the address dialled (make it with `tpuray tls make-cert --host` naming every host name and IP it is reached by)"
+                "{peer}'s certificate does not name {}, the address dialled (make it with `tpuray tls make-cert --host` naming every host name and IP it is reached by)",
+                expected.to_str()
             ),
             C::Revoked => format!("{peer}'s certificate is revoked"),
             other => format!("{peer}'s certificate is not valid: {other}"),
@@ -695,6 +696,19 @@ async fn handshake_failure(addr: &str, tls: &Tls) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_certificate_for_another_address_names_the_one_dialled_as_written() {
+        let ip = std::net::IpAddr::from([192, 0, 2, 2]);
+        let e = rustls::Error::InvalidCertificate(
+            rustls::CertificateError::NotValidForNameContext {
+                expected: rustls::pki_types::ServerName::IpAddress(ip.into()),
+                presented: vec![],
+            },
+        );
+        let s = explain(&e, "the server");
+        assert!(s.contains("does not name 192.0.2.2, the address dialled"), "{s}");
+    }
 
     #[test]
     fn a_partial_identity_is_refused_naming_what_is_missing() {

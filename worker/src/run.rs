@@ -28,7 +28,7 @@ pub enum StartError {
     #[error("the head at {address} refused this node: {detail}")]
     Refused { address: String, detail: String },
     /// TLS-3/TLS-4: the modes differ, or a certificate was refused.
-    #[error("cannot join the head at {address} over TLS: {detail}")]
+    #[error("cannot join the head at {address}: {detail}")]
     Tls { address: String, detail: String },
     #[error("cannot listen on {addr}: {detail}")]
     Listen { addr: String, detail: String },

@@ -205,11 +205,13 @@ fn check_build(optimized: bool, allow: bool) -> Result<()> {
         return Ok(());
     }
     let exe = std::env::current_exe().map(|p| p.display().to_string()).unwrap_or_default();
-    // Under `python -m tpuray` this CLI is the Python package's extension.
-    let exe = if std::env::var_os("TPURAY_SELF_COMMAND").is_some() {
-        format!("the Python package's extension, run by {exe}")
-    } else {
-        exe
+    // Under `python -m tpuray` this CLI is the Python package's extension; name the
+    // interpreter as the user ran it (current_exe() is the symlink-resolved base one).
+    let exe = match python_interpreter(None) {
+        p if std::env::var_os("TPURAY_SELF_COMMAND").is_some() => {
+            format!("the extension of the tpuray package that {} imports", p.display())
+        }
+        _ => exe,
     };
     if !allow {
         bail!(
