@@ -700,12 +700,11 @@ mod tests {
     #[test]
     fn a_certificate_for_another_address_names_the_one_dialled_as_written() {
         let ip = std::net::IpAddr::from([192, 0, 2, 2]);
-        let e = rustls::Error::InvalidCertificate(
-            rustls::CertificateError::NotValidForNameContext {
+        let e =
+            rustls::Error::InvalidCertificate(rustls::CertificateError::NotValidForNameContext {
                 expected: rustls::pki_types::ServerName::IpAddress(ip.into()),
                 presented: vec![],
-            },
-        );
+            });
         let s = explain(&e, "the server");
         assert!(s.contains("does not name 192.0.2.2, the address dialled"), "{s}");
     }
