@@ -313,12 +313,24 @@ pub fn status(address: &str) -> Result<i32> {
         }
         println!();
     }
-    println!("Infeasible:");
-    if st.infeasible.is_empty() {
-        println!(" (no infeasible demand)");
-    }
-    for d in &st.infeasible {
-        println!(" {}: {}+ infeasible -- {}", fmt_shape(&d.shape), d.count.max(1), d.reason);
+    // With an autoscaler, what no node holds now is the autoscaler's to launch for (its
+    // section below says what it launches and what no node type could ever hold).
+    if autoscaler_report.is_some() {
+        println!("Waiting for a node (no node holds it now; see Autoscaler below):");
+        if st.infeasible.is_empty() {
+            println!(" (none)");
+        }
+        for d in &st.infeasible {
+            println!(" {}: {}+ waiting -- {}", fmt_shape(&d.shape), d.count.max(1), d.reason);
+        }
+    } else {
+        println!("Infeasible:");
+        if st.infeasible.is_empty() {
+            println!(" (no infeasible demand)");
+        }
+        for d in &st.infeasible {
+            println!(" {}: {}+ infeasible -- {}", fmt_shape(&d.shape), d.count.max(1), d.reason);
+        }
     }
     if let Some(report) = autoscaler_report {
         println!();

@@ -2381,15 +2381,31 @@ impl Core {
                 }
                 Ok(Some(Outcome::Infeasible(i))) => {
                     if !class.warned.swap(true, Ordering::SeqCst) {
+                        // A cluster with an autoscaler (its report in the head's KV,
+                        // tpuray_cli::autoscaler::{KV_NAMESPACE, STATUS_KEY}) may launch a
+                        // node for it: say so, and do not suggest failing such work.
+                        let autoscaled = match self.head_client() {
+                            Ok(mut h) => h
+                                .kv_get(pb::KvGetRequest {
+                                    namespace: "autoscaler".into(),
+                                    key: b"status".to_vec(),
+                                })
+                                .await
+                                .is_ok_and(|r| r.into_inner().found),
+                            Err(_) => false,
+                        };
+                        let then = if autoscaled {
+                            "the cluster's autoscaler launches a node for it if a node type \
+                             can hold it (tpuray status, section Autoscaler)"
+                        } else if self.fail_on_infeasible {
+                            "it stays pending until a node that fits joins"
+                        } else {
+                            "it stays pending until a node that fits joins (set \
+                             TPURAY_FAIL_ON_INFEASIBLE=1 to fail instead)"
+                        };
                         eprintln!(
-                            "tpuray: warning: a task needing {:?} is infeasible: {}; it stays pending until a node that fits joins{}",
-                            class.resources,
-                            i.reason,
-                            if self.fail_on_infeasible {
-                                ""
-                            } else {
-                                " (set TPURAY_FAIL_ON_INFEASIBLE=1 to fail instead)"
-                            }
+                            "tpuray: warning: a task needing {:?} is infeasible: {}; {then}",
+                            class.resources, i.reason,
                         );
                     }
                     if self.fail_on_infeasible {
