@@ -14,11 +14,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv="${TPURAY_TEST_VENV:-.venv-test}"
+case "$venv" in /*) ;; *) venv="$PWD/$venv" ;; esac
 if [ ! -x "$venv/bin/python" ]; then
     "${PYTHON:-python3}" -m venv "$venv"
 fi
 # maturin's build hook runs `maturin` from PATH.
-export PATH="$PWD/$venv/bin:$PATH"
+export PATH="$venv/bin:$PATH"
 # prometheus_client: its text parser reads /metrics in test_metrics.py. uv: the installer
 # of runtime_env['uv'], found beside the interpreter (tests/test_runtime_env.py). pandas,
 # pyarrow, tqdm, pillow: tpuray.data (its `data` extra; pillow for read_images).
