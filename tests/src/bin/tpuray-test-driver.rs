@@ -394,6 +394,27 @@ fn say(line: &str) {
     let _ = out.flush();
 }
 
+/// Cancels running task `r` (`force` or not), prints its `get` (`RESULT` or the error),
+/// then runs another task and prints `AFTER 42 ms=...`: the worker or its replacement
+/// still serves.
+fn cancel_then_add<T>(r: &tpuray::ObjectRef<T>, force: bool) -> Result<(), Error>
+where
+    T: tpuray::serde::de::DeserializeOwned + std::fmt::Display,
+{
+    let t = Instant::now();
+    tpuray::cancel(r, force)?;
+    match tpuray::get_timeout(r, Duration::from_secs(30)) {
+        Ok(v) => say(&format!("RESULT {v}")),
+        Err(e) => print_error(&e, t),
+    }
+    let t = Instant::now();
+    match tpuray::get_timeout(&add::remote(40, 2), Duration::from_secs(30)) {
+        Ok(v) => say(&format!("AFTER {v} ms={}", t.elapsed().as_millis())),
+        Err(e) => print_error(&e, t),
+    }
+    Ok(())
+}
+
 fn print_error(e: &Error, since: Instant) {
     let msg = e.to_string().replace('\n', " | ");
     say(&format!("ERROR kind={} ms={} msg={msg}", kind(e), since.elapsed().as_millis()));
@@ -686,17 +707,7 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             wait_for_file(Path::new(&pid_file), Duration::from_secs(30))?;
             let task = std::fs::read_to_string(&pid_file)?;
             say(&format!("TASK {}", task.trim()));
-            let t = Instant::now();
-            tpuray::cancel(&r, true)?;
-            match tpuray::get_timeout(&r, Duration::from_secs(30)) {
-                Ok(v) => say(&format!("RESULT {v}")),
-                Err(e) => print_error(&e, t),
-            }
-            let t = Instant::now();
-            match tpuray::get_timeout(&add::remote(40, 2), Duration::from_secs(30)) {
-                Ok(v) => say(&format!("AFTER {v} ms={}", t.elapsed().as_millis())),
-                Err(e) => print_error(&e, t),
-            }
+            cancel_then_add(&r, true)?;
         }
         // CORE-12 cooperative: cancel without force reaches a running Rust task, which
         // sees tpuray::is_cancelled(); its get fails with Cancelled; the worker lives.
@@ -704,17 +715,7 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             let pid_file = arg(args, 0, "pid file")?;
             let r = spin_until_cancelled::remote(pid_file.clone());
             wait_for_file(Path::new(&pid_file), Duration::from_secs(30))?;
-            let t = Instant::now();
-            tpuray::cancel(&r, false)?;
-            match tpuray::get_timeout(&r, Duration::from_secs(30)) {
-                Ok(v) => say(&format!("RESULT {v}")),
-                Err(e) => print_error(&e, t),
-            }
-            let t = Instant::now();
-            match tpuray::get_timeout(&add::remote(40, 2), Duration::from_secs(30)) {
-                Ok(v) => say(&format!("AFTER {v} ms={}", t.elapsed().as_millis())),
-                Err(e) => print_error(&e, t),
-            }
+            cancel_then_add(&r, false)?;
         }
         // placement_group_capture_child_tasks for Rust tasks.
         "capture" => {
