@@ -219,13 +219,9 @@ impl<K: Clone + Eq + Hash + Ord + Debug> ClusterView<K> {
     pub fn decide(&mut self, req: &Request<K>, local: Option<&K>, seed: u64) -> Decision<K> {
         if let Strategy::NodeAffinity { node, soft } = &req.strategy {
             let target = self.node(node).filter(|n| n.alive);
-            if !soft {
+            // SCHED-9: a soft target that is alive and feasible is waited for (Ray).
+            if !soft || target.is_some_and(|t| is_feasible(req, t)) {
                 return hard_affinity(req, node, target);
-            }
-            if let Some(t) = target.filter(|t| is_feasible(req, t))
-                && t.available.is_superset_of(&req.demand)
-            {
-                return Decision::Place(t.id.clone());
             }
         }
         let cid = self.class_id(&req.demand, &req.label_selector);

@@ -35,7 +35,10 @@ pub enum Strategy<K> {
     Default,
     /// The least utilised node; consecutive seeds rotate among ties.
     Spread,
-    /// Only `node` when `soft` is false (SCHED-9); `node` if free, else `Default` when soft.
+    /// Only `node` when `soft` is false (SCHED-9). When soft, `node` whenever it is alive
+    /// and could ever hold the demand (waiting there while it is busy), else `Default`:
+    /// Ray's `NodeAffinitySchedulingStrategy(soft=True)` without `_spill_on_unavailable`
+    /// (ray `src/ray/raylet/scheduling/policy/node_affinity_scheduling_policy.cc`).
     NodeAffinity { node: K, soft: bool },
 }
 
@@ -73,13 +76,8 @@ pub fn schedule<K: Clone + Eq + Hash + Ord + Debug>(
     let alive: Vec<&NodeView<K>> = nodes.iter().filter(|n| n.alive).collect();
     if let Strategy::NodeAffinity { node, soft } = &req.strategy {
         let target = alive.iter().copied().find(|n| &n.id == node);
-        if !soft {
+        if !soft || target.is_some_and(|t| is_feasible(req, t)) {
             return hard_affinity(req, node, target);
-        }
-        if let Some(t) = target.filter(|t| is_feasible(req, t))
-            && t.available.is_superset_of(&req.demand)
-        {
-            return Decision::Place(t.id.clone());
         }
     }
     let feasible: Vec<&NodeView<K>> =
@@ -415,7 +413,8 @@ mod tests {
     }
 
     #[test]
-    fn node_affinity_hard_never_places_elsewhere_and_soft_falls_back_sched_9() {
+    fn node_affinity_hard_never_places_elsewhere_and_soft_falls_back_only_from_dead_or_infeasible_targets_sched_9()
+     {
         let nodes = [
             node(1, "CPU=4", "=", ""),
             node(2, "CPU=4", "", "zone=a"),
@@ -443,7 +442,14 @@ mod tests {
                 &[("zone", "a")],
                 r#"infeasible: node affinity target 1 does not match label selector {"zone": "a"}"#,
             ),
-            (SOFT(2), "CPU=1", &[], "place 1"),
+            // Alive and feasible but busy: a soft target is waited for, as in Ray.
+            (
+                SOFT(2),
+                "CPU=1",
+                &[],
+                "queue: node affinity target 2 does not have {CPU: 1} available now",
+            ),
+            (SOFT(2), "CPU=1", &[("zone", "!a")], "place 1"),
             (SOFT(3), "CPU=1", &[], "place 1"),
             (
                 SOFT(1),

@@ -408,7 +408,11 @@ fn every_head_restarted_from_disk_keeps_actors_groups_and_kv_and_reconciles_with
         // Still the same process after the new leader compared the agents' workers.
         tokio::time::sleep(Duration::from_millis(3 * DEATH_TIMEOUT_MS)).await;
         let keeper = actor("keeper").await.expect("keeper again");
-        assert_eq!((keeper.state, keeper.pid), (pb::ActorState::Alive as i32, pids["keeper"]));
+        assert_eq!(
+            (keeper.state, keeper.pid),
+            (pb::ActorState::Alive as i32, pids["keeper"]),
+            "the keeper kept its process: {keeper:?}"
+        );
         let st = h.get_cluster_status(pb::GetClusterStatusRequest {}).await.expect("status");
         let dead: Vec<_> = st
             .into_inner()
