@@ -457,6 +457,9 @@ fn error_tuple(py: Python<'_>, e: Error) -> PyResult<Py<PyAny>> {
         Error::WorkerDied { function, message } => {
             ("worker_died", message, vec![], function, String::new(), 0)
         }
+        Error::NodeDied { function, message } => {
+            ("node_died", message, vec![], function, String::new(), 0)
+        }
         Error::ActorDied { actor, message } => {
             ("actor_died", message, vec![], actor, String::new(), 0)
         }

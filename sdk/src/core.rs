@@ -111,6 +111,10 @@ const LEASE_LINGER: Duration = Duration::from_millis(100);
 /// Leases one scheduling class may hold or ask for at once.
 const MAX_LEASES_PER_CLASS: usize = 32;
 
+/// How long the owner waits for a node agent's answer when deciding whether a broken
+/// worker means a dead node ([`Core::failure_cause`]).
+const FAILURE_CAUSE_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// The environment variable that sets how many threads run the SDK's runtime in a
 /// driver or worker process (see [`build_runtime`]).
 pub const RUNTIME_THREADS_ENV: &str = "TPURAY_RUNTIME_THREADS";
@@ -2362,7 +2366,7 @@ impl Core {
                 Ok(Some(Outcome::Granted(g))) => {
                     failures = 0;
                     infeasible = 0;
-                    let broken = self.run_on_worker(class, &g).await;
+                    let broken = self.run_on_worker(class, &g, &target).await;
                     // A dead node's agent is not asked (it may be silent, CORE-10).
                     if !self.deaths.is_dead(&g.node_id)
                         && let Ok(mut c) = self.agent_client(&target)
@@ -2498,6 +2502,7 @@ impl Core {
         self: &Arc<Self>,
         class: &Arc<Class>,
         g: &pb::request_worker_lease_reply::Granted,
+        agent_address: &str,
     ) -> bool {
         let Ok(client) = self.worker_client(&g.worker_address) else {
             return true;
@@ -2605,7 +2610,7 @@ impl Core {
                             g.worker_address,
                             status.message()
                         );
-                        self.worker_died(class, q, &detail);
+                        self.worker_died(class, q, &detail, &g.node_id, agent_address);
                     }
                 }
             }
@@ -2650,15 +2655,63 @@ impl Core {
         self.ensure_leases(class);
     }
 
-    fn worker_died(self: &Arc<Self>, class: &Arc<Class>, q: Queued, detail: &str) {
+    /// The worker running `q` (leased from the agent at `agent_address` on `node_id`)
+    /// broke its connection: the task is retried while it has retries, else it fails
+    /// with the cause [`Core::failure_cause`] finds.
+    fn worker_died(
+        self: &Arc<Self>,
+        class: &Arc<Class>,
+        q: Queued,
+        detail: &str,
+        node_id: &str,
+        agent_address: &str,
+    ) {
         if self.finish_if_cancelled(&q.spec) {
             return;
         }
         if q.retries_left != 0 {
             self.retry(class, q, detail);
-        } else {
-            let e = err(Kind::WorkerDied, format!("{detail} (no retries left)"), &q.spec.name);
-            self.finish_failed(&q.spec, e);
+            return;
+        }
+        let core = Arc::clone(self);
+        let (detail, node_id, agent) =
+            (detail.to_string(), node_id.to_string(), agent_address.to_string());
+        self.rt.spawn(async move {
+            let e = match core.failure_cause(&node_id, &agent).await {
+                Some(node_dead) => err(Kind::NodeDied, node_dead, &q.spec.name),
+                None => err(Kind::WorkerDied, format!("{detail} (no retries left)"), &q.spec.name),
+            };
+            core.finish_failed(&q.spec, e);
+        });
+    }
+
+    /// Why a worker on `node_id` broke, as Ray's owner decides it: the node's agent is
+    /// asked (Ray asks the raylet for the task's failure cause); when the head already
+    /// declared the node dead, or its agent does not answer within
+    /// [`FAILURE_CAUSE_TIMEOUT`], the node died (the message, for `NodeDiedError`);
+    /// otherwise only the worker did (`None`). Ray's rule:
+    /// `GetErrorInfoFromGetTaskFailureCauseReply`, ray `src/ray/core_worker/`.
+    async fn failure_cause(&self, node_id: &str, agent_address: &str) -> Option<String> {
+        let ip = agent_address.rsplit_once(':').map_or(agent_address, |(h, _)| h);
+        // The first sentence as Ray 2.60 words it (scripts match on it).
+        let dead = format!(
+            "Task failed because the node it was running on is dead or unavailable. \
+             Node IP: {ip}, node ID: {node_id}. Its node agent did not answer when the \
+             worker's connection broke; `tpuray list nodes` shows whether the head \
+             declared it dead."
+        );
+        if self.deaths.is_dead(node_id) {
+            return Some(dead);
+        }
+        let asked = async {
+            let mut c = self.agent_client(agent_address).ok()?;
+            let mut req = tonic::Request::new(pb::GetNodeInfoRequest {});
+            req.set_timeout(FAILURE_CAUSE_TIMEOUT);
+            c.get_node_info(req).await.ok()
+        };
+        match tokio::time::timeout(FAILURE_CAUSE_TIMEOUT, asked).await {
+            Ok(Some(_)) if !self.deaths.is_dead(node_id) => None,
+            _ => Some(dead),
         }
     }
 

@@ -49,6 +49,13 @@ pub enum Error {
     /// The worker running the task died and no retries were left (`WorkerCrashedError`).
     #[error("task {function}: the worker running it died: {message}")]
     WorkerDied { function: String, message: String },
+    /// The node running the task died or became unreachable while it ran, and no
+    /// retries were left: the worker's connection broke and the node's agent did not
+    /// answer either (Ray's `NodeDiedError`; Ray decides the same way, asking the raylet
+    /// for the failure cause: `GetErrorInfoFromGetTaskFailureCauseReply` in
+    /// `src/ray/core_worker/task_submission/`).
+    #[error("task {function}: {message}")]
+    NodeDied { function: String, message: String },
     /// The actor is dead or died during the call (`RayActorError`).
     #[error("actor {actor}: {message}")]
     ActorDied { actor: String, message: String },
@@ -87,6 +94,7 @@ impl Error {
             if e.function_name.is_empty() { function.to_string() } else { e.function_name.clone() };
         match Kind::try_from(e.kind).unwrap_or(Kind::Application) {
             Kind::WorkerDied => Error::WorkerDied { function, message: e.message.clone() },
+            Kind::NodeDied => Error::NodeDied { function, message: e.message.clone() },
             Kind::ActorDied => Error::ActorDied { actor: function, message: e.message.clone() },
             Kind::Cancelled => Error::Cancelled { function },
             Kind::PendingCallsLimitExceeded => {

@@ -299,7 +299,13 @@ impl GangGeneration {
 /// Whether `e` means a member or its host died (the gang restarts), rather than the
 /// member's own code failing (the gang stops and the error is returned).
 pub fn is_member_death(e: &Error) -> bool {
-    matches!(e, Error::WorkerDied { .. } | Error::ActorDied { .. } | Error::ObjectLost { .. })
+    matches!(
+        e,
+        Error::WorkerDied { .. }
+            | Error::NodeDied { .. }
+            | Error::ActorDied { .. }
+            | Error::ObjectLost { .. }
+    )
 }
 
 fn claim_ports(needed: u32, pg_id: &str) -> Result<(u16, Vec<String>), Error> {

@@ -106,7 +106,8 @@ def get(object_refs, *, timeout=None):
         tpuray.exceptions.RayTaskError: the task raised (also an instance of the task's
             own exception class).
         tpuray.exceptions.GetTimeoutError: not ready within ``timeout``.
-        tpuray.exceptions.RayActorError / WorkerCrashedError / ObjectLostError.
+        tpuray.exceptions.RayActorError / WorkerCrashedError / NodeDiedError /
+            ObjectLostError.
     """
     return _worker.get(object_refs, timeout)
 

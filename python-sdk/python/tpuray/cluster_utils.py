@@ -277,9 +277,12 @@ class Cluster:
         self._saved_env = None
 
     def remove_node(self, node: ClusterNode, allow_graceful: bool = True) -> None:
-        """Stops every process of ``node``: its workers, its agent and, for the head node,
-        the head. Graceful (SIGTERM, as ``tpuray stop``: the agent drains for its grace
-        period) when ``allow_graceful``, else SIGKILL at once (a node lost as a crash).
+        """Stops every process of ``node``: its agent first, then what is left of its
+        workers (they exit with their agent) and, for the head node, the head, in the order
+        Ray's ``Node.kill_all_processes`` kills the raylet first. Graceful (SIGTERM, as
+        ``tpuray stop``: the agent drains for its grace period) when ``allow_graceful``,
+        else SIGKILL at once (a node lost as a crash: a task running there with no retries
+        left fails with ``NodeDiedError``, as in Ray).
 
         :raises ValueError: a node this cluster does not hold.
         :raises RuntimeError: a process that did not exit (named by pid).
@@ -287,7 +290,7 @@ class Cluster:
         if node is not self.head_node and node not in self.worker_nodes:
             raise ValueError(f"{node!r} is not a node of this cluster")
         entries = [e for e in node._entries(self._registry) if _alive(e)]
-        rank = {"worker": 0, "agent": 1, "head": 2}
+        rank = {"agent": 0, "worker": 1, "head": 2}
         left = []
         for kind in sorted({e.get("kind", "") for e in entries}, key=lambda k: rank.get(k, 3)):
             group = [e for e in entries if e.get("kind") == kind]

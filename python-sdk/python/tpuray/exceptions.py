@@ -156,7 +156,9 @@ class ObjectFetchTimedOutError(ObjectLostError):
 
 
 class NodeDiedError(RayError):
-    """The node a task or actor ran on died (Ray's ``NodeDiedError``)."""
+    """The node a task ran on is dead or unreachable, and the task had no retries left
+    (Ray's ``NodeDiedError``): its worker's connection broke and the node's agent did
+    not answer either. ``str(e)`` names the node's IP and id."""
 
 
 class UserCodeException(RayError):

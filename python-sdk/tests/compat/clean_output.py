@@ -1,6 +1,7 @@
 """The part of a compatibility script's stdout that is compared: what the script itself
 printed. Dropped: the lines a cluster adds to a driver's stdout on its own (Ray's
-``(raylet)``/``(autoscaler ...)`` diagnostics and the traceback lines after them, and
+``(raylet)``/``(autoscaler ...)`` diagnostics and the traceback, log-tail and blank lines
+after them, and
 worker output forwarded with a ``(name pid=N...)`` prefix, which names a process id),
 and terminal colour codes.
 
@@ -27,7 +28,9 @@ def clean(text: str) -> str:
         if _CLUSTER_LINE.match(line):
             in_diagnostic = True
             continue
-        if in_diagnostic and _FOLLOWS_DIAGNOSTIC.match(line):
+        # A diagnostic's own lines: indented log tails, tracebacks, and the blank lines
+        # that end a multi-line raylet message.
+        if in_diagnostic and (not line.strip() or _FOLLOWS_DIAGNOSTIC.match(line)):
             continue
         in_diagnostic = False
         if _WORKER_LINE.match(line):

@@ -376,6 +376,7 @@ fn kind(e: &Error) -> &'static str {
     match e {
         Error::Task { .. } => "Task",
         Error::WorkerDied { .. } => "WorkerDied",
+        Error::NodeDied { .. } => "NodeDied",
         Error::ActorDied { .. } => "ActorDied",
         Error::Cancelled { .. } => "Cancelled",
         Error::Timeout(..) => "Timeout",

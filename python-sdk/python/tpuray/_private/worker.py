@@ -812,6 +812,8 @@ def _raise(err) -> None:
             raise cause
         e = exceptions.RayTaskError(function, message, cause, pid=pid, ip=node)
         raise e.as_instanceof_cause()
+    if kind == "node_died":
+        raise exceptions.NodeDiedError(message)
     if kind == "worker_died":
         raise exceptions.WorkerCrashedError(f"task {function}: the worker running it died: {message}")
     if kind == "runtime_env_setup":

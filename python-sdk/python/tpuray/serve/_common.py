@@ -105,4 +105,4 @@ def is_actor_death(e: BaseException) -> bool:
 
     if isinstance(e, ex.RayTaskError):
         return False
-    return isinstance(e, (ex.RayActorError, ex.WorkerCrashedError))
+    return isinstance(e, (ex.RayActorError, ex.WorkerCrashedError, ex.NodeDiedError))

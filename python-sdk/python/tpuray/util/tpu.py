@@ -843,7 +843,7 @@ def _member_deaths():
     if _MEMBER_DEATHS is None:
         from tpuray import exceptions as ex
 
-        _MEMBER_DEATHS = (ex.RayActorError, ex.WorkerCrashedError, ex.ObjectLostError)
+        _MEMBER_DEATHS = (ex.RayActorError, ex.WorkerCrashedError, ex.NodeDiedError, ex.ObjectLostError)
     return _MEMBER_DEATHS
 
 
