@@ -6,6 +6,10 @@
 //! (AGENT-1), so no amount of RPC or worker load delays them. No user code
 //! runs in the agent process.
 //!
+//! The node's resources, bundles, chips and GPUs are a plain ledger (`ledger.rs`, no
+//! locks or clocks of its own) held under the agent's state lock; its errors become
+//! gRPC statuses here, at the service edge.
+//!
 //! Invariants:
 //! - AGENT-2: resources are taken when a lease or actor worker is granted and
 //!   given back exactly once, when the lease is returned or its worker exits,
@@ -48,8 +52,9 @@ use tpuray_proto::ids::{ActorId, JobId, LeaseId, NodeId, WorkerId};
 use tpuray_proto::pb::node_agent_service_server::NodeAgentService;
 use tpuray_proto::runtime_env::SETUP_FAILED_PREFIX;
 use tpuray_proto::{check_protocol_version, now_ms, pb};
-use tpuray_scheduler::{Amount, ChipAllocator, ChipError, Decision, Labels, NodeView, ResourceSet};
+use tpuray_scheduler::{Amount, Decision, Labels, NodeView, ResourceSet};
 
+use crate::ledger::{Hold, Ledger, LedgerError};
 use crate::registry;
 
 /// Node agent settings.
@@ -141,10 +146,8 @@ struct WorkerEntry {
 
 struct Lease {
     worker_id: WorkerId,
-    /// What the lease holds now (without the CPUs lent back while blocked).
-    resources: ResourceSet,
-    /// CPUs given back while the worker is blocked in get/wait (AGENT-11).
-    lent_cpu: Amount,
+    /// What it holds, and the CPUs lent back while its worker is blocked (AGENT-11).
+    hold: Hold,
     /// The lease holder's WorkerService address ("" when unknown).
     owner: String,
 }
@@ -159,20 +162,9 @@ struct Demand {
     last_seen: Instant,
 }
 
-/// A placement-group bundle reserved on this node (AGENT-6).
-struct BundleReservation {
-    /// The bundle's plain resources, set aside from `available`.
-    demand: ResourceSet,
-    committed: bool,
-    prepared_at: Instant,
-}
-
 struct AgentState {
-    /// The node's own resources plus those of committed bundles.
-    total: ResourceSet,
-    available: ResourceSet,
-    /// (group id, bundle index) → reservation.
-    bundles: HashMap<(String, u32), BundleReservation>,
+    /// Resources, bundles, chips and GPUs (`ledger.rs`).
+    ledger: Ledger,
     workers: HashMap<WorkerId, WorkerEntry>,
     leases: HashMap<LeaseId, Lease>,
     actor_resources: HashMap<ActorId, (WorkerId, ResourceSet)>,
@@ -182,10 +174,6 @@ struct AgentState {
     job_binaries: HashMap<String, (String, String)>,
     /// Other nodes as of the last heartbeat reply: view and agent address.
     cluster: Vec<(NodeView<String>, String)>,
-    /// This host's TPU chips, when it has any (AGENT-7).
-    chips: Option<ChipAllocator>,
-    /// This node's GPUs, when it has any (AGENT-10).
-    gpus: Option<tpuray_scheduler::gpu::GpuAllocator>,
 }
 
 /// The node agent's shared state.
@@ -218,17 +206,13 @@ pub struct Agent {
 
 /// How long an infeasible shape stays listed after its last request.
 const INFEASIBLE_TTL: Duration = Duration::from_secs(10);
-/// How long a prepared bundle waits for its commit (AGENT-6).
-pub const PREPARED_BUNDLE_TTL: Duration = Duration::from_secs(60);
+pub use crate::ledger::PREPARED_BUNDLE_TTL;
 
 impl Agent {
     pub fn new(config: AgentConfig) -> Arc<Self> {
-        let available = config.total.clone();
         Arc::new(Self {
             st: Mutex::new(AgentState {
-                total: config.total.clone(),
-                available,
-                bundles: HashMap::new(),
+                ledger: Ledger::new(config.total.clone()),
                 workers: HashMap::new(),
                 leases: HashMap::new(),
                 actor_resources: HashMap::new(),
@@ -236,8 +220,6 @@ impl Agent {
                 demands: HashMap::new(),
                 job_binaries: HashMap::new(),
                 cluster: Vec::new(),
-                chips: tpu_host_chips(&config.total).map(ChipAllocator::new),
-                gpus: node_gpus(&config.total).map(tpuray_scheduler::gpu::GpuAllocator::new),
             }),
             starts: Arc::new(tokio::sync::Semaphore::new(startup_concurrency(&config.total))),
             config,
@@ -264,7 +246,7 @@ impl Agent {
             address: self.config.advertise_address.clone(),
             hostname: hostname(),
             total: resources_to_proto(&self.config.total),
-            available: resources_to_proto(&st.available),
+            available: resources_to_proto(st.ledger.available()),
             labels: self.config.labels.0.clone().into_iter().collect(),
             state: pb::NodeState::Alive as i32,
             is_head_node: self.config.is_head_node,
@@ -284,8 +266,8 @@ impl Agent {
     pub fn metrics_view(&self) -> crate::metrics::AgentView {
         let st = self.lock();
         crate::metrics::AgentView {
-            total: st.total.clone(),
-            available: st.available.clone(),
+            total: st.ledger.total().clone(),
+            available: st.ledger.available().clone(),
             workers: st
                 .workers
                 .iter()
@@ -302,7 +284,7 @@ impl Agent {
                     tpu_chips: w.key.tpu_chips.clone(),
                 })
                 .collect(),
-            tpu_chips: st.chips.as_ref().map(ChipAllocator::chips),
+            tpu_chips: st.ledger.host_chips(),
         }
     }
 
@@ -323,7 +305,7 @@ impl Agent {
                 placement_group_id: String::new(),
             })
             .collect();
-        (st.total.clone(), st.available.clone(), demands, st.workers.len() as u32)
+        (st.ledger.total().clone(), st.ledger.available().clone(), demands, st.workers.len() as u32)
     }
 
     /// Records the head's view of the other nodes (from a heartbeat reply).
@@ -373,8 +355,8 @@ impl Agent {
     fn local_view(&self, st: &AgentState) -> NodeView<String> {
         NodeView {
             id: self.config.node_id.to_string(),
-            total: st.total.clone(),
-            available: st.available.clone(),
+            total: st.ledger.total().clone(),
+            available: st.ledger.available().clone(),
             labels: self.config.labels.clone(),
             alive: true,
         }
@@ -385,35 +367,16 @@ impl Agent {
     /// # Errors
     /// A message naming what is needed and what is free.
     pub(crate) fn take_resources(&self, r: &ResourceSet) -> Result<(), String> {
-        let mut st = self.lock();
-        if !st.available.is_superset_of(r) {
-            return Err(format!(
-                "node {} cannot reserve {r} now (available {})",
-                self.config.node_id, st.available
-            ));
-        }
-        st.available.saturating_sub(r);
-        Ok(())
+        self.lock()
+            .ledger
+            .take("a job entrypoint's resources", r)
+            .map_err(|e| format!("node {}: {e}", self.config.node_id))
     }
 
     /// Gives back what [`Agent::take_resources`] took (once, AGENT-2).
     pub(crate) fn give_back_resources(&self, r: &ResourceSet) {
-        {
-            let mut st = self.lock();
-            self.release(&mut st, r);
-        }
+        self.lock().ledger.release(r);
         self.freed.notify_waiters();
-    }
-
-    fn release(&self, st: &mut AgentState, r: &ResourceSet) {
-        st.available.add(r);
-        // Never above total, whatever happens (AGENT-2).
-        let mut capped = ResourceSet::new();
-        for (name, amt) in st.available.iter() {
-            let total = st.total.get(name);
-            capped.set(name, amt.min(total));
-        }
-        st.available = capped;
     }
 
     /// AGENT-11: a leased worker blocked in get/wait lends its lease's CPUs back to the
@@ -430,124 +393,42 @@ impl Agent {
     fn lend_cpus(&self, worker: &WorkerId, blocked: bool) -> bool {
         let mut st = self.lock();
         let st = &mut *st;
-        let Some(lease) = st.leases.values_mut().find(|l| &l.worker_id == worker) else {
-            return false;
-        };
-        if blocked && lease.lent_cpu == Amount::ZERO {
-            let cpu = lease.resources.get("CPU");
-            if cpu == Amount::ZERO {
-                return false;
-            }
-            lease.resources.set("CPU", Amount::ZERO);
-            lease.lent_cpu = cpu;
-            let mut give = ResourceSet::new();
-            give.set("CPU", cpu);
-            st.available.add(&give);
-            let total = st.total.get("CPU");
-            let now = st.available.get("CPU");
-            st.available.set("CPU", now.min(total));
-        } else if !blocked && lease.lent_cpu != Amount::ZERO {
-            let cpu = lease.lent_cpu;
-            lease.lent_cpu = Amount::ZERO;
-            lease.resources.set("CPU", cpu);
-            let mut take = ResourceSet::new();
-            take.set("CPU", cpu);
-            st.available.saturating_sub(&take);
-        } else {
-            return false;
+        match st.leases.values_mut().find(|l| &l.worker_id == worker) {
+            Some(lease) => st.ledger.lend_cpus(&mut lease.hold, blocked),
+            None => false,
         }
-        true
     }
 
-    /// The node's total and available resources now.
-    /// The names the bundles `indexes` of `pg` here touch (all of its bundles here when
-    /// `indexes` is empty): their resources and the renamed ones a commit adds.
+    /// The names the bundles `indexes` of `pg` here touch ([`Ledger::bundle_names`]).
     fn bundle_names(&self, pg: &str, indexes: &[u32]) -> std::collections::BTreeSet<String> {
-        let st = self.lock();
-        let mut names = std::collections::BTreeSet::new();
-        for ((g, i), b) in &st.bundles {
-            if g == pg && (indexes.is_empty() || indexes.contains(i)) {
-                names.extend(b.demand.iter().map(|(k, _)| k.to_string()));
-                let added = tpuray_scheduler::bundles::bundle_resources(&b.demand, pg, *i);
-                names.extend(added.iter().map(|(k, _)| k.to_string()));
-            }
-        }
-        names
+        self.lock().ledger.bundle_names(pg, indexes)
     }
 
-    /// The amounts of `names` now, for the head's view (`partial`: a bundle change touches
-    /// a few names; the whole sets grow with every group on the node).
+    /// The amounts of `names` now, for the head's view ([`Ledger::resources_of`]).
     fn resources_of(&self, names: &std::collections::BTreeSet<String>) -> pb::NodeResourcesNow {
-        let st = self.lock();
-        let amounts =
-            |set: &ResourceSet| names.iter().map(|n| (n.clone(), set.get(n).to_f64())).collect();
-        pb::NodeResourcesNow {
-            total: amounts(&st.total),
-            available: amounts(&st.available),
-            partial: true,
-        }
+        self.lock().ledger.resources_of(names)
     }
 
-    /// AGENT-6 phase one: sets the bundles' resources aside, all or none. Bundles already
-    /// prepared here are left as they are (a retried request).
+    /// AGENT-6 phase one ([`Ledger::prepare_bundles`]).
     ///
     /// # Errors
     /// `RESOURCE_EXHAUSTED` naming what is missing when they do not all fit now.
     pub fn prepare_bundles(&self, pg: &str, bundles: &[(u32, ResourceSet)]) -> Result<(), Status> {
-        let mut st = self.lock();
-        let mut need = ResourceSet::new();
-        let fresh: Vec<&(u32, ResourceSet)> = bundles
-            .iter()
-            .filter(|(i, _)| !st.bundles.contains_key(&(pg.to_string(), *i)))
-            .collect();
-        for (_, d) in &fresh {
-            need.add(d);
-        }
-        if !st.available.is_superset_of(&need) {
-            return Err(Status::resource_exhausted(format!(
-                "node {} cannot reserve {} bundle(s) of placement group {pg}: needs {need}, available {}",
-                self.config.node_id,
-                fresh.len(),
-                st.available
-            )));
-        }
-        st.available.saturating_sub(&need);
-        for (i, d) in fresh {
-            st.bundles.insert(
-                (pg.to_string(), *i),
-                BundleReservation {
-                    demand: d.clone(),
-                    committed: false,
-                    prepared_at: Instant::now(),
-                },
-            );
-        }
-        Ok(())
+        self.lock()
+            .ledger
+            .prepare_bundles(pg, bundles, Instant::now())
+            .map_err(|e| e.into_status(&self.config.node_id))
     }
 
-    /// AGENT-6 phase two: the prepared bundles become the group's resources (SCHED-19).
+    /// AGENT-6 phase two ([`Ledger::commit_bundles`]).
     ///
     /// # Errors
     /// `NOT_FOUND` when a bundle is not prepared here (it expired or was returned).
     pub fn commit_bundles(&self, pg: &str, indexes: &[u32]) -> Result<(), Status> {
-        let mut st = self.lock();
-        if let Some(i) = indexes.iter().find(|i| !st.bundles.contains_key(&(pg.to_string(), **i))) {
-            return Err(Status::not_found(format!(
-                "bundle {i} of placement group {pg} is not prepared on node {} (it expired after {:?} or was returned)",
-                self.config.node_id, PREPARED_BUNDLE_TTL
-            )));
-        }
-        for i in indexes {
-            let st = &mut *st;
-            let b = st.bundles.get_mut(&(pg.to_string(), *i)).expect("checked above");
-            if !b.committed {
-                b.committed = true;
-                let added = tpuray_scheduler::bundles::bundle_resources(&b.demand, pg, *i);
-                st.total.add(&added);
-                st.available.add(&added);
-            }
-        }
-        drop(st);
+        self.lock()
+            .ledger
+            .commit_bundles(pg, indexes)
+            .map_err(|e| e.into_status(&self.config.node_id))?;
         self.freed.notify_waiters();
         Ok(())
     }
@@ -559,35 +440,12 @@ impl Agent {
         {
             let mut st = self.lock();
             let st = &mut *st;
-            let keys: Vec<(String, u32)> = st
-                .bundles
-                .keys()
-                .filter(|(g, i)| g == pg && (indexes.is_empty() || indexes.contains(i)))
-                .cloned()
-                .collect();
-            for key in &keys {
-                let b = st.bundles.remove(key).expect("listed above");
-                if b.committed {
-                    let added = tpuray_scheduler::bundles::bundle_resources(&b.demand, pg, key.1);
-                    st.total.saturating_sub(&added);
-                    st.available.saturating_sub(&added);
-                }
-                st.available.add(&b.demand);
-            }
-            let uses = |r: &ResourceSet| {
-                r.iter().any(|(name, _)| {
-                    match tpuray_scheduler::bundles::parse_bundle_resource(name) {
-                        Some((_, idx, g)) if g == pg => {
-                            indexes.is_empty() || idx.is_some_and(|i| indexes.contains(&i))
-                        }
-                        _ => false,
-                    }
-                })
-            };
+            st.ledger.return_bundles(pg, indexes);
+            let uses = |r: &ResourceSet| crate::ledger::uses_bundles(r, pg, indexes);
             let mut doomed: Vec<WorkerId> = st
                 .leases
                 .values()
-                .filter(|l| uses(&l.resources))
+                .filter(|l| uses(&l.hold.resources))
                 .map(|l| l.worker_id.clone())
                 .collect();
             doomed.extend(
@@ -609,88 +467,49 @@ impl Agent {
 
     /// Returns prepared bundles whose commit never came (AGENT-6).
     pub fn expire_prepared_bundles(&self) {
-        let expired: Vec<(String, u32)> = self
-            .lock()
-            .bundles
-            .iter()
-            .filter(|(_, b)| !b.committed && b.prepared_at.elapsed() >= PREPARED_BUNDLE_TTL)
-            .map(|(k, _)| k.clone())
-            .collect();
+        let expired = self.lock().ledger.expired_bundles(Instant::now());
         for (pg, i) in expired {
             tracing::warn!(%pg, bundle = i, "prepared bundle was never committed; returning it");
             self.return_bundles(&pg, &[i]);
         }
     }
 
-    /// Starts a worker process for `key` and waits until it registers.
-    /// Takes the lowest free aligned block of `k` chips (AGENT-7). When none is free but
-    /// idle workers hold chips, stops them and asks the caller to retry.
-    /// `exact`: the chips a gang member was planned for (its runtime environment's
-    /// `TPU_VISIBLE_CHIPS`), taken exactly or not at all.
+    /// Takes the lowest free aligned block of `k` chips, or exactly `exact` (AGENT-7,
+    /// [`Ledger::allocate_chips`]). When none is free but idle workers hold chips, stops
+    /// them and asks the caller to retry (`UNAVAILABLE`).
     fn allocate_chips(&self, k: u32, exact: Option<&[u32]>) -> Result<Vec<u32>, Status> {
         let mut st = self.lock();
-        let st = &mut *st;
-        let Some(alloc) = st.chips.as_mut() else {
-            return Err(Status::failed_precondition(format!(
-                "node {} has no TPU chips to hand out",
-                self.config.node_id
-            )));
-        };
-        let got = match exact {
-            Some(chips) if chips.len() == k as usize => alloc.allocate_exact(chips),
-            Some(chips) => {
-                return Err(Status::invalid_argument(format!(
-                    "TPU_VISIBLE_CHIPS={chips:?} in the runtime environment names {} chip(s), the request holds {k}",
-                    chips.len()
-                )));
-            }
-            None => alloc.allocate(k),
-        };
-        match got {
+        match st.ledger.allocate_chips(k, exact) {
             Ok(c) => Ok(c),
-            Err(e @ ChipError::InvalidCount { .. }) => Err(Status::invalid_argument(e.to_string())),
-            Err(e) => {
-                let stopped = stop_idle_holders(st, |k| !k.tpu_chips.is_empty());
+            Err(LedgerError::DevicesBusy(e)) => {
+                let stopped = stop_idle_holders(&mut st, |k| !k.tpu_chips.is_empty());
                 Err(Status::unavailable(format!(
                     "{e}; stopped {stopped} idle worker(s) holding chips, retry shortly"
                 )))
             }
+            Err(e) => Err(e.into_status(&self.config.node_id)),
         }
     }
 
     /// Gives back the chips and GPUs a worker of `key` held (AGENT-7, AGENT-10).
     fn release_devices(&self, key: &PoolKey) {
-        let mut st = self.lock();
-        if let Some(a) = st.chips.as_mut() {
-            a.release(&key.tpu_chips);
-        }
-        if let Some(g) = st.gpus.as_mut() {
-            g.release(&key.gpus);
-        }
+        self.lock().ledger.release_devices(&key.tpu_chips, &key.gpus);
     }
 
-    /// GPU ids for a worker needing `amount` of GPU (AGENT-10). When the GPUs are held by
-    /// idle workers, stops them and asks the caller to retry, as for chips.
+    /// GPU ids for a worker needing `amount` of GPU (AGENT-10, [`Ledger::allocate_gpus`]).
+    /// When the GPUs are held by idle workers, stops them and asks the caller to retry,
+    /// as for chips.
     fn allocate_gpus(&self, amount: Amount) -> Result<Vec<(u32, Amount)>, Status> {
         let mut st = self.lock();
-        let st = &mut *st;
-        let Some(alloc) = st.gpus.as_mut() else {
-            return Err(Status::failed_precondition(format!(
-                "node {} has no GPUs to hand out",
-                self.config.node_id
-            )));
-        };
-        match alloc.allocate(amount) {
+        match st.ledger.allocate_gpus(amount) {
             Ok(g) => Ok(g),
-            Err(e @ tpuray_scheduler::gpu::GpuError::NotWhole(_)) => {
-                Err(Status::invalid_argument(e.to_string()))
-            }
-            Err(e) => {
-                let stopped = stop_idle_holders(st, |k| !k.gpus.is_empty());
+            Err(LedgerError::DevicesBusy(e)) => {
+                let stopped = stop_idle_holders(&mut st, |k| !k.gpus.is_empty());
                 Err(Status::unavailable(format!(
                     "{e}; stopped {stopped} idle worker(s) holding GPUs, retry shortly"
                 )))
             }
+            Err(e) => Err(e.into_status(&self.config.node_id)),
         }
     }
 
@@ -824,7 +643,7 @@ impl Agent {
                     return Err(e);
                 }
             };
-            let host_chips = self.lock().chips.as_ref().map(|c| c.chips()).unwrap_or(chips);
+            let host_chips = self.lock().ledger.host_chips().unwrap_or(chips);
             for (k, v) in
                 tpuray_scheduler::chip_env(self.tpu_generation(), host_chips, &key.tpu_chips, port)
             {
@@ -1135,21 +954,16 @@ impl Agent {
                 return;
             };
             // AGENT-7/10: chips and GPUs come back however the process ended.
-            if let Some(a) = st.chips.as_mut() {
-                a.release(&entry.key.tpu_chips);
-            }
-            if let Some(g) = st.gpus.as_mut() {
-                g.release(&entry.key.gpus);
-            }
+            st.ledger.release_devices(&entry.key.tpu_chips, &entry.key.gpus);
             match &entry.state {
                 WorkerState::Leased(lease_id) => {
                     if let Some(lease) = st.leases.remove(lease_id) {
-                        self.release(&mut st, &lease.resources);
+                        st.ledger.release(&lease.hold.resources);
                     }
                 }
                 WorkerState::Actor(actor_id) => {
                     if let Some((_, r)) = st.actor_resources.remove(actor_id) {
-                        self.release(&mut st, &r);
+                        st.ledger.release(&r);
                     }
                     report = Some((actor_id.clone(), entry.exit_intended));
                 }
@@ -1417,7 +1231,7 @@ impl Agent {
             let Some(lease) = st.leases.remove(lease_id) else {
                 return;
             };
-            self.release(&mut st, &lease.resources);
+            st.ledger.release(&lease.hold.resources);
             match st.workers.get_mut(&lease.worker_id) {
                 Some(w) if disconnect => {
                     w.exit_intended = true;
@@ -1509,12 +1323,12 @@ impl Agent {
         owner: String,
     ) -> Result<pb::request_worker_lease_reply::Granted, Status> {
         let lease_id = LeaseId::random();
-        let chips = match chips_wanted(&demand, self.lock().chips.as_ref().map(|c| c.chips())) {
+        let chips = match chips_wanted(&demand, self.lock().ledger.host_chips()) {
             Ok(c) => c,
             Err(e) => {
                 // The decision took the demand (AGENT-2): it goes back with the refusal.
                 let mut st = self.lock();
-                self.release(&mut st, &demand);
+                st.ledger.release(&demand);
                 drop(st);
                 self.freed.notify_waiters();
                 return Err(e);
@@ -1529,8 +1343,7 @@ impl Agent {
                 lease_id.clone(),
                 Lease {
                     worker_id: WorkerId::from_wire(""),
-                    resources: demand.clone(),
-                    lent_cpu: Amount::ZERO,
+                    hold: Hold::new(demand.clone()),
                     owner,
                 },
             );
@@ -1574,7 +1387,7 @@ impl Agent {
                 Err(e) => {
                     let mut st = self.lock();
                     if let Some(l) = st.leases.remove(&lease_id) {
-                        self.release(&mut st, &l.resources);
+                        st.ledger.release(&l.hold.resources);
                     }
                     drop(st);
                     self.freed.notify_waiters();
@@ -1616,7 +1429,6 @@ fn startup_concurrency(total: &ResourceSet) -> usize {
     usize::try_from(cpus).unwrap_or(1).max(1)
 }
 
-/// Chips on this host: the whole `TPU` amount of its own resources (1..=64), if any.
 /// Stops the idle workers whose pool key `holds` devices (chips or GPUs) that a request
 /// could not otherwise get; they give them back when they exit (AGENT-7, AGENT-10).
 /// Returns how many were stopped.
@@ -1631,19 +1443,6 @@ fn stop_idle_holders(st: &mut AgentState, holds: impl Fn(&PoolKey) -> bool) -> u
         }
     }
     stopped
-}
-
-/// Whole GPUs of the node (AGENT-10), when it has any.
-fn node_gpus(total: &ResourceSet) -> Option<u32> {
-    let whole = total.get("GPU").0 / tpuray_scheduler::resources::UNITS_PER_WHOLE;
-    (whole > 0).then_some(whole.min(1024) as u32)
-}
-
-fn tpu_host_chips(total: &ResourceSet) -> Option<u32> {
-    let a = total.get("TPU");
-    let whole = a.0 / tpuray_scheduler::resources::UNITS_PER_WHOLE;
-    (a.0 > 0 && a.0 % tpuray_scheduler::resources::UNITS_PER_WHOLE == 0 && whole <= 64)
-        .then_some(whole as u32)
 }
 
 /// How many chips work needing `demand` takes (AGENT-7), directly or through a bundle.
@@ -1785,7 +1584,7 @@ impl NodeAgentService for AgentSvc {
                         // both fitted the same free CPU, the second subtraction saturated at
                         // 0, and the node's available resources stayed above the truth after
                         // both returned (phantom CPUs, seen in `ray_resources`).
-                        st.available.saturating_sub(&demand);
+                        st.ledger.take_anyway(&demand);
                     }
                     Decision::Infeasible { reason } => {
                         if guard.waiting.get() {
@@ -1809,7 +1608,7 @@ impl NodeAgentService for AgentSvc {
                 }
                 // Feasible here but busy: queue locally. Feasible only elsewhere: spill there.
                 if let Decision::Queue { .. } = &d {
-                    let local_fits = st.total.is_superset_of(&demand)
+                    let local_fits = st.ledger.total().is_superset_of(&demand)
                         && request.label_selector.iter().all(|c| c.matches(&agent.config.labels));
                     if !local_fits && !req.grant_or_reject {
                         let best = st
@@ -1945,13 +1744,9 @@ impl NodeAgentService for AgentSvc {
                     pid: w.pid,
                 }));
             }
-            if !st.available.is_superset_of(&resources) {
-                return Err(Status::resource_exhausted(format!(
-                    "node {} cannot host actor {actor_id}: needs {resources}, available {}",
-                    self.0.config.node_id, st.available
-                )));
-            }
-            st.available.saturating_sub(&resources);
+            st.ledger
+                .take(&format!("actor {actor_id}"), &resources)
+                .map_err(|e| e.into_status(&self.0.config.node_id))?;
             st.actor_resources
                 .insert(actor_id.clone(), (WorkerId::from_wire(""), resources.clone()));
         }
@@ -1970,13 +1765,12 @@ impl NodeAgentService for AgentSvc {
             tpu_chips: vec![],
             gpus: vec![],
         };
-        let chips = match chips_wanted(&resources, self.0.lock().chips.as_ref().map(|c| c.chips()))
-        {
+        let chips = match chips_wanted(&resources, self.0.lock().ledger.host_chips()) {
             Ok(c) => c,
             Err(e) => {
                 let mut st = self.0.lock();
                 if let Some((_, r)) = st.actor_resources.remove(&actor_id) {
-                    self.0.release(&mut st, &r);
+                    st.ledger.release(&r);
                 }
                 return Err(e);
             }
@@ -2006,7 +1800,7 @@ impl NodeAgentService for AgentSvc {
             Err(e) => {
                 let mut st = self.0.lock();
                 if let Some((_, r)) = st.actor_resources.remove(&actor_id) {
-                    self.0.release(&mut st, &r);
+                    st.ledger.release(&r);
                 }
                 drop(st);
                 self.0.freed.notify_waiters();
@@ -2158,7 +1952,8 @@ impl NodeAgentService for AgentSvc {
             gpus: vec![],
         };
         // Up to the node's CPUs, counting workers this job already has here.
-        let cpus = (self.0.lock().total.get("CPU").0 / tpuray_scheduler::resources::UNITS_PER_WHOLE)
+        let cpus = (self.0.lock().ledger.total().get("CPU").0
+            / tpuray_scheduler::resources::UNITS_PER_WHOLE)
             .max(1) as u32;
         let have = self.0.lock().workers.values().filter(|w| w.key == key).count() as u32;
         let n = req.count.min(cpus).saturating_sub(have);
@@ -2196,7 +1991,7 @@ impl NodeAgentService for AgentSvc {
                         "LEASED",
                         l.to_string(),
                         String::new(),
-                        st.leases.get(l).map(|l| l.resources.clone()).unwrap_or_default(),
+                        st.leases.get(l).map(|l| l.hold.resources.clone()).unwrap_or_default(),
                     ),
                     WorkerState::Actor(a) => (
                         "ACTOR",

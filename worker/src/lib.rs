@@ -10,6 +10,7 @@ pub mod agent;
 pub mod binaries;
 pub mod detect;
 pub mod jobs;
+pub mod ledger;
 pub mod logfiles;
 pub mod metrics;
 /// The machine-wide process registry, shared with drivers (`tpuray_proto::registry`).
