@@ -26,7 +26,7 @@ export PATH="$venv/bin:$PATH"
 # kubernetes-validate and yamllint: tests/tests/k8s.rs checks deploy/k8s/examples with them
 # (scripts/test.sh). fastapi, starlette, uvicorn, requests, pyyaml: tpuray.serve (its
 # `serve` extra).
-"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow pandas tqdm pillow selenium prometheus_client uv "kubernetes-validate==1.37.0" "yamllint>=1.35,<2" fastapi starlette uvicorn requests pyyaml
+"$venv/bin/python" -m pip install -q "maturin>=1.7,<2" pytest "cloudpickle>=2.2" numpy pyarrow pandas tqdm pillow selenium prometheus_client uv "kubernetes-validate==1.37.0" "yamllint>=1.35,<2" fastapi starlette uvicorn requests pyyaml "mypy>=2.4,<3"
 # The dashboard's browser tests (tests/test_dashboard.py) drive Debian's chromium through
 # its chromedriver (selenium never downloads a browser or a driver here).
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then

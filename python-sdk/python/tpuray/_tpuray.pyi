@@ -6,7 +6,76 @@ pickles itself; blocking calls release the GIL; ``get`` and ``wait`` check for s
 every 100 ms, so Ctrl-C interrupts them.
 """
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, final
+
+__all__ = [
+    "run",
+    "RefCore",
+    "ObjectBuffer",
+    "AsyncReply",
+    "init_driver",
+    "process_info",
+    "tpu_slice_shape",
+    "is_initialized",
+    "dashboard_url",
+    "free",
+    "metric_define",
+    "metric_record",
+    "metric_destination",
+    "shutdown",
+    "submit",
+    "create_actor",
+    "call_actor",
+    "get",
+    "put",
+    "wait",
+    "deserialize_ref",
+    "begin_borrow_batch",
+    "end_borrow_batch",
+    "cancel",
+    "cancel_task",
+    "is_cancelled",
+    "generator_ready",
+    "kv_get",
+    "kv_put",
+    "kv_delete",
+    "list_actors",
+    "available_resources_per_node",
+    "kill_actor",
+    "get_actor",
+    "actor_state",
+    "actor_record",
+    "nodes",
+    "timeline_json",
+    "cluster_resources",
+    "available_resources",
+    "create_placement_group",
+    "placement_group_state",
+    "placement_group_table",
+    "remove_placement_group",
+    "get_placement_group",
+    "slice_placement_group",
+    "run_worker",
+    "report_logs",
+    "set_log_to_driver",
+    "submit_streaming",
+    "call_actor_streaming",
+    "next_item",
+    "drop_stream",
+    "prestart_workers",
+    "enable_async_calls",
+    "take_async_calls",
+    "gang_start",
+    "gang_reserve",
+    "gang_release",
+    "gang_adopt",
+    "JobClient",
+    "LogTail",
+    "package_local",
+    "BodyStream",
+    "__version__",
+    "OPTIMIZED",
+]
 
 __version__: str
 #: Compiled with optimisations (cargo's release profile); Ray's ``ray._raylet.OPTIMIZED``.
@@ -21,6 +90,7 @@ def run(argv: list[str]) -> int:
     ``_head``, ``_agent``, ``_worker``) return only when their process is asked to stop.
     """
 
+@final
 class RefCore:
     """An object reference held by the core: id and owner. Dropping the last Python
     reference releases it."""
@@ -30,10 +100,10 @@ class RefCore:
     def owner(self) -> str:
         """The owner's ``host:port``."""
 
-Arg = tuple[str, bytes, list[RefCore]] | tuple[str, RefCore]
+_Arg = tuple[str, bytes, list[RefCore]] | tuple[str, RefCore]
 """``("v", pickled value, nested refs)`` or ``("r", ref)`` (resolved before the call)."""
 
-Scheduling = Optional[str | tuple[str, str, bool] | tuple[str, str, int]]
+_Scheduling = Optional[str | tuple[str, str, bool] | tuple[str, str, int]]
 """``None``/``"DEFAULT"``, ``"SPREAD"``, ``("node", node_id, soft)`` or
 ``("pg", group_id, bundle_index)``."""
 
@@ -53,21 +123,22 @@ def dashboard_url() -> str: ...
 def free(refs: list) -> None: ...
 def shutdown() -> None:
     """Finishes the job: its non-detached actors and placement groups end."""
-def submit(function: str, args: list[Arg], options: dict[str, Any]) -> list[RefCore]:
+def submit(function: str, args: list[_Arg], options: dict[str, Any]) -> list[RefCore]:
     """Submits a task of function-table key ``function``; options: ``num_cpus``,
     ``num_gpus``, ``resources``, ``max_retries``, ``retry_exceptions``, ``num_returns``,
     ``name``, ``label_selector``, ``scheduling``. Raises RuntimeError on bad options."""
-def create_actor(class_key: str, display: str, args: list[Arg], options: dict[str, Any]) -> tuple[str, str]:
+def create_actor(class_key: str, display: str, args: list[_Arg], options: dict[str, Any]) -> tuple[str, str]:
     """Creates an actor; returns ``(actor_id, name)``. Options: ``num_cpus`` (None: 1 to
     place, 0 to run), ``num_gpus``, ``resources``, ``name``, ``namespace``, ``detached``,
     ``max_restarts``, ``max_concurrency``, ``get_if_exists``, ``label_selector``,
     ``scheduling``."""
 def call_actor(
-    actor_id: str, display: str, method: str, args: list[Arg], num_returns: int,
-    max_task_retries: int = 0, concurrency_group: str = "", retry_exceptions: bool = False,
-    max_pending_calls: int = -1,
+    actor_id: str, display: str, method: str, args: list[_Arg], num_returns: int,
+    max_task_retries: int = 0, concurrency_group: str = ..., retry_exceptions: bool = False,
+    max_pending_calls: int = ...,
 ) -> list[RefCore]:
     """Raises ``PendingCallsLimitExceeded`` over ``max_pending_calls``."""
+@final
 class ObjectBuffer:
     """A store object mapped read-only (what ``get`` returns for large objects). Keep it
     alive for as long as its memory is read; the object stays pinned in memory until
@@ -96,7 +167,7 @@ def end_borrow_batch() -> None:
 
 def deserialize_ref(id: str, owner: str) -> RefCore:
     """A ref rebuilt while unpickling; registers this process as a borrower."""
-def cancel(ref: RefCore, force: bool, recursive: bool = True) -> None:
+def cancel(r: RefCore, force: bool, recursive: bool = True) -> None:
     """Raises ``ValueError`` for ``force`` on an unfinished actor call."""
 def cancel_task(task_id: str, force: bool, recursive: bool) -> None: ...
 def is_cancelled(task_id: Optional[str] = None) -> bool: ...
@@ -109,7 +180,8 @@ def kv_delete(namespace: str, key: bytes) -> bool:
 def list_actors() -> list[tuple[str, str, str, str, str]]:
     """Every actor the head knows: ``(actor_id, class_name, name, namespace, state)``, state
     one of ``PENDING_CREATION``, ``ALIVE``, ``RESTARTING``, ``DEAD``."""
-def kill_actor(actor_id: str, no_restart: bool, reason: str = "") -> None: ...
+def kill_actor(actor_id: str, no_restart: bool, reason: str = ...) -> None:
+    """``reason`` (default none) becomes the actor's death cause."""
 def get_actor(name: str, namespace: Optional[str] = None) -> tuple[str, str, str]:
     """``(actor_id, class, name)``; RuntimeError when no live actor has the name."""
 def actor_state(actor_id: str, wait: float) -> tuple[str, str, str, int]:
@@ -164,7 +236,7 @@ def slice_placement_group(
     accelerator_version: str,
     resources_per_bundle: Optional[dict[str, float]] = None,
     num_slices: int = 1,
-    name: str = "",
+    name: str = ...,
 ) -> tuple[str, int, str, int, int]:
     """``(group_id, bundle_count, accelerator_type, num_hosts, chips_per_host)``; ``name``
     is the group's (as ``tpuray status`` shows it);
@@ -196,17 +268,18 @@ def report_logs(driver: str, batches: list[tuple[str, list[str]]], is_err: bool)
     """False: the driver takes no worker output (stop sending)."""
 def set_log_to_driver(on: bool) -> None: ...
 def prestart_workers(count: int) -> int: ...
-def submit_streaming(function: str, args: list[Arg], options: dict[str, Any]) -> str:
+def submit_streaming(function: str, args: list[_Arg], options: dict[str, Any]) -> str:
     """Submits a streaming generator task; returns its task id."""
 def call_actor_streaming(
-    actor_id: str, display: str, method: str, args: list[Arg], concurrency_group: str = "",
-    max_pending_calls: int = -1,
+    actor_id: str, display: str, method: str, args: list[_Arg], concurrency_group: str = ...,
+    max_pending_calls: int = ...,
 ) -> str: ...
 def next_item(task_id: str, name: str, index: int) -> Optional[RefCore]:
     """The item's ref, ``None`` after the last; a failure is one more ref whose get
     raises it."""
 def drop_stream(task_id: str, consumed: int) -> None: ...
 
+@final
 class AsyncReply:
     """Where an async actor method's answer goes (from :func:`take_async_calls`)."""
     def send(self, reply: tuple) -> None:
@@ -217,18 +290,19 @@ def enable_async_calls(methods: list[str], wake_fd: int) -> None:
 def take_async_calls() -> list[tuple[AsyncReply, str, int, list[bytes], str]]:
     """The queued calls: ``(reply, method, num_returns, args, task_id)``."""
 
+@final
 class JobClient:
     """The Jobs REST API client (``tpuray.job_submission`` wraps it). JSON crosses as str.
 
     Raises ``ConnectionError`` (unreachable), ``tpuray.exceptions.AuthenticationError``
     (401/403), ``RuntimeError`` (other non-200 answers) and ``ValueError`` (bad input)."""
-    def __init__(
-        self,
+    def __new__(
+        cls,
         address: Optional[str] = None,
         headers: Optional[dict[str, str]] = None,
         cookies: Optional[dict[str, str]] = None,
         metadata: Optional[dict[str, str]] = None,
-    ) -> None:
+    ) -> "JobClient":
         """Resolves the address (Ray's rules) and checks ``/api/version``."""
     def address(self) -> str: ...
     def version_info(self) -> str: ...
@@ -246,10 +320,12 @@ class JobClient:
         """``GET path`` read as it arrives; raises for an answer other than 200."""
     def tail(self, job_id: str) -> LogTail: ...
 
+@final
 class BodyStream:
     def next_chunk(self) -> Optional[bytes]:
         """The next chunk of the body; ``None`` at its end. Blocks without the GIL."""
 
+@final
 class LogTail:
     def next_chunk(self) -> Optional[str]:
         """The next chunk of the job's logs; ``None`` once the job ended and all were sent."""
