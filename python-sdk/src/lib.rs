@@ -463,6 +463,9 @@ fn error_tuple(py: Python<'_>, e: Error) -> PyResult<Py<PyAny>> {
         Error::ActorDied { actor, message } => {
             ("actor_died", message, vec![], actor, String::new(), 0)
         }
+        Error::ActorUnavailable { actor, message } => {
+            ("actor_unavailable", message, vec![], actor, String::new(), 0)
+        }
         Error::Cancelled { function } => {
             ("cancelled", String::new(), vec![], function, String::new(), 0)
         }

@@ -115,6 +115,11 @@ const MAX_LEASES_PER_CLASS: usize = 32;
 /// worker means a dead node ([`Core::failure_cause`]).
 const FAILURE_CAUSE_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// How long the caller of an actor call lost mid-call waits for the head to say whether
+/// the actor died or restarts ([`Core::lost_call_error`]); Ray waits
+/// `timeout_ms_task_wait_for_death_info` the same way.
+const ACTOR_DEATH_INFO_WAIT: Duration = Duration::from_secs(5);
+
 /// The environment variable that sets how many threads run the SDK's runtime in a
 /// driver or worker process (see [`build_runtime`]).
 pub const RUNTIME_THREADS_ENV: &str = "TPURAY_RUNTIME_THREADS";
@@ -3217,6 +3222,66 @@ impl Core {
 
     /// Waits until the actor is ALIVE on a node not known dead (CORE-10): (worker
     /// address, incarnation, node id).
+    /// The error of a call lost mid-call on incarnation `inc` (its `num_restarts`) of
+    /// `actor_id` with no retries left, as Ray's actor submitter decides it: the actor is
+    /// dead by the head's record (waited for up to [`ACTOR_DEATH_INFO_WAIT`]) →
+    /// `ActorDied`; restarting, restarted, or no news by then → `ActorUnavailable` (the
+    /// call may or may not have run). Ray: `actor_task_submitter.cc`, the push-failure
+    /// path and `timeout_ms_task_wait_for_death_info`.
+    async fn lost_call_error(
+        &self,
+        actor_id: &str,
+        inc: u32,
+        status: &tonic::Status,
+        function: &str,
+    ) -> pb::TaskError {
+        let why = tpuray_proto::client::status_chain(status);
+        let deadline = Instant::now() + ACTOR_DEATH_INFO_WAIT;
+        let mut dead = None;
+        if let Ok(mut head) = self.head_client() {
+            while Instant::now() < deadline {
+                let mut req = Request::new(pb::GetActorRequest {
+                    actor_id: actor_id.to_string(),
+                    ..Default::default()
+                });
+                req.set_timeout(ACTOR_DEATH_INFO_WAIT);
+                match head.get_actor(req).await.map(|r| r.into_inner().actor) {
+                    Ok(Some(a)) if a.state == pb::ActorState::Dead as i32 => {
+                        dead = Some(a.death_cause);
+                        break;
+                    }
+                    Ok(Some(a))
+                        if a.state == pb::ActorState::Restarting as i32
+                            || a.state == pb::ActorState::PendingCreation as i32
+                            || a.num_restarts != inc =>
+                    {
+                        break;
+                    }
+                    Err(s) if s.code() == tonic::Code::NotFound => {
+                        dead = Some(s.message().to_string());
+                        break;
+                    }
+                    _ => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+        }
+        match dead {
+            Some(cause) => err(
+                Kind::ActorDied,
+                format!("the actor died while running the call ({why}): {cause}"),
+                function,
+            ),
+            None => err(
+                Kind::ActorUnavailable,
+                format!(
+                    "The actor {actor_id} is unavailable: The actor is temporarily \
+                     unavailable: {why}. The task may or may not have been executed on the actor."
+                ),
+                function,
+            ),
+        }
+    }
+
     async fn wait_actor_alive(&self, actor_id: &str) -> Result<(String, u32, String), String> {
         let mut head = self.head_client().map_err(|e| e.to_string())?;
         let mut warned = false;
@@ -3320,6 +3385,7 @@ impl Core {
             let core = Arc::clone(&self);
             let current = Arc::clone(&current);
             let retry_tx = retry_tx.clone();
+            let actor_id = actor_id.clone();
             self.running.lock().unwrap().insert(
                 spec.task_id.clone(),
                 Running { worker_address: address.clone(), cancelled: false, actor: true },
@@ -3387,14 +3453,7 @@ impl Core {
                             let _ = retry_tx.send((spec, pins, 1, left, retry_exceptions));
                             return;
                         }
-                        let e = err(
-                            Kind::ActorDied,
-                            format!(
-                                "the actor died while running the call ({})",
-                                tpuray_proto::client::status_chain(&status)
-                            ),
-                            &spec.name,
-                        );
+                        let e = core.lost_call_error(&actor_id, inc, &status, &spec.name).await;
                         core.finish_failed(&spec, e);
                     }
                 }

@@ -56,6 +56,11 @@ pub enum Error {
     /// `src/ray/core_worker/task_submission/`).
     #[error("task {function}: {message}")]
     NodeDied { function: String, message: String },
+    /// The actor's process was lost while it ran the call, no retries were left, and the
+    /// actor may restart: the call may or may not have run (Ray's
+    /// `ActorUnavailableError`, a `RayActorError`).
+    #[error("actor {actor}: {message}")]
+    ActorUnavailable { actor: String, message: String },
     /// The actor is dead or died during the call (`RayActorError`).
     #[error("actor {actor}: {message}")]
     ActorDied { actor: String, message: String },
@@ -96,6 +101,9 @@ impl Error {
             Kind::WorkerDied => Error::WorkerDied { function, message: e.message.clone() },
             Kind::NodeDied => Error::NodeDied { function, message: e.message.clone() },
             Kind::ActorDied => Error::ActorDied { actor: function, message: e.message.clone() },
+            Kind::ActorUnavailable => {
+                Error::ActorUnavailable { actor: function, message: e.message.clone() }
+            }
             Kind::Cancelled => Error::Cancelled { function },
             Kind::PendingCallsLimitExceeded => {
                 Error::PendingCallsLimitExceeded { function, message: e.message.clone() }

@@ -304,6 +304,7 @@ pub fn is_member_death(e: &Error) -> bool {
         Error::WorkerDied { .. }
             | Error::NodeDied { .. }
             | Error::ActorDied { .. }
+            | Error::ActorUnavailable { .. }
             | Error::ObjectLost { .. }
     )
 }

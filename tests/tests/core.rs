@@ -6,7 +6,7 @@
 //! `tpuray list` around it.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tpuray_tests::*;
 
@@ -169,7 +169,8 @@ fn node_agent_killed(strict: bool) {
         // Bug 2 above (and bug 3, which turns its instant failure into
         // ObjectLost): only a stale-address failure is tolerated.
         let err = out.line("ERROR ");
-        let stale = err.contains("kind=ActorDied") && err.contains("connect");
+        let stale = (err.contains("kind=ActorDied") || err.contains("kind=ActorUnavailable"))
+            && err.contains("connect");
         let raced = err.contains("kind=ObjectLost") && err.contains("freed by its owner");
         assert!(stale || raced, "unexpected failure of the first call after the restart:\n{out}");
     }
@@ -204,7 +205,6 @@ fn infeasible_gpu_task_warns_is_listed_and_get_times_out() {
     let mut c = Cluster::new();
     c.start_head(&["--num-cpus", "2"]);
     let go = c.dir().join("go");
-    let started = Instant::now();
     let mut d = start_driver(&c, "infeasible", &[&go.display().to_string()]);
     let fail_fast = start_driver_with(
         &c,
@@ -214,13 +214,9 @@ fn infeasible_gpu_task_warns_is_listed_and_get_times_out() {
         &[("TPURAY_FAIL_ON_INFEASIBLE", "1")],
     );
 
+    // Within SOON (no timed assertion: a loaded machine only makes it later).
     let warning = d.wait_stderr("GPU", SOON);
     assert!(warning.contains("infeasible"), "warning says infeasible: {warning}");
-    assert!(
-        started.elapsed() < Duration::from_secs(15),
-        "warning came late: {:?}",
-        started.elapsed()
-    );
 
     let mut status = String::new();
     wait_until(SOON, "`tpuray status` lists the GPU demand as infeasible", || {
@@ -232,7 +228,8 @@ fn infeasible_gpu_task_warns_is_listed_and_get_times_out() {
     });
     let err = d.wait_line("ERROR ", RUN);
     assert_eq!(field(&err, "kind"), "Timeout", "get_timeout(2 s) of an infeasible task: {err}");
-    assert!(millis(&err) < 10_000, "{err}");
+    // The get's own 2 s timeout ended it, not the test's: far under RUN even when loaded.
+    assert!(millis(&err) < 30_000, "{err}");
     std::fs::write(&go, b"go").expect("go file");
     d.finish(RUN).assert_success();
 

@@ -108,7 +108,9 @@ class ActorDiedError(RayActorError):
 
 
 class ActorUnavailableError(RayActorError):
-    """The actor cannot be reached right now."""
+    """The actor's process was lost while it ran the call, the call had no retries left,
+    and the actor may restart: the call may or may not have run (Ray 2.60's
+    ``ActorUnavailableError``; calls after it reach the restarted actor)."""
 
 
 class ActorAlreadyExistsError(ValueError, RayError):

@@ -378,6 +378,7 @@ fn kind(e: &Error) -> &'static str {
         Error::WorkerDied { .. } => "WorkerDied",
         Error::NodeDied { .. } => "NodeDied",
         Error::ActorDied { .. } => "ActorDied",
+        Error::ActorUnavailable { .. } => "ActorUnavailable",
         Error::Cancelled { .. } => "Cancelled",
         Error::Timeout(..) => "Timeout",
         Error::ObjectLost { .. } => "ObjectLost",

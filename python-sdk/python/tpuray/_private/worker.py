@@ -818,6 +818,8 @@ def _raise(err) -> None:
         raise exceptions.WorkerCrashedError(f"task {function}: the worker running it died: {message}")
     if kind == "runtime_env_setup":
         raise exceptions.RuntimeEnvSetupError(message)
+    if kind == "actor_unavailable":
+        raise exceptions.ActorUnavailableError(message)
     if kind == "actor_died":
         # An actor whose environment could not be set up (the agent's message carries
         # SETUP_FAILED_PREFIX, tpuray_proto::runtime_env): Ray raises RuntimeEnvSetupError.
