@@ -644,6 +644,12 @@ mod tests {
         ) -> Result<Response<pb::CancelTaskReply>, Status> {
             Err(Status::unimplemented("cancel_task"))
         }
+        async fn cancel_owned(
+            &self,
+            _: Request<pb::CancelOwnedRequest>,
+        ) -> Result<Response<pb::CancelOwnedReply>, Status> {
+            Err(Status::unimplemented("cancel_owned"))
+        }
         async fn update_borrower(
             &self,
             _: Request<pb::UpdateBorrowerRequest>,

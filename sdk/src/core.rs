@@ -2917,17 +2917,39 @@ impl Core {
         }
     }
 
-    /// Cancels the task that makes `id` (see [`Core::cancel_task`]); a ref no task of
-    /// this process makes (a `put`, a borrowed ref) is left alone.
+    /// Cancels the task that makes `id` (see [`Core::cancel_task`]). A ref another
+    /// process owns (`owner`, its address) is cancelled by its owner: the request goes
+    /// there, as Ray's borrower forwards it (`CancelRemoteTask`). A ref no task makes (a
+    /// `put`) is left alone.
+    ///
+    /// # Errors
+    /// As [`Core::cancel_task`], also when the owner refused; the owner cannot be reached.
     pub(crate) async fn cancel(
         self: &Arc<Self>,
         id: &str,
+        owner: &str,
         force: bool,
         recursive: bool,
     ) -> Result<(), Error> {
         let task_id = self.objects.lock().unwrap().get(id).and_then(|o| o.task_id.clone());
-        let Some(task_id) = task_id else { return Ok(()) };
-        self.cancel_task(&task_id, force, recursive).await
+        if let Some(task_id) = task_id {
+            return self.cancel_task(&task_id, force, recursive).await;
+        }
+        if owner.is_empty() || owner == self.address {
+            return Ok(());
+        }
+        let mut c = self.worker_client(owner).map_err(|e| Error::Cluster(e.to_string()))?;
+        let reply = c
+            .cancel_owned(pb::CancelOwnedRequest { object_id: id.to_string(), force, recursive })
+            .await
+            .map_err(|s| {
+                Error::Cluster(format!(
+                    "cannot cancel object {id}: its owner at {owner} did not answer: {}",
+                    s.message()
+                ))
+            })?
+            .into_inner();
+        if reply.refused.is_empty() { Ok(()) } else { Err(Error::Cluster(reply.refused)) }
     }
 
     /// Cancels task (or actor call) `task_id` of this process (Ray's `cancel`): queued

@@ -510,7 +510,7 @@ fn supervise(
                 // adopted one stays, so cancel them here).
                 for (r, v) in refs.iter().zip(&values) {
                     if v.is_none() {
-                        let _ = core.rt.block_on(core.cancel(r.id(), true, false));
+                        let _ = core.rt.block_on(core.cancel(r.id(), r.owner(), true, false));
                     }
                 }
                 g.release();

@@ -174,7 +174,7 @@ pub fn cancel<T>(r: &ObjectRef<T>, force: bool) -> Result<(), Error> {
 /// As [`cancel`].
 pub fn cancel_with<T>(r: &ObjectRef<T>, force: bool, recursive: bool) -> Result<(), Error> {
     let core = core::core()?;
-    core.rt.block_on(core.cancel(r.id(), force, recursive))
+    core.rt.block_on(core.cancel(r.id(), r.raw().owner(), force, recursive))
 }
 
 /// Whether the task or actor call running on this thread was cancelled (`cancel`

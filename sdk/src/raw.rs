@@ -295,7 +295,7 @@ pub fn end_borrow_batch() {
 /// The worker running it cannot be reached; `force` for an actor call.
 pub fn cancel(r: &RawRef, force: bool, recursive: bool) -> Result<(), Error> {
     let c = core()?;
-    c.rt.block_on(c.cancel(r.id(), force, recursive))
+    c.rt.block_on(c.cancel(r.id(), r.owner(), force, recursive))
 }
 
 /// Cancels streaming task `task_id` (a generator's), as [`cancel`].

@@ -193,6 +193,22 @@ impl WorkerService for SvcRef {
             .unwrap_or(false);
         Ok(Response::new(pb::CancelTaskReply { found }))
     }
+
+    async fn cancel_owned(
+        &self,
+        req: Request<pb::CancelOwnedRequest>,
+    ) -> Result<Response<pb::CancelOwnedReply>, Status> {
+        let req = req.into_inner();
+        if req.object_id.is_empty() {
+            return Err(Status::invalid_argument("cancel of an owned object: object_id is empty"));
+        }
+        // This process owns it: never forwarded again (no loop between owners).
+        let refused = match self.0.core.cancel(&req.object_id, "", req.force, req.recursive).await {
+            Ok(()) => String::new(),
+            Err(e) => e.to_string(),
+        };
+        Ok(Response::new(pb::CancelOwnedReply { refused }))
+    }
 }
 
 /// Serves `svc` on `listener` until `shutdown` resolves.
