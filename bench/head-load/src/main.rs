@@ -111,6 +111,33 @@ fn cpu_seconds(pid: &str) -> anyhow::Result<f64> {
     Ok((utime + stime) / tck)
 }
 
+/// Seconds a process's threads spent running and waiting for a CPU (on a run queue),
+/// summed over its threads (`/proc/PID/task/*/schedstat`): the wait tells a process
+/// starved by a loaded machine from one slow by itself.
+fn sched_seconds(pid: &str) -> (f64, f64) {
+    let (mut run, mut wait) = (0u64, 0u64);
+    if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in rd.flatten() {
+            if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
+                let f: Vec<u64> = s.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+                if f.len() >= 2 {
+                    run += f[0];
+                    wait += f[1];
+                }
+            }
+        }
+    }
+    (run as f64 / 1e9, wait as f64 / 1e9)
+}
+
+/// The machine's load average over the last minute (`/proc/loadavg`).
+fn loadavg() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(f64::NAN)
+}
+
 /// Resident memory of a process in MiB (`VmRSS` of `/proc/PID/status`).
 fn rss_mib(pid: &str) -> anyhow::Result<f64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
@@ -544,8 +571,10 @@ async fn run(args: Args, per_conn: usize, nofile: u64) -> anyhow::Result<()> {
     let hb_sent0 = sim.hb.sent.load(Ordering::Relaxed);
     let view0 = sim.hb.view_entries.load(Ordering::Relaxed);
     let meter = CpuMeter::start(&head_pid_s)?;
+    let (head_sched0, self_sched0) = (sched_seconds(&head_pid_s), sched_seconds("self"));
     tokio::time::sleep(Duration::from_secs(args.seconds)).await;
     let (head_cores, harness_cores, wall) = meter.read()?;
+    let (head_sched1, self_sched1) = (sched_seconds(&head_pid_s), sched_seconds("self"));
     let rss = rss_mib(&head_pid_s)?;
     let (mut lat, max_gap_us) = sim.hb.take();
     lat.sort_unstable();
@@ -566,6 +595,13 @@ async fn run(args: Args, per_conn: usize, nofile: u64) -> anyhow::Result<()> {
         "head_load: steady head CPU {head_cores:.3} cores ({:.1} µs per node per second), RSS {rss:.0} MiB ({:.1} KiB per node over the {rss0:.0} MiB before registering); harness CPU {harness_cores:.3} cores",
         head_cores * 1e6 / args.nodes as f64,
         (rss - rss0) * 1024.0 / args.nodes as f64,
+    );
+    println!(
+        "head_load: steady: threads waited for a CPU {:.2} s per s in the head, {:.2} s per s in the harness; machine load average {:.1} on {} CPUs",
+        (head_sched1.1 - head_sched0.1) / wall,
+        (self_sched1.1 - self_sched0.1) / wall,
+        loadavg(),
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
     );
 
     // Placement: actors, groups, slices.
