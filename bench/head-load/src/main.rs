@@ -788,24 +788,24 @@ async fn run(args: Args, per_conn: usize, nofile: u64) -> anyhow::Result<()> {
 
     // Raft snapshots (the head snapshots every TPURAY_HEAD_SNAPSHOT_EVERY applied commands).
     let first = address.split(',').next().unwrap_or(&address).to_string();
-    if let Ok(mut r) = tpuray_proto::client::head_replica(&first, None) {
-        if let Ok(st) = r.get_replica_status(pb::GetReplicaStatusRequest {}).await {
-            let st = st.into_inner();
-            if st.snapshot_index > 0 {
-                println!(
-                    "head_load: raft: applied {}, last snapshot at index {}: {:.2} MiB, taken in {:.1} ms ({} snapshots by this head)",
-                    st.applied_index,
-                    st.snapshot_index,
-                    st.last_snapshot_bytes as f64 / (1 << 20) as f64,
-                    st.last_snapshot_micros as f64 / 1e3,
-                    st.snapshots_taken,
-                );
-            } else {
-                println!(
-                    "head_load: raft: applied {}, no snapshot taken yet (one every TPURAY_HEAD_SNAPSHOT_EVERY applied commands, 10,000 by default)",
-                    st.applied_index
-                );
-            }
+    if let Ok(mut r) = tpuray_proto::client::head_replica(&first, None)
+        && let Ok(st) = r.get_replica_status(pb::GetReplicaStatusRequest {}).await
+    {
+        let st = st.into_inner();
+        if st.snapshot_index > 0 {
+            println!(
+                "head_load: raft: applied {}, last snapshot at index {}: {:.2} MiB, taken in {:.1} ms ({} snapshots by this head)",
+                st.applied_index,
+                st.snapshot_index,
+                st.last_snapshot_bytes as f64 / (1 << 20) as f64,
+                st.last_snapshot_micros as f64 / 1e3,
+                st.snapshots_taken,
+            );
+        } else {
+            println!(
+                "head_load: raft: applied {}, no snapshot taken yet (one every TPURAY_HEAD_SNAPSHOT_EVERY applied commands, 10,000 by default)",
+                st.applied_index
+            );
         }
     }
 
