@@ -21,7 +21,8 @@ use std::hash::Hash;
 /// Removals remembered for deltas; an agent further behind gets the whole view.
 const REMOVALS_KEPT: usize = 10_000;
 /// View entries the head sends per second over all heartbeat replies, when that many
-/// changed (about a fifth of a core here; [`entries_per_reply`]).
+/// changed: a bound on the head's view work whatever the cluster does (a join storm, a
+/// new leader); [`entries_per_reply`] shares it among the nodes.
 pub(crate) const VIEW_ENTRIES_PER_SECOND: f64 = 50_000.0;
 /// Entries any reply may carry, whatever the cluster's size.
 pub(crate) const MIN_ENTRIES_PER_REPLY: usize = 8;
