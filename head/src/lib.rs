@@ -22,6 +22,9 @@
 //!   once exported is exported on every later scrape (0 when its count went away);
 //!   cluster series come from the serving leader only.
 //! - HEAD-12: a driver job whose driver process is gone ends (`drivers.rs`).
+//! - HEAD-13: a heartbeat reply carries the cluster view as the changes since the
+//!   version the agent holds (`view.rs`); the whole view only to an agent holding none,
+//!   one from another leadership term, or one too old.
 //! - The head is never on the task hot path: it places actors and tracks
 //!   membership; tasks go through node-agent leases.
 //!
@@ -45,6 +48,7 @@ pub mod state;
 pub mod state_api;
 pub mod submissions;
 pub mod timeline;
+mod view;
 
 pub use http::DashboardConfig;
 pub use server::{Head, HeadConfig, Ready, ServeError, serve};

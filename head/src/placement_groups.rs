@@ -309,6 +309,7 @@ impl Head {
                     }
                 }
             }
+            inner.view.touch(node_id); // HEAD-13
             return;
         }
         let (Ok(total), Ok(available)) =
@@ -316,9 +317,11 @@ impl Head {
         else {
             return;
         };
-        if let Some(s) = self.lock().soft.get_mut(node_id) {
+        let mut inner = self.lock();
+        if let Some(s) = inner.soft.get_mut(node_id) {
             s.total = total;
             s.available = available;
+            inner.view.touch(node_id); // HEAD-13
         }
     }
 

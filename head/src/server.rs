@@ -37,6 +37,7 @@ use crate::state::{
     JobStatus, NodeRecord, NodeStatus as NodeLife, Outcome, PlacementGroupRecord, Rejection,
     StateMachine,
 };
+use crate::view::{ViewLog, ViewUpdate};
 
 /// How many state changes are kept for subscribers that resume.
 const CHANGE_LOG_CAPACITY: usize = 10_000;
@@ -171,11 +172,23 @@ pub(crate) struct Inner {
     pub(crate) task_tally: crate::metrics::TaskTally,
     /// The job sweep's soft state (HEAD-11, `jobs.rs`).
     pub(crate) jobs_soft: crate::jobs::JobsSoft,
+    /// HEAD-13: change numbers of the nodes' entries in heartbeat replies' cluster view.
+    pub(crate) view: ViewLog<NodeId>,
 }
 
 impl Inner {
+    /// HEAD-13: a view log of a new epoch holding every live node: every agent's view is
+    /// from another term now, and each starts over.
+    fn new_view_log(&mut self) {
+        self.view = ViewLog::new(rand::random());
+        for n in self.sm.nodes.values().filter(|n| n.status == NodeLife::Alive) {
+            self.view.touch(&n.node_id);
+        }
+    }
+
     /// Forgets the soft state of a leadership term.
     fn reset_soft(&mut self) {
+        self.new_view_log();
         self.soft.clear();
         self.actor_pending.clear();
         self.placing.clear();
@@ -240,6 +253,7 @@ impl Head {
                 tasks_dropped: 0,
                 task_tally: Default::default(),
                 jobs_soft: Default::default(),
+                view: ViewLog::new(rand::random()),
             }),
             events,
             placement_wake: Notify::new(),
@@ -361,11 +375,19 @@ impl Head {
         let mut groups_changed = false;
         for c in changed {
             let change = match &c {
-                Changed::Node(id) => inner
-                    .sm
-                    .nodes
-                    .get(id)
-                    .map(|n| pb::state_change::Change::Node(self.node_info(&inner, n))),
+                Changed::Node(id) => {
+                    // HEAD-13: a node that joined or died changes the agents' view.
+                    if inner.sm.nodes.get(id).is_some_and(|n| n.status == NodeLife::Alive) {
+                        inner.view.touch(id);
+                    } else {
+                        inner.view.remove(id);
+                    }
+                    inner
+                        .sm
+                        .nodes
+                        .get(id)
+                        .map(|n| pb::state_change::Change::Node(self.node_info(&inner, n)))
+                }
                 Changed::Job(id) => {
                     inner.sm.jobs.get(id).map(|j| pb::state_change::Change::Job(job_to_proto(j)))
                 }
@@ -431,6 +453,7 @@ impl Head {
         inner.sm = sm;
         inner.seq = seq;
         inner.changes.clear();
+        inner.new_view_log();
         drop(inner);
         self.actor_changed.notify_waiters();
         self.pg_changed.notify_waiters();
@@ -599,6 +622,9 @@ impl Head {
             }
             let mut views = Self::alive_views(&inner);
             self.place_groups(&mut inner, &mut views);
+            // Indexed by request class: a decision costs O(log nodes), not a scan of every
+            // node per actor (SCHED-17: the same decisions as `schedule`).
+            let mut views = tpuray_scheduler::ClusterView::new(views);
             let waiting: Vec<ActorRecord> = inner
                 .sm
                 .actors
@@ -635,13 +661,10 @@ impl Head {
                     label_selector: a.label_selector.clone(),
                 };
                 let seed = now_ms() ^ a.num_restarts as u64;
-                match tpuray_scheduler::schedule(&req, &views, None, seed) {
+                // `schedule_in` books the placement in this pass's view, so two actors do
+                // not both take the last slot before the next heartbeat.
+                match tpuray_scheduler::schedule_in(&mut views, &req, None, seed) {
                     Decision::Place(node) => {
-                        // Book the placement in this pass's view so two actors do
-                        // not both take the last slot before the next heartbeat.
-                        if let Some(v) = views.iter_mut().find(|v| v.id == node) {
-                            v.available.saturating_sub(&a.placement_resources);
-                        }
                         let node_id = NodeId::from_wire(node);
                         let Some(address) = inner.sm.nodes.get(&node_id).map(|n| n.address.clone())
                         else {
@@ -1044,14 +1067,14 @@ impl HeadService for HeadSvc {
                 return Ok(Response::new(pb::HeartbeatReply {
                     accepted: false,
                     reason: format!("unknown node {node_id}: register first"),
-                    cluster: vec![],
+                    ..Default::default()
                 }));
             }
             Some(NodeLife::Dead { reason }) => {
                 return Ok(Response::new(pb::HeartbeatReply {
                     accepted: false,
                     reason: format!("node {node_id} was declared dead: {reason}"),
-                    cluster: vec![],
+                    ..Default::default()
                 }));
             }
             Some(NodeLife::Alive) => {}
@@ -1078,6 +1101,14 @@ impl HeadService for HeadSvc {
         for (pg, _) in &orphans {
             inner.returning.insert((pg.clone(), node_id.clone()));
         }
+        // HEAD-13: only a change of what the view shows is a change of the view.
+        let view_changed = inner
+            .soft
+            .get(&node_id)
+            .is_none_or(|s| !s.reported || s.total != total || s.available != available);
+        if view_changed {
+            inner.view.touch(&node_id);
+        }
         inner.soft.insert(
             node_id.clone(),
             NodeSoft {
@@ -1092,16 +1123,27 @@ impl HeadService for HeadSvc {
                 job_submissions: req.job_submissions.into_iter().collect(),
             },
         );
-        let cluster = inner
-            .sm
-            .nodes
-            .values()
+        // HEAD-13: the view as the changes since the version this agent holds, at most
+        // this reply's share of the head's per-second budget.
+        let limit = crate::view::entries_per_reply(
+            inner.view.len(),
+            self.0.config.heartbeat_interval.as_secs_f64(),
+        );
+        let ViewUpdate { full, changed, removed, to } =
+            inner.view.since(req.view_epoch, req.view_version, limit);
+        let cluster = changed
+            .iter()
+            .filter_map(|id| inner.sm.nodes.get(id))
             .filter(|n| n.status == NodeLife::Alive)
             .map(|n| self.0.node_info(&inner, n))
             .collect();
+        let (view_epoch, view_version) = (inner.view.epoch(), to);
+        let (view_delta, view_removed) = (!full, removed.iter().map(ToString::to_string).collect());
         let address = inner.sm.nodes.get(&node_id).map(|n| n.address.clone()).unwrap_or_default();
         drop(inner);
-        if had_pending || first_report {
+        // A pass can only place more when some node's resources changed (every heartbeat
+        // waking it made each heartbeat of a large cluster a placement pass).
+        if (had_pending && view_changed) || first_report {
             self.0.placement_wake.notify_one();
         }
         if reconcile {
@@ -1118,7 +1160,15 @@ impl HeadService for HeadSvc {
                 head.lock().returning.remove(&(pg, n));
             });
         }
-        Ok(Response::new(pb::HeartbeatReply { accepted: true, reason: String::new(), cluster }))
+        Ok(Response::new(pb::HeartbeatReply {
+            accepted: true,
+            reason: String::new(),
+            cluster,
+            view_epoch,
+            view_version,
+            view_delta,
+            view_removed,
+        }))
     }
 
     async fn unregister_node(
@@ -1421,7 +1471,9 @@ impl HeadService for HeadSvc {
             Outcome::Rejected(r) => return Err(rejection_status(r)),
             o => return Err(Status::internal(format!("unexpected outcome {o:?}"))),
         };
-        self.0.place_actors();
+        // The placement loop takes every actor created since its last pass in one pass
+        // (a pass per creation scanned every actor and node each time).
+        self.0.placement_wake.notify_one();
         Ok(Response::new(pb::CreateActorReply { actor: self.0.actor_info(&id) }))
     }
 
@@ -1820,6 +1872,9 @@ impl HeadService for HeadSvc {
                 .as_ref()
                 .map(|d| d.display().to_string())
                 .unwrap_or_default(),
+            last_snapshot_bytes: st.last_snapshot.bytes,
+            last_snapshot_micros: st.last_snapshot.micros,
+            snapshots_taken: st.snapshots_taken,
         }))
     }
 

@@ -34,7 +34,9 @@ pub mod node;
 
 pub use driver::{Replica, Reply, Transport};
 pub use kv::{KvStore, MemKv, SledKv, StoreError};
-pub use node::{Effects, Machine, Node, NodeConfig, NodeError, NodeStatus, ProposeError, Role};
+pub use node::{
+    Effects, Machine, Node, NodeConfig, NodeError, NodeStatus, ProposeError, Role, SnapshotStats,
+};
 pub use raft::eraftpb::{Message, MessageType};
 
 /// Encodes a Raft message for the wire (our own proto carries it as bytes).

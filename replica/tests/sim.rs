@@ -431,7 +431,15 @@ fn a_restarted_replica_rebuilds_its_machine_from_snapshot_and_log() {
         node.propose(b"r3".to_vec(), 99).map_err(|e| e.1).unwrap();
         let fx = node.handle_ready().unwrap();
         assert_eq!(fx.applied, vec![(99, false)]);
-        assert!(node.status().snapshot_index > 0);
+        let st = node.status();
+        assert!(st.snapshot_index > 0);
+        // Status reports the snapshots taken (at applied indexes 7, 14 and 21) and the
+        // size of the last one: the machine's bytes at index 21 (entries r0..r19).
+        assert_eq!(st.snapshots_taken, 3);
+        assert_eq!(st.snapshot_index, 21);
+        let at_21 =
+            format!("21\n{}", (0..20).map(|i| format!("r{i}")).collect::<Vec<_>>().join(","));
+        assert_eq!(st.last_snapshot.bytes, at_21.len() as u64);
     }
     let mut node: Node<MemKv, TestMachine, u32> =
         Node::open(cfg, kv, TestMachine::new(), 2, &logger).unwrap();

@@ -308,9 +308,11 @@ impl Agent {
         (st.ledger.total().clone(), st.ledger.available().clone(), demands, st.workers.len() as u32)
     }
 
-    /// Records the head's view of the other nodes (from a heartbeat reply).
-    pub fn set_cluster_view(&self, nodes: Vec<pb::NodeInfo>) {
-        let views = nodes
+    /// Records the head's view of the other nodes from a heartbeat reply: the whole view,
+    /// or with `delta` (HEAD-13) the nodes that changed, applied over the view held, and
+    /// the ids of those `removed`.
+    pub fn set_cluster_view(&self, nodes: Vec<pb::NodeInfo>, delta: bool, removed: &[String]) {
+        let views: Vec<(NodeView<String>, String)> = nodes
             .into_iter()
             .filter(|n| n.node_id != self.config.node_id.as_str())
             .filter_map(|n| {
@@ -328,7 +330,12 @@ impl Agent {
                 ))
             })
             .collect();
-        self.lock().cluster = views;
+        let mut st = self.lock();
+        if !delta {
+            st.cluster = views;
+            return;
+        }
+        apply_view_delta(&mut st.cluster, views, removed);
     }
 
     /// Reads the live nodes from the head now, instead of waiting for the next
@@ -348,7 +355,7 @@ impl Agent {
                 .into_iter()
                 .filter(|n| n.state == pb::NodeState::Alive as i32)
                 .collect();
-            self.set_cluster_view(alive);
+            self.set_cluster_view(alive, false, &[]);
         }
     }
 
@@ -2018,5 +2025,54 @@ impl NodeAgentService for AgentSvc {
             })
             .collect();
         Ok(Response::new(pb::ListWorkersReply { workers }))
+    }
+}
+
+/// HEAD-13: `changed` nodes replace their entries in `view` (or join it), `removed` ones
+/// leave it; the other entries stay as they are.
+fn apply_view_delta(
+    view: &mut Vec<(NodeView<String>, String)>,
+    changed: Vec<(NodeView<String>, String)>,
+    removed: &[String],
+) {
+    if changed.is_empty() && removed.is_empty() {
+        return;
+    }
+    let gone: std::collections::HashSet<&str> = removed.iter().map(String::as_str).collect();
+    let fresh: std::collections::HashSet<&str> =
+        changed.iter().map(|(v, _)| v.id.as_str()).collect();
+    view.retain(|(v, _)| !gone.contains(v.id.as_str()) && !fresh.contains(v.id.as_str()));
+    view.extend(changed);
+}
+
+#[cfg(test)]
+mod view_tests {
+    use super::*;
+
+    fn entry(id: &str, cpu: u64) -> (NodeView<String>, String) {
+        let mut total = ResourceSet::new();
+        total.set("CPU", tpuray_scheduler::Amount::whole(cpu));
+        let view = NodeView {
+            id: id.to_string(),
+            total: total.clone(),
+            available: total,
+            labels: Labels::default(),
+            alive: true,
+        };
+        (view, format!("{id}:1"))
+    }
+
+    #[test]
+    fn a_view_delta_replaces_changed_nodes_drops_removed_ones_and_keeps_the_rest() {
+        let mut view = vec![entry("a", 1), entry("b", 1), entry("c", 1)];
+        apply_view_delta(&mut view, vec![entry("b", 8), entry("d", 2)], &["c".to_string()]);
+        let mut got: Vec<(String, f64)> =
+            view.iter().map(|(v, _)| (v.id.clone(), v.total.get("CPU").to_f64())).collect();
+        got.sort_by(|x, y| x.0.cmp(&y.0));
+        let want = [("a", 1.0), ("b", 8.0), ("d", 2.0)].map(|(k, v)| (k.to_string(), v));
+        assert_eq!(got, want.to_vec());
+        // An empty delta changes nothing.
+        apply_view_delta(&mut view, vec![], &[]);
+        assert_eq!(view.len(), 3);
     }
 }

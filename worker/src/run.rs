@@ -340,6 +340,8 @@ fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after
                 };
                 let mut last_ok = Instant::now();
                 let mut seq = 0u64;
+                // The cluster view held: the head's (epoch, version), (0, 0) for none.
+                let mut view = (0u64, 0u64);
                 let mut iv = tokio::time::interval(interval);
                 iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
@@ -359,6 +361,8 @@ fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after
                         num_workers,
                         seq,
                         job_submissions: agent.supervisors.listed(),
+                        view_epoch: view.0,
+                        view_version: view.1,
                     });
                     req.set_timeout(interval.max(Duration::from_secs(2)));
                     match client.heartbeat(req).await {
@@ -371,7 +375,10 @@ fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after
                                 return;
                             }
                             last_ok = Instant::now();
-                            agent.set_cluster_view(r.cluster);
+                            // HEAD-13: a delta applies over the view held; a whole view
+                            // (from a head without deltas too) replaces it.
+                            view = (r.view_epoch, r.view_version);
+                            agent.set_cluster_view(r.cluster, r.view_delta, &r.view_removed);
                         }
                         Err(s) => {
                             tracing::warn!(%s, "heartbeat failed");
