@@ -3,8 +3,8 @@
 `tpuray microbenchmark --rust` (Rust SDK) on this machine: the three run
 interleaved for ROUNDS rounds (Ray, tpuray Python, tpuray Rust, Ray, ...), and a
 table gives each case's median over the rounds and the ratios tpuray / Ray, then
-the floor (an empty tonic unary round trip on loopback, memcpy GB/s) that the
-tpuray runs measure.
+the floor (an empty tonic unary round trip on loopback, a raw 64-byte loopback TCP
+round trip, memcpy GB/s) that the tpuray runs measure.
 
     bench/compare.py                 # 3 rounds, every case (about an hour on 2 cores)
     bench/compare.py --quick         # 1 round, 7 cheap cases, short trials

@@ -711,7 +711,7 @@ pub struct MicrobenchmarkArgs {
     /// under `python -m tpuray`, else python3).
     #[arg(long)]
     pub python: Option<String>,
-    /// Do not measure the floor (loopback RPC, memcpy).
+    /// Do not measure the floor (loopback RPC, raw loopback TCP, memcpy).
     #[arg(long)]
     pub no_floor: bool,
     /// Measure a debug build anyway (refused by default: its figures are not tpuray's).

@@ -31,13 +31,14 @@ def microbenchmark(*args):
 def test_python_cases_print_rays_names_after_the_floor():
     rows = microbenchmark("--filter", "single client tasks sync|1:1 actor calls sync")
     names = [r["name"] for r in rows]
-    assert names[:2] == [
+    assert names[:3] == [
         "floor: empty tonic unary RPC round trip (loopback)",
+        "floor: raw TCP 64-byte round trip (loopback)",
         "floor: memcpy 100 MB (GB)",
     ]
-    assert names[2:] == ["single client tasks sync", "1:1 actor calls sync"]
+    assert names[3:] == ["single client tasks sync", "1:1 actor calls sync"]
     assert all(r["mean"] > 0 and r["sd"] >= 0 for r in rows)
-    assert rows[1]["unit"] == "GB per second"
+    assert rows[1]["unit"] == "per second" and rows[2]["unit"] == "GB per second"
 
 
 def test_rust_cases_run_from_the_cli_and_report_what_they_skip():

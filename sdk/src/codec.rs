@@ -62,6 +62,101 @@ pub fn encode<T: Serialize + ?Sized>(v: &T) -> Vec<u8> {
     postcard::to_stdvec(v).expect("value serializes")
 }
 
+/// The length in bytes of `v`'s encoding (a pass of the serializer that writes
+/// nothing).
+///
+/// # Panics
+/// As [`encode`].
+pub(crate) fn encoded_len<T: Serialize + ?Sized>(v: &T) -> usize {
+    postcard::experimental::serialized_size(v).expect("value serializes")
+}
+
+/// Bytes a [`Sink`] gathers before it hands them on: the small pieces (length
+/// prefixes, numbers) a serializer emits go out a buffer at a time.
+const SINK_BUFFER: usize = 64 * 1024;
+
+/// A postcard flavor that hands an encoding to `out` as it is made, never holding
+/// more than [`SINK_BUFFER`] bytes: small pieces are gathered, and a piece at least
+/// that large (a [`Blob`]'s bytes) goes to `out` as it is, without a copy here.
+struct Sink<'a> {
+    buf: Vec<u8>,
+    out: &'a mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    /// The error `out` returned (postcard's own error type cannot carry it).
+    failed: &'a mut Option<std::io::Error>,
+}
+
+impl Sink<'_> {
+    fn flush(&mut self) -> postcard::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let r = (self.out)(&self.buf);
+        self.buf.clear();
+        self.check(r)
+    }
+
+    fn check(&mut self, r: std::io::Result<()>) -> postcard::Result<()> {
+        r.map_err(|e| {
+            *self.failed = Some(e);
+            postcard::Error::SerializeBufferFull
+        })
+    }
+}
+
+impl postcard::ser_flavors::Flavor for Sink<'_> {
+    type Output = ();
+
+    fn try_push(&mut self, data: u8) -> postcard::Result<()> {
+        if self.buf.len() == SINK_BUFFER {
+            self.flush()?;
+        }
+        self.buf.push(data);
+        Ok(())
+    }
+
+    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
+        if self.buf.len() + data.len() <= SINK_BUFFER {
+            self.buf.extend_from_slice(data);
+            return Ok(());
+        }
+        self.flush()?;
+        if data.len() >= SINK_BUFFER {
+            let r = (self.out)(data);
+            return self.check(r);
+        }
+        self.buf.extend_from_slice(data);
+        Ok(())
+    }
+
+    fn finalize(mut self) -> postcard::Result<()> {
+        self.flush()
+    }
+}
+
+/// Encodes `v` as [`encode`] does, handing the bytes to `out` in order as they are
+/// made instead of returning them (a large value goes straight into the object
+/// store, with no encoded copy in memory).
+///
+/// # Errors
+/// The first error `out` returned (nothing more is handed to it after that).
+///
+/// # Panics
+/// As [`encode`].
+pub(crate) fn encode_to<T: Serialize + ?Sized>(
+    v: &T,
+    out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    let mut failed = None;
+    let sink = Sink { buf: Vec::with_capacity(SINK_BUFFER), out, failed: &mut failed };
+    match postcard::serialize_with_flavor::<T, _, ()>(v, sink) {
+        Ok(()) => Ok(()),
+        Err(e) => match failed {
+            Some(io) => Err(io),
+            None => panic!("value serializes: {e}"),
+        },
+    }
+}
+
 /// Decodes a value of type `T`.
 ///
 /// # Errors
@@ -167,5 +262,55 @@ impl<'de> serde::Deserialize<'de> for Blob {
             }
         }
         d.deserialize_bytes(V)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn streamed<T: Serialize>(v: &T) -> (Vec<u8>, Vec<usize>) {
+        let (mut all, mut pieces) = (Vec::new(), Vec::new());
+        encode_to(v, &mut |p| {
+            pieces.push(p.len());
+            all.extend_from_slice(p);
+            Ok(())
+        })
+        .unwrap();
+        (all, pieces)
+    }
+
+    #[test]
+    fn a_streamed_encoding_is_the_encoding_and_its_length_is_counted_right() {
+        let big = Blob((0..3 * SINK_BUFFER + 17).map(|i| (i % 253) as u8).collect());
+        let many: Vec<u32> = (0..100_000).collect();
+        let mixed = (7u8, "name".to_string(), Blob(vec![1; SINK_BUFFER - 3]), many.clone());
+        let check = |want: Vec<u8>, got: (Vec<u8>, Vec<usize>), len: usize| {
+            assert_eq!(len, want.len());
+            assert!(got.0 == want, "streamed bytes differ");
+            // Never a piece above the buffer, unless one piece was that large on its own.
+            assert!(got.1.iter().all(|&n| n > 0));
+        };
+        check(encode(&big), streamed(&big), encoded_len(&big));
+        check(encode(&many), streamed(&many), encoded_len(&many));
+        check(encode(&mixed), streamed(&mixed), encoded_len(&mixed));
+        check(encode(&0u8), streamed(&0u8), encoded_len(&0u8));
+        // A large Blob's bytes are handed over in one piece, as they are.
+        assert!(streamed(&big).1.contains(&big.0.len()));
+        // Small pieces are gathered: 100,000 numbers come in few pieces, none above the buffer.
+        let pieces = streamed(&many).1;
+        assert!(pieces.len() < 10 && pieces.iter().all(|&n| n <= SINK_BUFFER), "{pieces:?}");
+    }
+
+    #[test]
+    fn a_failing_sink_stops_the_encoding_with_its_error() {
+        let many: Vec<u32> = (0..100_000).collect();
+        let mut calls = 0;
+        let r = encode_to(&many, &mut |_| {
+            calls += 1;
+            Err(std::io::Error::other("store full"))
+        });
+        assert_eq!(r.unwrap_err().to_string(), "store full");
+        assert_eq!(calls, 1, "nothing is handed over after the first error");
     }
 }

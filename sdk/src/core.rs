@@ -1464,6 +1464,41 @@ impl Core {
         Ok(RawRef::adopt(id, self.address.clone()))
     }
 
+    /// Stores a new owned object of `size` bytes that `write` hands over piece by piece
+    /// (`put` of a large value: its encoding goes straight into this node's store, never
+    /// into a buffer of its own first). `write` returns the refs nested in the value.
+    ///
+    /// # Errors
+    /// The store cannot take `size` bytes (OBJ-7), a write fails, or `write` handed over
+    /// another number of bytes than `size`.
+    pub(crate) fn put_streamed(
+        &self,
+        size: usize,
+        write: impl FnOnce(&mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<Vec<RawRef>>,
+    ) -> Result<RawRef, Error> {
+        let id = tpuray_proto::ids::ObjectId::random().to_string();
+        let size = size as u64;
+        let opts = CreateOptions {
+            size: Some(size),
+            owner: Some(self.address.clone()),
+            ..Default::default()
+        };
+        let cluster = |e: tpuray_objectstore::StoreError| Error::Cluster(e.to_string());
+        let mut w = self.store.create_with(&id, &opts).map_err(cluster)?;
+        let nested =
+            write(&mut |piece| w.write(piece)).map_err(|e| Error::Cluster(e.to_string()))?;
+        // A size that differs is refused here (the writer is dropped, its file removed).
+        w.seal(Some(size)).map_err(cluster)?;
+        let state = ObjState::Stored { locations: vec![self.location()], size };
+        self.register_owned(&id, state, None);
+        if !nested.is_empty()
+            && let Some(o) = self.objects.lock().unwrap().get_mut(&id)
+        {
+            o.pins = nested;
+        }
+        Ok(RawRef::adopt(id, self.address.clone()))
+    }
+
     /// Inline when small, else written to this node's store.
     fn make_state(&self, id: &str, bytes: Vec<u8>) -> Result<ObjState, Error> {
         if bytes.len() <= INLINE_MAX_BYTES {

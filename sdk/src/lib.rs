@@ -125,8 +125,18 @@ pub fn get_bytes<T>(r: &ObjectRef<T>) -> Result<core::Data, Error> {
 /// The node's object store cannot take it.
 pub fn put<T: Serialize>(value: &T) -> Result<ObjectRef<T>, Error> {
     let core = core::core()?;
-    let (bytes, nested) = object_ref::capture_nested(|| codec::encode(value));
-    core.put_bytes(bytes, nested).map(ObjectRef::from_raw)
+    // A pass that only counts (the refs it meets are dropped: the writing pass captures them).
+    let (size, _) = object_ref::capture_nested(|| codec::encoded_len(value));
+    if size <= core::INLINE_MAX_BYTES {
+        let (bytes, nested) = object_ref::capture_nested(|| codec::encode(value));
+        return core.put_bytes(bytes, nested).map(ObjectRef::from_raw);
+    }
+    // Large: encoded straight into the store (one copy of the bytes, no encoded Vec).
+    core.put_streamed(size, |out| {
+        let (r, nested) = object_ref::capture_nested(|| codec::encode_to(value, out));
+        r.map(|()| nested)
+    })
+    .map(ObjectRef::from_raw)
 }
 
 /// Ready and not-ready refs, as [`wait`] returns them.

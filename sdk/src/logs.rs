@@ -485,16 +485,47 @@ pub(crate) struct TaskLog {
 
 /// The name (in the logs directory) and current offset of descriptor `fd`, when it
 /// is a file.
+///
+/// The name is read from `/proc/self/fd` (a path walk through procfs, several times the
+/// cost of the task it measures for a small one) only when the file changed since the
+/// last time: [`NAMES`] keeps it per descriptor with the file's identity and status
+/// change time (`fstat`). An open descriptor's name changes only by a rename (the
+/// agent's LOGS-2 rename of a new worker's files) or by the descriptor being pointed
+/// at another file (`dup2`); Linux sets the inode's ctime on a rename (every local
+/// filesystem, tmpfs included) and a `dup2` brings another (device, inode), so a
+/// cached name is never stale. Writes set the ctime too: after a task that printed,
+/// the name is read again.
 fn file_position(fd: i32) -> Option<(String, u64)> {
-    let path = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+    // SAFETY: fstat fills `st` for a descriptor this process holds; nothing else is touched.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd, &mut st) } != 0 || (st.st_mode & libc::S_IFMT) != libc::S_IFREG {
+        return None;
+    }
     // SAFETY: lseek on a descriptor this process holds open changes nothing.
     let at = unsafe { libc::lseek(fd, 0, libc::SEEK_CUR) };
     if at < 0 {
         return None;
     }
+    let key: FileKey =
+        (st.st_dev as u64, st.st_ino as u64, st.st_ctime as i64, st.st_ctime_nsec as i64);
+    let mut names = NAMES.lock().unwrap();
+    if let Some((_, k, name)) = names.iter().find(|(f, _, _)| *f == fd)
+        && *k == key
+    {
+        return Some((name.clone(), at as u64));
+    }
+    let path = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
     let name = path.file_name()?.to_string_lossy().into_owned();
+    names.retain(|(f, _, _)| *f != fd);
+    names.push((fd, key, name.clone()));
     Some((name, at as u64))
 }
+
+/// A file's (device, inode, ctime seconds, ctime nanoseconds).
+type FileKey = (u64, u64, i64, i64);
+
+/// [`file_position`]'s names: (descriptor, the file's [`FileKey`] then, its name).
+static NAMES: Mutex<Vec<(i32, FileKey, String)>> = Mutex::new(Vec::new());
 
 impl TaskLog {
     /// Before the task runs; `None` when it is not recorded or the worker's output
@@ -534,6 +565,34 @@ impl TaskLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logs_3_a_descriptors_name_follows_writes_renames_and_dup2() {
+        use std::os::fd::AsRawFd;
+        let dir = std::env::temp_dir().join(format!("tpuray-logs3-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (a, b, c) = (dir.join("a.out"), dir.join("b.out"), dir.join("c.out"));
+        let mut f = std::fs::File::create(&a).unwrap();
+        let fd = f.as_raw_fd();
+        assert_eq!(file_position(fd), Some(("a.out".into(), 0)));
+        f.write_all(b"hello").unwrap();
+        assert_eq!(file_position(fd), Some(("a.out".into(), 5)));
+        // Unchanged file: the cached name, the current offset.
+        assert_eq!(file_position(fd), Some(("a.out".into(), 5)));
+        // Renamed while open (the agent's LOGS-2 rename): the new name.
+        std::fs::rename(&a, &b).unwrap();
+        assert_eq!(file_position(fd), Some(("b.out".into(), 5)));
+        // The descriptor pointed at another file.
+        let other = std::fs::File::create(&c).unwrap();
+        // SAFETY: both descriptors are open and owned by this test.
+        assert!(unsafe { libc::dup2(other.as_raw_fd(), fd) } >= 0);
+        assert_eq!(file_position(fd), Some(("c.out".into(), 0)));
+        // Not a file: none.
+        let (r, _w) = std::io::pipe().unwrap();
+        assert_eq!(file_position(r.as_raw_fd()), None);
+        drop((f, other));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     fn src(pid: u32) -> Source {
         Source { name: "f".into(), pid, ip: "10.0.0.1".into() }

@@ -1,7 +1,8 @@
 //! The floor under the microbenchmark's figures, measured in the same run: an empty
 //! tonic unary round trip on loopback (a server this process starts, called through
 //! the cluster's own client channel, one blocking call at a time as the SDK's `get`
-//! makes them) and a 100 MiB `memcpy`.
+//! makes them), a raw 64-byte TCP round trip on loopback (blocking sockets, an echo
+//! thread: the wire's own cost, under any RPC stack) and a 100 MiB `memcpy`.
 
 use std::time::Duration;
 
@@ -16,6 +17,10 @@ use super::Timing;
 
 /// Name of the RPC floor case.
 pub const RPC_CASE: &str = "floor: empty tonic unary RPC round trip (loopback)";
+/// Name of the raw TCP floor case.
+pub const TCP_CASE: &str = "floor: raw TCP 64-byte round trip (loopback)";
+/// Bytes each way of one raw TCP round trip.
+const TCP_BYTES: usize = 64;
 /// Name of the copy floor case (GB per second, 100 MiB counted as 0.1 GB as Ray's
 /// gigabyte cases count).
 pub const MEMCPY_CASE: &str = "floor: memcpy 100 MB (GB)";
@@ -64,6 +69,7 @@ impl ObjectTransferService for Empty {
 /// The loopback server cannot listen, or a call fails.
 pub fn measure(t: &Timing) -> Result<()> {
     rpc(t)?;
+    tcp(t)?;
     memcpy(t)?;
     Ok(())
 }
@@ -114,6 +120,45 @@ fn rpc(t: &Timing) -> Result<()> {
     let r = t.timeit(RPC_CASE, 1.0, call);
     let _ = stop_tx.send(());
     rt.shutdown_timeout(Duration::from_secs(1));
+    if let Some((mean, _)) = r?
+        && !t.json
+        && mean > 0.0
+    {
+        println!("floor: (that is {:.1} us per round trip)", 1e6 / mean);
+    }
+    Ok(())
+}
+
+/// A 64-byte message to an echo thread and back over loopback TCP (`TCP_NODELAY` on
+/// both ends, blocking reads and writes): what one RPC round trip cannot go below.
+fn tcp(t: &Timing) -> Result<()> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")
+        .context("raw TCP floor cannot listen on loopback")?;
+    let addr = listener.local_addr()?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let mut buf = [0u8; TCP_BYTES];
+        loop {
+            match s.read_exact(&mut buf) {
+                Ok(()) => s.write_all(&buf)?,
+                // The client closed: the measurement is over.
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+    });
+    let mut s = std::net::TcpStream::connect(addr).context("raw TCP floor connect")?;
+    s.set_nodelay(true)?;
+    let mut buf = [7u8; TCP_BYTES];
+    let r = t.timeit(TCP_CASE, 1.0, || {
+        s.write_all(&buf)?;
+        s.read_exact(&mut buf)?;
+        Ok(())
+    });
+    drop(s);
+    echo.join().map_err(|_| anyhow::anyhow!("raw TCP echo thread panicked"))??;
     if let Some((mean, _)) = r?
         && !t.json
         && mean > 0.0
