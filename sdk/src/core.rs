@@ -1440,28 +1440,12 @@ impl Core {
         if size <= INLINE_MAX_BYTES {
             return self.put_bytes(parts.concat(), nested);
         }
-        let id = tpuray_proto::ids::ObjectId::random().to_string();
-        let size = size as u64;
-        let opts = CreateOptions {
-            size: Some(size),
-            owner: Some(self.address.clone()),
-            ..Default::default()
-        };
-        let cluster = |e: tpuray_objectstore::StoreError| Error::Cluster(e.to_string());
-        // OBJ-7: a store that cannot take it fails at once, naming the sizes.
-        let mut w = self.store.create_with(&id, &opts).map_err(cluster)?;
-        for p in parts {
-            w.write(p).map_err(|e| Error::Cluster(e.to_string()))?;
-        }
-        w.seal(Some(size)).map_err(cluster)?;
-        let state = ObjState::Stored { locations: vec![self.location()], size };
-        self.register_owned(&id, state, None);
-        if !nested.is_empty()
-            && let Some(o) = self.objects.lock().unwrap().get_mut(&id)
-        {
-            o.pins = nested;
-        }
-        Ok(RawRef::adopt(id, self.address.clone()))
+        self.put_streamed(size, |write| {
+            for p in parts {
+                write(p)?;
+            }
+            Ok(nested)
+        })
     }
 
     /// Stores a new owned object of `size` bytes that `write` hands over piece by piece
@@ -1484,6 +1468,7 @@ impl Core {
             ..Default::default()
         };
         let cluster = |e: tpuray_objectstore::StoreError| Error::Cluster(e.to_string());
+        // OBJ-7: a store that cannot take it fails at once, naming the sizes.
         let mut w = self.store.create_with(&id, &opts).map_err(cluster)?;
         let nested =
             write(&mut |piece| w.write(piece)).map_err(|e| Error::Cluster(e.to_string()))?;
