@@ -6,15 +6,20 @@
 //! port closed); no answer at all for [`SILENT_FOR`] means its host is gone or cut off.
 //! Either way the job finishes as if its driver had called `FinishJob`: its non-detached
 //! actors and placement groups end and its unfinished tasks fail, naming why. Jobs
-//! registered without a driver address are not watched.
+//! registered without a driver address are not watched. Ending a job (`Head::finish_job`,
+//! also `FinishJob` itself) is here too.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tpuray_proto::ids::JobId;
+use std::collections::HashMap;
 
-use crate::server::Head;
-use crate::state::JobStatus;
+use tonic::Status;
+use tpuray_proto::ids::{ActorId, JobId};
+use tpuray_proto::now_ms;
+
+use crate::server::{Head, rejection_status};
+use crate::state::{ActorRecord, ActorStatus, Command, CommandKind, JobStatus, Outcome};
 
 /// How often running drivers are probed.
 pub const CHECK_EVERY: Duration = Duration::from_secs(2);
@@ -115,5 +120,89 @@ impl Head {
                 tracing::warn!(%job_id, "cannot end the job yet: {}", e.message());
             }
         }
+    }
+}
+
+impl Head {
+    /// Ends driver job `job_id` (its non-detached actors' workers are stopped, its
+    /// groups removed, its unfinished tasks failed); `how` says why in the tasks' error
+    /// ("finished", "lost its driver ...").
+    ///
+    /// # Errors
+    /// As [`Head::commit`]; `NOT_FOUND` for an unknown job.
+    pub(crate) async fn finish_job(
+        self: &Arc<Self>,
+        request_id: String,
+        job_id: JobId,
+        how: &str,
+    ) -> Result<(), Status> {
+        let finished = job_id.to_string();
+        // Remember which actors die with the job, to stop their workers.
+        let before: Vec<(ActorId, String)> =
+            self.alive_actor_agents(|a| a.job_id == job_id && !a.detached);
+        if let Outcome::Rejected(r) = self
+            .commit(Command {
+                request_id,
+                kind: CommandKind::FinishJob { job_id, end_time_ms: now_ms() },
+            })
+            .await?
+        {
+            return Err(rejection_status(r));
+        }
+        let why = format!("the task's job {finished} {how} before the task ended");
+        self.after_jobs_ended(before, &HashMap::from([(finished, why)]));
+        Ok(())
+    }
+
+    /// What the end of driver jobs does beyond their durable records (which ended their
+    /// actors and groups): stops the workers of the actors that were alive (`actors`,
+    /// read before the commit), and marks the jobs' tasks that are not FINISHED or FAILED
+    /// as FAILED with the job's reason from `ended` (Ray's GCS does the same when a job
+    /// ends); an owner's late FINISHED event still wins.
+    pub(crate) fn after_jobs_ended(
+        self: &Arc<Self>,
+        actors: Vec<(ActorId, String)>,
+        ended: &HashMap<String, String>,
+    ) {
+        for (actor_id, addr) in actors {
+            let head = Arc::clone(self);
+            tokio::spawn(async move {
+                let _ = head.kill_actor_worker(&addr, &actor_id, None, false).await;
+            });
+        }
+        if ended.is_empty() {
+            return;
+        }
+        let now = now_ms();
+        let mut inner = self.lock();
+        for t in inner.tasks.values_mut() {
+            if let Some(why) = ended.get(&t.job_id)
+                && !matches!(t.state.as_str(), "FINISHED" | "FAILED")
+            {
+                t.state = "FAILED".into();
+                t.error = why.clone();
+                t.finished_ms = now;
+            }
+        }
+    }
+
+    /// The live actors matching `pred`, with their node agent's address.
+    pub(crate) fn alive_actor_agents(
+        &self,
+        pred: impl Fn(&ActorRecord) -> bool,
+    ) -> Vec<(ActorId, String)> {
+        let inner = self.lock();
+        inner
+            .sm
+            .actors
+            .values()
+            .filter(|a| pred(a))
+            .filter_map(|a| match &a.status {
+                ActorStatus::Alive { node_id, .. } => {
+                    inner.sm.nodes.get(node_id).map(|n| (a.actor_id.clone(), n.address.clone()))
+                }
+                _ => None,
+            })
+            .collect()
     }
 }

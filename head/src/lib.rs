@@ -32,17 +32,21 @@
 //! caller provides; the Raft log runs on its own thread (which applies commands
 //! and does the blocking `sled` I/O); no user code runs in the head process.
 
+mod actors;
 pub mod convert;
 mod dashboard;
 pub mod drivers;
 pub mod http;
 pub mod jobs;
+mod liveness;
 pub mod logs_api;
 pub mod metrics;
+mod nodes;
 pub mod placement_groups;
 pub mod replication;
 mod serve_api;
 pub mod server;
+mod service;
 pub mod slices;
 pub mod state;
 pub mod state_api;
