@@ -23,17 +23,7 @@ use crate::server::{Head, Inner, rejection_status, require_id};
 
 impl Head {
     pub(crate) fn node_info(&self, inner: &Inner, n: &NodeRecord) -> pb::NodeInfo {
-        let mut info = node_to_proto(n);
-        if let Some(s) = inner.soft.get(&n.node_id).filter(|s| s.reported)
-            && n.status == NodeLife::Alive
-        {
-            info.total = resources_to_proto(&s.total);
-            info.available = resources_to_proto(&s.available);
-            info.pending = s.pending.clone();
-            info.num_workers = s.num_workers;
-            info.last_heartbeat_ms = s.last_heartbeat_ms;
-        }
-        info
+        node_entry(n, inner.soft.get(&n.node_id))
     }
 
     /// The live nodes placement may use: those that reported their resources to this
@@ -290,12 +280,24 @@ impl Head {
         );
         let ViewUpdate { full, changed, removed, to } =
             inner.view.since(req.view_epoch, req.view_version, limit);
-        let cluster = changed
-            .iter()
-            .filter_map(|id| inner.sm.nodes.get(id))
-            .filter(|n| n.status == NodeLife::Alive)
-            .map(|n| self.node_info(&inner, n))
-            .collect();
+        let cluster = {
+            let Inner { sm, soft, view, view_entries, .. } = &mut *inner;
+            changed
+                .iter()
+                .filter_map(|id| {
+                    let n = sm.nodes.get(id).filter(|n| n.status == NodeLife::Alive)?;
+                    let at = view.version_of(id)?;
+                    if let Some((built, e)) = view_entries.get(id)
+                        && *built == at
+                    {
+                        return Some(e.clone());
+                    }
+                    let e = node_entry(n, soft.get(id));
+                    view_entries.insert(id.clone(), (at, e.clone()));
+                    Some(e)
+                })
+                .collect()
+        };
         let (view_epoch, view_version) = (inner.view.epoch(), to);
         let (view_delta, view_removed) = (!full, removed.iter().map(ToString::to_string).collect());
         let address = inner.sm.nodes.get(&node_id).map(|n| n.address.clone()).unwrap_or_default();
@@ -476,4 +478,21 @@ fn orphan_bundles(
         }
     }
     out
+}
+
+/// Node `n`'s entry as `status`, `list` and the agents' cluster view show it: the record,
+/// with the resources, demand and heartbeat time its agent last reported (`soft`) while
+/// it is alive.
+fn node_entry(n: &NodeRecord, soft: Option<&NodeSoft>) -> pb::NodeInfo {
+    let mut info = node_to_proto(n);
+    if let Some(s) = soft.filter(|s| s.reported)
+        && n.status == NodeLife::Alive
+    {
+        info.total = resources_to_proto(&s.total);
+        info.available = resources_to_proto(&s.available);
+        info.pending = s.pending.clone();
+        info.num_workers = s.num_workers;
+        info.last_heartbeat_ms = s.last_heartbeat_ms;
+    }
+    info
 }

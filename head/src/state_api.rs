@@ -28,6 +28,7 @@ use crate::http::Api;
 
 mod rows;
 pub(crate) use rows::host;
+pub use rows::ray_task_state;
 use rows::*;
 
 /// Ray's default `limit` (`DEFAULT_LIMIT`).

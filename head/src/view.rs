@@ -90,6 +90,11 @@ impl<K: Clone + Eq + Hash> ViewLog<K> {
         self.at.len()
     }
 
+    /// The version of node `k`'s latest change (`None`: not in the view).
+    pub(crate) fn version_of(&self, k: &K) -> Option<u64> {
+        self.at.get(k).copied()
+    }
+
     /// Node `k`'s entry changed (it joined, or its resources changed).
     pub(crate) fn touch(&mut self, k: &K) {
         self.version += 1;
