@@ -12,12 +12,12 @@ impl Agent {
     /// Takes `r` from the node's available resources (a job entrypoint's), all or none.
     ///
     /// # Errors
-    /// A message naming what is needed and what is free.
-    pub(crate) fn take_resources(&self, r: &ResourceSet) -> Result<(), String> {
+    /// [`AgentError::Ledger`] (`Exhausted`) naming what is needed and what is free.
+    pub(crate) fn take_resources(&self, r: &ResourceSet) -> Result<(), AgentError> {
         self.lock()
             .ledger
             .take("a job entrypoint's resources", r)
-            .map_err(|e| format!("node {}: {e}", self.config.node_id))
+            .map_err(|e| AgentError::ledger(&self.config.node_id, e))
     }
 
     /// Gives back what [`Agent::take_resources`] took (once, AGENT-2).

@@ -214,7 +214,7 @@ impl NodeAgentService for AgentSvc {
         req: Request<pb::StartJobSupervisorRequest>,
     ) -> Result<Response<pb::StartJobSupervisorReply>, Status> {
         let job = req.into_inner().job.ok_or_else(|| Status::invalid_argument("missing job"))?;
-        self.0.start_job_supervisor(job).await?;
+        self.0.start_job_supervisor(job).await.map_err(to_status)?;
         Ok(Response::new(pb::StartJobSupervisorReply {}))
     }
 
@@ -254,7 +254,7 @@ impl NodeAgentService for AgentSvc {
         &self,
         req: Request<pb::ReadJobLogsRequest>,
     ) -> Result<Response<pb::ReadJobLogsReply>, Status> {
-        self.0.read_job_logs(req.into_inner()).await.map(Response::new)
+        self.0.read_job_logs(req.into_inner()).await.map(Response::new).map_err(to_status)
     }
 
     async fn prestart_workers(
