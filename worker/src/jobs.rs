@@ -24,7 +24,7 @@ use tpuray_proto::pb;
 use tpuray_proto::runtime_env::JobRuntimeEnv;
 use tpuray_scheduler::ResourceSet;
 
-use crate::agent::Agent;
+use crate::agent::{Agent, AgentError};
 
 /// Ray's default `RAY_JOB_STOP_WAIT_TIME_S`.
 const DEFAULT_STOP_WAIT: Duration = Duration::from_secs(3);
@@ -76,9 +76,9 @@ fn stop_wait() -> Duration {
 }
 
 /// A submission id safe to use in a file name.
-fn check_id(id: &str) -> Result<(), Status> {
+fn check_id(id: &str) -> Result<(), AgentError> {
     if id.is_empty() || id.len() > 255 || id.contains(['/', '\0']) || id.starts_with('.') {
-        return Err(Status::invalid_argument(format!(
+        return Err(AgentError::BadRequest(format!(
             "submission id {id:?} cannot name a log file (expected no '/', not starting with '.')"
         )));
     }
@@ -89,12 +89,13 @@ impl Agent {
     /// `StartJobSupervisor`: starts the job unless it is known here already.
     ///
     /// # Errors
-    /// `RESOURCE_EXHAUSTED` when the entrypoint's resources are not free now (the head
-    /// places it again), `INVALID_ARGUMENT` for a job without an id.
+    /// [`AgentError::Ledger`] (`RESOURCE_EXHAUSTED`) when the entrypoint's resources are
+    /// not free now (the head places it again), [`AgentError::BadRequest`] for a job
+    /// without an id or with resources that do not parse.
     pub async fn start_job_supervisor(
         self: &Arc<Self>,
         job: pb::JobSubmission,
-    ) -> Result<(), Status> {
+    ) -> Result<(), AgentError> {
         check_id(&job.submission_id)?;
         let id = job.submission_id.clone();
         let wanted = tpuray_proto::runtime_env::entrypoint_resources(
@@ -104,7 +105,7 @@ impl Agent {
             &job.entrypoint_resources,
         );
         let demand = ResourceSet::from_f64_map(&wanted)
-            .map_err(|e| Status::invalid_argument(format!("entrypoint resources: {e}")))?;
+            .map_err(|e| AgentError::BadRequest(format!("entrypoint resources: {e}")))?;
         let pid = Arc::new(std::sync::atomic::AtomicU32::new(0));
         let rx = {
             let mut jobs = self.supervisors.lock();
@@ -113,7 +114,7 @@ impl Agent {
             }
             let (tx, rx) = watch::channel(job.stop_requested);
             if !demand.is_empty() {
-                self.take_resources(&demand).map_err(Status::resource_exhausted)?;
+                self.take_resources(&demand)?;
             }
             jobs.insert(id.clone(), Supervised { stop: tx, pid: Arc::clone(&pid) });
             rx
@@ -144,12 +145,12 @@ impl Agent {
     /// `ReadJobLogs`.
     ///
     /// # Errors
-    /// `INVALID_ARGUMENT` for an id that cannot name a log; `INTERNAL` when the log
-    /// cannot be read.
+    /// [`AgentError::BadRequest`] for an id that cannot name a log;
+    /// [`AgentError::Internal`] when the log cannot be read.
     pub async fn read_job_logs(
         &self,
         req: pb::ReadJobLogsRequest,
-    ) -> Result<pb::ReadJobLogsReply, Status> {
+    ) -> Result<pb::ReadJobLogsReply, AgentError> {
         check_id(&req.submission_id)?;
         let path = log_path(&self.config.session_dir, &req.submission_id);
         let max = if req.max_bytes == 0 { MAX_LOG_READ } else { req.max_bytes.min(MAX_LOG_READ) };
@@ -160,19 +161,19 @@ impl Agent {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                     return Ok(pb::ReadJobLogsReply { found: false, data: vec![], size: 0 });
                 }
-                Err(e) => return Err(Status::internal(format!("{}: {e}", path.display()))),
+                Err(e) => return Err(AgentError::Internal(format!("{}: {e}", path.display()))),
             };
             let size = f.metadata().map(|m| m.len()).unwrap_or(0);
             let mut data = Vec::new();
             if req.offset < size {
                 f.seek(SeekFrom::Start(req.offset))
                     .and_then(|_| f.take(max).read_to_end(&mut data))
-                    .map_err(|e| Status::internal(format!("{}: {e}", path.display())))?;
+                    .map_err(|e| AgentError::Internal(format!("{}: {e}", path.display())))?;
             }
             Ok(pb::ReadJobLogsReply { found: true, data, size })
         })
         .await
-        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(|e| AgentError::Internal(e.to_string()))?
     }
 
     /// Builds the environment, runs the entrypoint, and says how it ended.

@@ -8,7 +8,7 @@
 //! waiters) and turns a [`LedgerError`] into a gRPC status at the service edge
 //! ([`LedgerError::into_status`]).
 //!
-//! Invariants (the agent's numbering, `agent.rs`):
+//! Invariants (the agent's numbering, `agent/mod.rs`):
 //! - AGENT-2: `available` never exceeds `total`, whatever is given back, and a release
 //!   of what was never taken is capped rather than inflating the node.
 //! - AGENT-6: bundles are reserved in two phases: [`Ledger::prepare_bundles`] sets a

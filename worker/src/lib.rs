@@ -3,7 +3,7 @@
 //! processes, grants worker leases with spillback, starts actor workers for
 //! the head, and heartbeats to the head from a thread of its own.
 //!
-//! See `agent.rs` for the invariants (AGENT-1..4) and `tpuray_proto::registry` for the
+//! See `agent/mod.rs` for the invariants (AGENT-1..8) and `tpuray_proto::registry` for the
 //! machine-wide process registry (REG-1).
 
 pub mod agent;

@@ -78,7 +78,7 @@ class ActorClass:
         _options.check(options, actor=True)
         self._cls = cls
         self._options = dict(options)
-        self._key = None
+        self._key: str | None = None
         self.__name__ = cls.__name__
         self.__qualname__ = cls.__qualname__
         self.__doc__ = cls.__doc__

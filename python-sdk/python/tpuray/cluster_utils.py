@@ -84,7 +84,7 @@ class ClusterNode:
     def _entries(self, registry: str) -> list[dict]:
         """The registry entries of this node's processes (its agent, workers and, for the
         head node, the head), live or not."""
-        out = []
+        out: list[dict] = []
         try:
             names = os.listdir(registry)
         except OSError:
@@ -158,6 +158,15 @@ class Cluster:
     def address(self) -> Optional[str]:
         """What ``tpuray.init(address=...)`` takes: the head's ``HOST:PORT``."""
         return self.gcs_address
+
+    def _head_address(self) -> str:
+        """The head's ``HOST:PORT``, for the steps that run once the head was added.
+
+        :raises RuntimeError: the cluster has no head node yet.
+        """
+        if self.head_node is None:
+            raise RuntimeError("Cluster: no head node yet (add_node() the head first)")
+        return self.head_node.gcs_address
 
     def connect(self, namespace: Optional[str] = None):
         """``tpuray.init`` this process to the cluster as a driver.
@@ -262,7 +271,7 @@ class Cluster:
     def _point_here(self) -> None:
         """``tpuray.init()`` and ``tpuray`` commands from this process reach this cluster
         (Ray's ``Cluster`` writes its current-cluster file to the same end)."""
-        ours = {"TPURAY_ADDRESS": self.gcs_address, "TPURAY_REGISTRY_DIR": self._registry}
+        ours = {"TPURAY_ADDRESS": self._head_address(), "TPURAY_REGISTRY_DIR": self._registry}
         self._saved_env = {k: (os.environ.get(k), v) for k, v in ours.items()}
         os.environ.update(ours)
 
@@ -332,7 +341,7 @@ class Cluster:
     def _live_node_ids(self) -> set[str]:
         out = subprocess.run(
             [sys.executable, "-m", "tpuray", "list", "nodes", "--format", "json",
-             "--address", self.gcs_address],
+             "--address", self._head_address()],
             env=self._env(), capture_output=True, text=True, timeout=60,
         )
         if out.returncode != 0:

@@ -185,7 +185,7 @@ class RuntimeEnvSetupError(RayError):
             failed, or the ``setup_timeout_seconds`` that ran out.
     """
 
-    def __init__(self, error_message: str = None):
+    def __init__(self, error_message: str | None = None):
         super().__init__(error_message)
         self.error_message = error_message
 

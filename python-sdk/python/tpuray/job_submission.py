@@ -28,7 +28,10 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, AsyncIterator, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Union, cast
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 from tpuray import _tpuray
 from tpuray._private.runtime_env import _module_path
@@ -110,7 +113,9 @@ class _Model:
                 return v.dict()
             return v
 
-        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        # Every _Model is a dataclass (the classes below).
+        fields = dataclasses.fields(cast("DataclassInstance", self))
+        return {f.name: plain(getattr(self, f.name)) for f in fields}
 
     model_dump = dict
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 # Ray 2.60's keywords of ``@ray.remote``/``.options`` (``ray/_common/ray_option_utils.py``:
 # ``task_options`` and ``actor_options``), each honoured or refused by name below.
 _COMMON_KEYS = {
@@ -22,7 +24,7 @@ _ACTOR_KEYS = _COMMON_KEYS | {
 
 # Ray options tpuray refuses, each with the values that change nothing (Ray's defaults,
 # accepted) and the reason any other value is refused (ValueError naming the option).
-_REFUSED = {
+_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "object_store_memory": (
         (None,),
         "tpuray reserves no object store memory per task or actor (Ray 2.60 refuses it for "

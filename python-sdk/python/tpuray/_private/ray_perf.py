@@ -26,7 +26,8 @@ from tpuray._private.ray_microbenchmark_helpers import skipped, timeit
 try:
     import numpy as np
 except ImportError:  # the gigabyte cases need it, as Ray's do
-    np = None
+    # numpy is optional: None stands for the missing module.
+    np = None  # type: ignore[assignment]
 
 
 @ray.remote(num_cpus=0)

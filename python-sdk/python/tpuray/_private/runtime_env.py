@@ -117,7 +117,14 @@ def _module_path(m) -> str:
         return str(m)
     if isinstance(m, ModuleType):
         if not hasattr(m, "__path__"):
-            return m.__file__
+            # A single-file module; a built-in or in-memory one has no file to ship.
+            file = getattr(m, "__file__", None)
+            if file is None:
+                raise ValueError(
+                    f"py_modules: module {m.__name__!r} has no file (a built-in or in-memory "
+                    "module cannot be shipped); give its path instead"
+                )
+            return file
         paths = list(m.__path__)
         if len(paths) > 1:
             raise ValueError(

@@ -285,7 +285,7 @@ def mapped_view(buf) -> memoryview:
     exporter = (ctypes.c_char * size).from_address(buf.address())
     # The ctypes array only points at the mapping; it owns the ObjectBuffer, and every
     # memoryview made from it (slices included) owns the array.
-    exporter._tpuray_object = buf
+    setattr(exporter, "_tpuray_object", buf)
     return memoryview(exporter).cast("B").toreadonly()
 
 

@@ -61,7 +61,9 @@ _task_context = threading.local()
 #: The info of the async actor call a coroutine runs for (an asyncio task copies the
 #: context it was created in, so each call's coroutine sees its own; the loop thread's
 #: ``_task_context`` cannot tell overlapping calls apart).
-_async_call = contextvars.ContextVar("tpuray_async_call", default=None)
+_async_call: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "tpuray_async_call", default=None
+)
 
 
 def _free_port() -> int:
@@ -219,7 +221,7 @@ _INIT_REFUSALS = {
 }
 
 #: Ray's defaults of the refused keywords: given as these, they change nothing.
-_INIT_DEFAULTS = {
+_INIT_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "include_dashboard": (None, True),
     "enable_resource_isolation": (False,),
     "_redis_username": ("",),
@@ -351,7 +353,8 @@ def _configure_logging(level, fmt) -> None:
             logger.removeHandler(h)
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(fmt or "%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"))
-        handler._tpuray_init = True
+        # A marker on the stdlib handler: the handlers this function added, replaced on the next call.
+        setattr(handler, "_tpuray_init", True)
         logger.addHandler(handler)
         logger.propagate = False
 
@@ -763,7 +766,7 @@ def encode_args(args, kwargs, retry_filter=None) -> list:
         meta = ("v", serialize((len(args), list(kw_names), retry_filter))[0], [])
         if retry_filter is None and len(_meta_cache) < 1024:
             _meta_cache[shape] = meta
-    out = [meta]
+    out: list[tuple[Any, ...]] = [meta]
     for v in list(args) + [kwargs[k] for k in kw_names]:
         if isinstance(v, ObjectRef):
             out.append(("r", v._core))
@@ -1470,7 +1473,7 @@ class _Forwarder:
 
     def __init__(self, inner, driver: str, is_err: bool):
         self._inner = inner
-        self._driver = driver
+        self._driver: str | None = driver
         self._is_err = is_err
         self._partial = ""
         # (name, lines) in the order printed.

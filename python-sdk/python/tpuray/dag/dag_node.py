@@ -41,7 +41,11 @@ def _map_nodes(value, fn):
 
 
 def _find_nodes(value, out: list) -> list:
-    _map_nodes(value, lambda n: out.append(n) or n)
+    def record(n):
+        out.append(n)
+        return n
+
+    _map_nodes(value, record)
     return out
 
 
@@ -173,7 +177,8 @@ class ClassNode(DAGNode):
             )
 
     def _all_nodes_below(self) -> list:
-        seen, stack = [], list(self._get_all_child_nodes())
+        seen: list[DAGNode] = []
+        stack = list(self._get_all_child_nodes())
         while stack:
             n = stack.pop()
             if not any(n is s for s in seen):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import builtins
 import random as _random
-from typing import Optional
+from typing import Any, Optional
 
 from tpuray.data import block as B
 from tpuray.data._executor import BlockMeta, PhysicalOp  # noqa: F401 - BlockMeta: public
@@ -291,7 +291,7 @@ def _file_source(where: str, paths, read_one, *, filesystem, extensions, include
 
 
 def _reader_kwargs(kw: dict) -> dict:
-    defaults = dict(filesystem=None, include_paths=False, ignore_missing_paths=False,
+    defaults: dict[str, Any] = dict(filesystem=None, include_paths=False, ignore_missing_paths=False,
                     shuffle=None, ray_remote_args=None, num_cpus=None, concurrency=None,
                     override_num_blocks=None)
     for k in list(kw):

@@ -298,7 +298,7 @@ class StreamingExecutor:
                 return False
             fn = s.pending_reads.popleft()
             s.next_index += 1
-            args = ()
+            args: tuple = ()
             input_bytes = 0
         else:
             if not s.inqueue:

@@ -43,7 +43,7 @@ def resolve_files(paths, filesystem=None, extensions: Optional[tuple] = None,
     if not paths:
         raise ValueError("no paths given")
     fs = None
-    out = []
+    out: list[str] = []
     exts = tuple(e.lower().lstrip(".") for e in extensions) if extensions else None
 
     def wanted(name: str) -> bool:

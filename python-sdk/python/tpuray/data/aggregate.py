@@ -10,7 +10,7 @@ folds a block (a dict of numpy arrays) into an accumulator, ``merge(a, b)`` join
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import numpy as np
 
@@ -59,8 +59,10 @@ class AggregateFn:
             return self._block_fn(acc, block)
         from tpuray.data.block import rows
 
+        # Exactly one of the two functions is set (checked in __init__).
+        row_fn = cast(Callable, self._row_fn)
         for r in rows(block):
-            acc = self._row_fn(acc, r)
+            acc = row_fn(acc, r)
         return acc
 
     def merge(self, a, b):

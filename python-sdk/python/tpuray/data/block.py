@@ -215,7 +215,7 @@ def take_indices(block: Block, idx: np.ndarray) -> Block:
 BATCH_FORMATS = ("default", "numpy", "pandas", "pyarrow", None)
 
 
-def to_format(block: Block, batch_format: str):
+def to_format(block: Block, batch_format: str | None):
     """``block`` as a batch in ``batch_format``: ``"numpy"``/``"default"`` (dict of arrays),
     ``"pandas"`` (DataFrame), ``"pyarrow"`` (Table; ``None``, Ray's "native format", is
     pyarrow too), ``"torch"`` (dict of tensors; object columns stay arrays).

@@ -700,9 +700,10 @@ class Dataset:
 
         if n < 1:
             raise ValueError(f"streaming_split needs n >= 1, got {n}")
-        coord = _SplitCoordinator.options(num_cpus=0, max_concurrency=max(4, 2 * n)).remote(
-            self, n, equal
-        )
+        # @tpuray.remote made the class an ActorClass; mypy keeps a decorated class's own type.
+        coord = _SplitCoordinator.options(  # type: ignore[attr-defined]
+            num_cpus=0, max_concurrency=max(4, 2 * n)
+        ).remote(self, n, equal)
         return [SplitIterator(coord, i) for i in range(n)]
 
     # ---- aggregations over the whole dataset ----
@@ -718,9 +719,9 @@ class Dataset:
 
         if not aggs:
             raise ValueError("aggregate needs at least one aggregation")
-        aggs = list(aggs)
+        agg_list = list(aggs)
 
-        def partial(block, _aggs=aggs):
+        def partial(block, _aggs=agg_list):
             import numpy as np
 
             if B.num_rows(block):

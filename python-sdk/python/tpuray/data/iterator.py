@@ -27,7 +27,7 @@ class _SplitCoordinator:
         self._cond = threading.Condition()
         self._epoch = -1
         self._queues: list[list] = []
-        self._finished = set()
+        self._finished: set[int] = set()
         self._done = False
         self._error: Optional[BaseException] = None
 

@@ -109,7 +109,8 @@ class WeightStore:
         if int(keep) < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.store_name = store_name
-        self._actor = _WeightStoreActor.options(
+        # @tpuray.remote made the class an ActorClass; mypy keeps a decorated class's own type.
+        self._actor = _WeightStoreActor.options(  # type: ignore[attr-defined]
             name=store_name, get_if_exists=True, lifetime="detached"
         ).remote(int(keep))
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import tpuray
 from tpuray.exceptions import RaySchedulingError
@@ -234,7 +234,8 @@ class WorkerGroup:
                 raise PoolUnsatisfiableError(f"{self.name} pool: {e}") from e
             self.kind = "tpu"
         else:
-            self._start_cpu(actor_cls, args, kwargs, int(num_workers), float(num_cpus),
+            # Not the TPU form, so num_workers was given (checked above).
+            self._start_cpu(actor_cls, args, kwargs, int(cast(int, num_workers)), float(num_cpus),
                             dict(resources or {}), strategy, float(timeout))
             self.kind = "cpu"
         _LIVE[self.name] = self

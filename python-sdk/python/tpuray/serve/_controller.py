@@ -41,6 +41,7 @@ import threading
 import time
 import traceback
 import uuid
+from typing import Any
 
 import tpuray
 from tpuray import _tpuray
@@ -131,9 +132,9 @@ class ServeController:
         host = http_options.get("host") or "127.0.0.1"
         port = http_options.get("port", 8000)
         self._http = {"host": str(host), "port": int(port)}
-        self._proxy = None
-        self._proxy_ref = None
-        self._proxy_state = None
+        self._proxy: Any = None  # the proxy's ActorHandle
+        self._proxy_ref: Any = None  # its pending ready/check_health call
+        self._proxy_state: str | None = None
         self._proxy_info: dict = {}
         self._proxy_error = ""
         self._proxy_retry_at = 0.0
@@ -145,12 +146,12 @@ class ServeController:
         self._node_id = tpuray.get_runtime_context().get_node_id()
         self._last_checkpoint = None
         self._declared_seq = None
-        self._declared_error = None
+        self._declared_error: str | None = None
         self._declared_failed: dict = {}  # app name -> the error of its last declaration
         # Ray's api_type DECLARATIVE: the applications the last config (``serve deploy``,
         # REST PUT) deployed; only these are deleted when a later config omits them.
         self._declared_apps: set = set()
-        self._declared_warning = None
+        self._declared_warning: str | None = None
         with self._cv:
             self._restore()
         try:
@@ -526,14 +527,14 @@ class ServeController:
                     break
                 self._cv.wait(left)
             d = self._deps.get(key)
-            exists = d is not None and not d.deleting
+            live = d if d is not None and not d.deleting else None
             snap = {
-                "exists": exists,
+                "exists": live is not None,
                 "failed": d.message if d is not None and d.failed else None,
-                "replicas": [(r.rid, r.actor) for r in d.replicas.values() if r.state == RUNNING]
-                if exists else [],
-                "models": {r.rid: list(r.models) for r in d.replicas.values() if r.models}
-                if exists else {},
+                "replicas": [(r.rid, r.actor) for r in live.replicas.values() if r.state == RUNNING]
+                if live is not None else [],
+                "models": {r.rid: list(r.models) for r in live.replicas.values() if r.models}
+                if live is not None else {},
                 "config": {k: d.cfg[k] for k in ("max_ongoing_requests", "max_queued_requests",
                                                   "request_router", "request_router_kwargs")}
                 if d is not None else None,
@@ -677,8 +678,8 @@ class ServeController:
             for r in (starting + running)[:extra]:
                 self._stop_replica(d, r)
             self._bump(key)
-        running = sum(1 for r in d.replicas.values() if r.state == RUNNING)
-        if running >= d.target and not d.failed:
+        n_running = sum(1 for r in d.replicas.values() if r.state == RUNNING)
+        if n_running >= d.target and not d.failed:
             if not d.ever_healthy or d.unhealthy or d.scaling:
                 d.trigger = "CONFIG_UPDATE_COMPLETED" if not d.ever_healthy else (
                     "AUTOSCALING" if d.scaling else "HEALTH_CHECK_RECOVERED")
@@ -971,7 +972,7 @@ class ServeController:
                 "ingress": a["ingress"], "last_deployed_time_s": a["last_deployed_time_s"],
                 "deployments": deps,
             }
-        proxies = {}
+        proxies: dict[str, str] = {}
         if self._proxy_state is not None:
             proxies[self._proxy_info.get("node_id") or self._node_id] = self._proxy_state
         for name, err in self._declared_failed.items():
@@ -1037,8 +1038,8 @@ def _replica_placement_group(cfg: dict, name: str):
         return placement_group(bundles, strategy=strategy, name=name)
     version = pod.split("-")[0]
     topology = None
-    for n in tpuray.nodes():
-        labels = n.get("Labels") or {}
+    for node in tpuray.nodes():
+        labels = node.get("Labels") or {}
         if labels.get("tpuray.io/tpu-pod-type") == pod and labels.get("tpuray.io/tpu-topology"):
             topology = labels["tpuray.io/tpu-topology"]
             break

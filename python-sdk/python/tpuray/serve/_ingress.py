@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copyreg
 import inspect
+from typing import Any, Callable
 
 
 def _register_reducers() -> None:
@@ -43,7 +44,7 @@ def _class_based_view(app, cls, holder: dict) -> None:
     from fastapi import Depends
     from fastapi.routing import APIRoute, APIWebSocketRoute
 
-    own = {}
+    own: dict[int, Any] = {}
     for klass in cls.__mro__:
         for v in vars(klass).values():
             if inspect.isfunction(v):
@@ -75,21 +76,26 @@ def _class_based_view(app, cls, holder: dict) -> None:
         # so handle calls of the method pass arguments as they always did).
         import functools
 
-        @functools.wraps(fn)
-        def endpoint(*a, __fn=fn, **k):
-            return __fn(*a, **k)
-
+        endpoint: Callable[..., Any]
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
-            async def endpoint(*a, __fn=fn, **k):  # noqa: F811 - the async twin
+            async def async_endpoint(*a, __fn=fn, **k):
                 return await __fn(*a, **k)
 
-        endpoint.__signature__ = sig.replace(parameters=[first] + rest)
+            endpoint = async_endpoint
+        else:
+            @functools.wraps(fn)
+            def sync_endpoint(*a, __fn=fn, **k):
+                return __fn(*a, **k)
+
+            endpoint = sync_endpoint
+        # inspect.signature (and so FastAPI) reads a function's __signature__ first.
+        setattr(endpoint, "__signature__", sig.replace(parameters=[first] + rest))
         if isinstance(route, APIWebSocketRoute):
             new_routes.append(APIWebSocketRoute(route.path, endpoint, name=route.name,
                                                 dependencies=route.dependencies))
             continue
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         for p in params:
             if p == "endpoint":
                 kwargs[p] = endpoint

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import cast
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
@@ -66,8 +67,9 @@ class ProxyActor:
         return {"node_id": tpuray.get_runtime_context().get_node_id(), "port": self._port}
 
     def check_health(self) -> bool:
-        with socket.create_connection(("127.0.0.1" if self._server.server_address[0] in ("0.0.0.0", "")
-                                       else self._server.server_address[0], self._port), timeout=5):
+        # An AF_INET server's address is (host str, port).
+        host = cast(str, self._server.server_address[0])
+        with socket.create_connection(("127.0.0.1" if host in ("0.0.0.0", "") else host, self._port), timeout=5):
             return True
 
     def _poll_routes(self):
@@ -101,7 +103,8 @@ class ProxyActor:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    proxy: ProxyActor = None  # set per server
+    #: Set on the per-server subclass that ProxyActor.__init__ makes (never used bare).
+    proxy: ProxyActor
 
     def log_message(self, fmt, *args):  # no per-request log lines on stderr
         pass

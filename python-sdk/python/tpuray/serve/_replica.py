@@ -25,9 +25,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from tpuray._private.serialization import deserialize
 from tpuray.serve import http as _http
+
+if TYPE_CHECKING:
+    from tpuray.serve._ingress import Lifespan
 
 
 @dataclass(frozen=True)
@@ -115,8 +119,8 @@ class ServeReplica:
         self._target_bytes = target
         self._init_bytes = init_args
         self._config = config
-        self._callable = None
-        self._lifespan = None
+        self._callable: Any = None
+        self._lifespan: Lifespan | None = None
         self._is_function = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ongoing = 0
@@ -126,6 +130,18 @@ class ServeReplica:
             max_workers=max(2, int(config["max_ongoing_requests"])), thread_name_prefix="serve-replica",
             initializer=_in_placement_group, initargs=(pg_id,),
         )
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The replica's event loop, which ``initialize`` sets.
+
+        Raises:
+            RuntimeError: a call reached the replica before ``initialize``.
+        """
+        if self._loop is None:
+            raise RuntimeError(
+                f"replica {self._replica_id} of deployment {self._deployment!r} is not initialized"
+            )
+        return self._loop
 
     # ---- lifecycle ----
 
@@ -137,13 +153,13 @@ class ServeReplica:
             ``{"node_id", "pid", "actor_id"}`` of this replica.
         """
         global _context
-        self._loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         _in_placement_group(self._config.get("placement_group_id"))
         target = deserialize(self._target_bytes)
         args, kwargs = deserialize(self._init_bytes)
         _context = ReplicaContext(ReplicaID(self._replica_id, self._deployment, self._app))
         if inspect.isclass(target):
-            obj = await self._loop.run_in_executor(self._pool, functools.partial(target, *args, **kwargs))
+            obj: Any = await loop.run_in_executor(self._pool, functools.partial(target, *args, **kwargs))
         else:
             obj = target
             self._is_function = True
@@ -152,8 +168,8 @@ class ServeReplica:
         if _http.is_asgi_ingress(obj):
             from tpuray.serve._ingress import Lifespan
 
-            self._lifespan = Lifespan(type(obj)._serve_asgi_app)
-            await self._lifespan.startup()
+            lifespan = self._lifespan = Lifespan(type(obj)._serve_asgi_app)
+            await lifespan.startup()
         uc = self._config.get("user_config")
         if uc is not None:
             await self._reconfigure(uc)
@@ -172,7 +188,7 @@ class ServeReplica:
         if inspect.iscoroutinefunction(rc):
             await rc(user_config)
         else:
-            r = await self._loop.run_in_executor(self._pool, rc, user_config)
+            r = await self._running_loop().run_in_executor(self._pool, rc, user_config)
             if inspect.isawaitable(r):
                 await r
 
@@ -202,7 +218,7 @@ class ServeReplica:
         if user is not None:
             r = user()
             if inspect.isawaitable(r):
-                asyncio.run_coroutine_threadsafe(_await(r), self._loop).result(
+                asyncio.run_coroutine_threadsafe(_await(r), self._running_loop()).result(
                     timeout=float(self._config["health_check_timeout_s"])
                 )
         return {"ongoing": self._ongoing}
@@ -272,7 +288,7 @@ class ServeReplica:
             if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
                 result = await fn(*args, **kwargs)
             else:
-                result = await self._loop.run_in_executor(
+                result = await self._running_loop().run_in_executor(
                     self._pool, contextvars.copy_context().run, functools.partial(fn, *args, **kwargs))
                 if inspect.isawaitable(result):
                     result = await result
@@ -293,17 +309,17 @@ class ServeReplica:
         try:
             if http and args and isinstance(args[0], _http.HTTPRequest):
                 fn = None if _http.is_asgi_ingress(self._callable) else self._method(meta["method"])
-                yield from _http.serve_http(self._callable, fn, args[0], self._loop, self._pool)
+                yield from _http.serve_http(self._callable, fn, args[0], self._running_loop(), self._pool)
                 return
             fn = self._method(meta["method"])
             result = fn(*args, **kwargs)
             if inspect.iscoroutine(result):
-                result = asyncio.run_coroutine_threadsafe(result, self._loop).result()
+                result = asyncio.run_coroutine_threadsafe(result, self._running_loop()).result()
             if inspect.isasyncgen(result):
                 agen = result
                 while True:
                     try:
-                        item = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop).result()
+                        item = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._running_loop()).result()
                     except StopAsyncIteration:
                         break
                     yield ("chunk", item) if http else item

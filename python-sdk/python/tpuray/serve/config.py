@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+from typing import Any
 
 #: Ray Serve's defaults (Ray >= 2.32: ``max_ongoing_requests`` 5; health checks every 10 s
 #: with a 30 s timeout; graceful shutdown waits up to 20 s).
@@ -97,7 +98,7 @@ def autoscaling_config(cfg) -> dict:
         cfg = {k: v for k, v in vars(cfg).items() if not k.startswith("_")}
     if not isinstance(cfg, dict):
         raise TypeError(f"autoscaling_config must be a dict (got {type(cfg).__name__})")
-    out = dict(AUTOSCALING_DEFAULTS)
+    out: dict[str, Any] = dict(AUTOSCALING_DEFAULTS)
     for k, v in cfg.items():
         k = _AUTOSCALING_ALIASES.get(k, k)
         if k not in AUTOSCALING_DEFAULTS:
@@ -141,7 +142,7 @@ def deployment_options(opts: dict, base: dict | None = None) -> dict:
     Raises:
         TypeError/ValueError: naming the option at fault and what it expects.
     """
-    out = copy.deepcopy(base) if base is not None else copy.deepcopy(DEFAULTS)
+    out: dict[str, Any] = copy.deepcopy(base) if base is not None else copy.deepcopy(DEFAULTS)
     for k, v in opts.items():
         if k in UNSUPPORTED:
             raise ValueError(f"deployment option {k!r} is not supported: {UNSUPPORTED[k]}")

@@ -39,6 +39,7 @@ import random
 import threading
 import time
 import uuid
+from typing import Any
 
 import tpuray
 from tpuray.serve import _common
@@ -106,7 +107,7 @@ class _Router:
         self._models: dict = {}  # replica id -> multiplexed model ids it holds
         self._ongoing: dict = {}  # replica id -> requests this process has there
         self._dead: set = set()  # ids that died here; left out until the controller drops them
-        self._config = {"max_ongoing_requests": 5, "max_queued_requests": -1,
+        self._config: dict[str, Any] = {"max_ongoing_requests": 5, "max_queued_requests": -1,
                         "request_router": "pow2", "request_router_kwargs": {}}
         self._version = -1
         self._exists = None  # None until the controller first answers
@@ -246,7 +247,7 @@ class _Router:
                     f"deployment {self.deployment!r} of application {self.app!r} failed: {self._failed}"
                 ))
             return
-        kept = collections.deque()
+        kept: collections.deque = collections.deque()
         while self._pending:
             req = self._pending.popleft()
             if not self._try_assign(req):

@@ -46,7 +46,8 @@ try:  # Only replicas serving HTTP need it; handles and the controller do not.
 
     _StarletteRequest = _sreq.Request
 except ImportError:  # pragma: no cover - the serve extra is not installed
-    _sreq = _sresp = None
+    # The serve extra is optional: None stands for the missing modules.
+    _sreq = _sresp = None  # type: ignore[assignment]
 
     class _StarletteRequest:  # type: ignore[no-redef]
         def __init__(self, *a, **k):
@@ -287,7 +288,9 @@ def serve_http(obj, fn, http: HTTPRequest, loop: asyncio.AbstractEventLoop, pool
     else:
         asyncio.run_coroutine_threadsafe(run_plain(), loop)
 
-    start = None
+    # None: no http.response.start yet; (status, headers): held until the first body;
+    # "sent": the start went out.
+    start: tuple[int, list[tuple[bytes, bytes]]] | str | None = None
     while True:
         msg = q.get()
         if msg is _END:

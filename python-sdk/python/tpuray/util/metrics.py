@@ -202,7 +202,7 @@ class Counter(Metric):
     def __reduce__(self):
         return self.__class__, (self._name, self._description, self._tag_keys)
 
-    def inc(self, value: Union[int, float] = 1.0, tags: Dict[str, str] = None):
+    def inc(self, value: Union[int, float] = 1.0, tags: Optional[Dict[str, str]] = None):
         """Adds ``value`` (default 1) to the series of ``tags``.
 
         Raises:
@@ -237,7 +237,7 @@ class Histogram(Metric):
         self,
         name: str,
         description: str = "",
-        boundaries: List[float] = None,
+        boundaries: Optional[List[float]] = None,
         tag_keys: Optional[Tuple[str, ...]] = None,
     ):
         super().__init__(name, description, tag_keys)
@@ -257,7 +257,7 @@ class Histogram(Metric):
         # Prometheus's buckets ascend; repeated bounds are one bucket.
         self._define(sorted({float(b) for b in boundaries}))
 
-    def observe(self, value: Union[int, float], tags: Dict[str, str] = None):
+    def observe(self, value: Union[int, float], tags: Optional[Dict[str, str]] = None):
         """Adds ``value`` to the bucket it falls in.
 
         Raises:
@@ -299,7 +299,7 @@ class Gauge(Metric):
         super().__init__(name, description, tag_keys)
         self._define([])
 
-    def set(self, value: Optional[Union[int, float]], tags: Dict[str, str] = None):
+    def set(self, value: Optional[Union[int, float]], tags: Optional[Dict[str, str]] = None):
         """Sets the series of ``tags`` to ``value`` (``None``: does nothing).
 
         Raises:

@@ -507,7 +507,7 @@ class SlicePlacementGroup:
     def bundle_label_selector(self) -> list:
         """Per bundle, the slice it landed on (``{"ray.io/tpu-slice-name": name}``);
         ``{}`` for bundles not placed yet."""
-        out = []
+        out: list[dict[str, str]] = []
         if not self._managed:
             return out
         slice_of = {n["NodeID"]: get_tpu_slice_name_from_node(n) for n in _tpuray.nodes()}
@@ -883,7 +883,7 @@ class SliceActorGroup:
         self.max_restarts = int(max_restarts)
         self.restarts = 0
         self._gang_id = os.urandom(8).hex()
-        self._handle = None
+        self._handle: str | None = None
         self.actors: list = []
         self.members: list[dict] = []
         self.info: dict = {}

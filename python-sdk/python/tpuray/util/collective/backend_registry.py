@@ -9,9 +9,12 @@ from tpuray.util.collective.collective_group.base_collective_group import BaseGr
 class BackendRegistry:
     """Backend name (upper case) -> group class; one per process."""
 
-    _instance = None
+    _instance: BackendRegistry | None = None
+    _map: dict[str, type[BaseGroup]]
+    #: Built-in backend name -> why it is not registered here.
+    _absent: dict[str, str]
 
-    def __new__(cls):
+    def __new__(cls) -> BackendRegistry:
         if cls._instance is None:
             cls._instance = super().__new__(cls)
             cls._instance._map = {}
@@ -32,7 +35,7 @@ class BackendRegistry:
     def why_absent(self, name: str) -> str:
         return self._absent.get(name.upper(), "")
 
-    def get(self, name: str):
+    def get(self, name: str) -> type[BaseGroup]:
         """The group class of ``name``.
 
         Raises:

@@ -302,9 +302,9 @@ class Pool:
         if chunksize is None:
             chunksize = self._chunksize(len(items))
         it = iter(items)
-        refs = []
+        refs: list = []
         while len(refs) * chunksize < len(items):
-            batch = [((tuple(v) if star else (v,)), {}) for v in itertools.islice(it, chunksize)]
+            batch: list[tuple[tuple, dict]] = [((tuple(v) if star else (v,)), {}) for v in itertools.islice(it, chunksize)]
             refs.append(self._run_chunk(len(refs) % len(self._actors), func, batch))
         return refs
 

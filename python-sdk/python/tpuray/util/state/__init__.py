@@ -19,7 +19,10 @@ import dataclasses
 import json
 import urllib.parse
 import warnings
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union, cast
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 from tpuray import _tpuray
 from tpuray.util.state.exception import RayStateApiException
@@ -59,7 +62,8 @@ class StateSchema:
         return list(self._field_names())
 
     def asdict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Every StateSchema is a dataclass (the row classes below).
+        return dataclasses.asdict(cast("DataclassInstance", self))
 
     @classmethod
     def _field_names(cls):
