@@ -527,9 +527,11 @@ async fn push_batch(
     done: tokio::sync::mpsc::UnboundedSender<Pushed>,
 ) {
     let t = Instant::now();
-    if batch.len() == 1 {
+    if let [q] = batch.as_slice() {
+        let push = c.push_task(pb::PushTaskRequest { spec: Some(q.spec.clone()) });
+        let r = core.unless_node_dies(&node_id, push).await;
         let q = batch.into_iter().next().expect("one task");
-        let _ = done.send(push_one(&core, &node_id, c, q).await);
+        let _ = done.send((q, r.map(tonic::Response::into_inner), t.elapsed()));
         return;
     }
     let specs = batch.iter().map(|q| q.spec.clone()).collect();
@@ -565,20 +567,6 @@ async fn push_batch(
     for q in slots.into_iter().flatten() {
         let _ = done.send((q, Err(failure.clone()), t.elapsed()));
     }
-}
-
-/// Pushes one task (`PushTask`) to a leased worker; its answer or the call's failure,
-/// and the time it took.
-async fn push_one(
-    core: &Core,
-    node_id: &str,
-    mut c: pb::worker_service_client::WorkerServiceClient<tpuray_proto::client::AuthChannel>,
-    q: Queued,
-) -> Pushed {
-    let t = Instant::now();
-    let push = c.push_task(pb::PushTaskRequest { spec: Some(q.spec.clone()) });
-    let r = core.unless_node_dies(node_id, push).await;
-    (q, r.map(tonic::Response::into_inner), t.elapsed())
 }
 
 /// The error of a call to a node the head declared dead (CORE-10).
@@ -2572,8 +2560,6 @@ impl Core {
         // A task came back unrun: its worker is blocked or slow, so nothing more goes to
         // it until what it holds is answered (else the same tasks would bounce back).
         let mut handing_back = false;
-        // The answer of a push awaited in this loop (see below).
-        let mut answered: Option<Pushed> = None;
         loop {
             if tasks_in_flight == 0 && handing_back {
                 handing_back = false;
@@ -2617,14 +2603,6 @@ impl Core {
                 }
                 tasks_in_flight += batch.len();
                 class.in_flight.fetch_add(batch.len(), Ordering::SeqCst);
-                if depth == 1 && tasks_in_flight == 1 {
-                    // The one task this worker may hold (CORE-9's usual depth): nothing
-                    // more is pushed until it answers, so it is awaited here, without a
-                    // task of its own and the hand-off of its answer back to this loop.
-                    let q = batch.into_iter().next().expect("one task");
-                    answered = Some(push_one(self, &g.node_id, client.clone(), q).await);
-                    break;
-                }
                 self.rt.spawn(push_batch(
                     Arc::clone(self),
                     g.node_id.clone(),
@@ -2648,13 +2626,7 @@ impl Core {
                 }
                 continue;
             }
-            let first = match answered.take() {
-                Some(a) => a,
-                None => match done_rx.recv().await {
-                    Some(a) => a,
-                    None => break,
-                },
-            };
+            let Some(first) = done_rx.recv().await else { break };
             // Every answer already here is handled before the next push.
             let mut next = Some(first);
             while let Some((q, result, took)) = next.take() {

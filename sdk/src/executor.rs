@@ -793,9 +793,6 @@ impl Executor {
     /// (as `<caller>#ret:<return id>`), and the caller releases that when it
     /// frees the return object (CORE-2).
     fn hand_over(&self, spec: &pb::TaskSpec, nested: Vec<RawRef>) -> Vec<pb::ObjectRefMsg> {
-        if nested.is_empty() {
-            return Vec::new(); // the common case: no borrower key to make
-        }
         let core = &self.core;
         let key = format!("{}#ret:{}", spec.owner_address, spec.return_ids[0]);
         let mut seen = std::collections::HashSet::new();
