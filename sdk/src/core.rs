@@ -740,7 +740,7 @@ pub(crate) fn release_ref(id: &str, owner: &str) {
         }
     };
     if let Some(o) = freed {
-        c.on_freed(id, o);
+        c.on_freed(id, *o);
     }
 }
 
@@ -1053,7 +1053,7 @@ impl Core {
             apply_borrower_update(&mut objs, id, borrower, add)
         };
         if let Some(o) = freed {
-            self.on_freed(id, o);
+            self.on_freed(id, *o);
         }
         known
     }
@@ -1074,7 +1074,7 @@ impl Core {
             }
         }
         for (id, o) in freed {
-            self.on_freed(id, o);
+            self.on_freed(id, *o);
         }
     }
 
@@ -1216,7 +1216,7 @@ impl Core {
             }
         };
         if let Some(o) = freed {
-            self.on_freed(id, o);
+            self.on_freed(id, *o);
         }
         self.objects_changed.notify_waiters();
     }
@@ -1262,7 +1262,7 @@ impl Core {
 
     /// An owned object was dropped from the table: delete its store copies
     /// and stop borrowing the refs its value carried (CORE-2).
-    fn on_freed(&self, id: &str, o: Box<Owned>) {
+    fn on_freed(&self, id: &str, o: Owned) {
         if let ObjState::Stored { locations, .. } = o.state {
             self.free_copies(id.to_string(), locations);
         }
@@ -2830,7 +2830,7 @@ impl Core {
                 None => {
                     drop(objs);
                     // Already freed by the caller: release at once.
-                    let o = Box::new(Owned {
+                    let o = Owned {
                         state: ObjState::Pending,
                         lineage: None,
                         pulls: None,
@@ -2839,7 +2839,7 @@ impl Core {
                         borrowers: Default::default(),
                         nested,
                         pins: vec![],
-                    });
+                    };
                     self.on_freed(first, o);
                 }
             }
