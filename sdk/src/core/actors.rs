@@ -1,0 +1,488 @@
+//! Actors from the caller's side: creation through the head, and each actor's ordered
+//! sender (CORE-4) that resolves the actor's address, numbers calls per incarnation,
+//! resends calls that never reached it and decides what a lost call becomes.
+
+use super::*;
+
+/// How long the caller of an actor call lost mid-call waits for the head to say whether
+/// the actor died or restarts ([`Core::lost_call_error`]); Ray waits
+/// `timeout_ms_task_wait_for_death_info` the same way.
+pub(super) const ACTOR_DEATH_INFO_WAIT: Duration = Duration::from_secs(5);
+
+/// Per-actor caller state: the ordered sender (CORE-4).
+pub(super) struct ActorConn {
+    /// (call, its arguments being resolved, retries left, retry on the method's own
+    /// exceptions).
+    pub(super) tx: tokio::sync::mpsc::UnboundedSender<(pb::TaskSpec, ResolvedArgs, i32, bool)>,
+    /// Task ids of this process's calls to the actor that are not finished (CORE-13:
+    /// what `max_pending_calls` bounds).
+    pub(super) pending: Mutex<std::collections::HashSet<String>>,
+}
+
+/// True when a call failed before reaching the server (nothing ran).
+pub(super) fn is_connect_error(s: &tonic::Status) -> bool {
+    let m = s.message();
+    s.code() == tonic::Code::Unavailable
+        && (m.contains("connect")
+            || m.contains("Connection refused")
+            || m.contains("connection refused"))
+}
+
+pub(super) type ResolvedArgs =
+    tokio::sync::oneshot::Receiver<Result<(Vec<pb::TaskArg>, Vec<RawRef>), pb::TaskError>>;
+
+pub(super) fn short_class(class: &str) -> &str {
+    class.rsplit("::").next().unwrap_or(class)
+}
+
+impl Core {
+    /// This process's unfinished calls to `actor_id` (CORE-13).
+    pub(crate) fn pending_actor_calls(&self, actor_id: &str) -> usize {
+        let conn = self.actors.lock().unwrap().get(actor_id).cloned();
+        conn.map(|c| c.pending.lock().unwrap().len()).unwrap_or(0)
+    }
+
+    /// An actor call ended (CORE-13): it no longer counts against `max_pending_calls`.
+    pub(super) fn actor_call_done(&self, spec: &pb::TaskSpec) {
+        if spec.actor_id.is_empty() || spec.actor_creation {
+            return;
+        }
+        let conn = self.actors.lock().unwrap().get(&spec.actor_id).cloned();
+        if let Some(c) = conn {
+            c.pending.lock().unwrap().remove(&spec.task_id);
+        }
+    }
+
+    // ---- actors ----
+
+    pub(crate) async fn create_actor(
+        self: &Arc<Self>,
+        class: &str,
+        args: Vec<Arg>,
+        opts: &crate::options::ActorOptions,
+    ) -> Result<crate::actor::ActorHandle, Error> {
+        self.create_actor_as(class, class, args, opts).await
+    }
+
+    /// Creates an actor of class `class` (the worker's key for it: a registry name, or a
+    /// function-table key for Python) shown as `display`.
+    pub(crate) async fn create_actor_as(
+        self: &Arc<Self>,
+        class: &str,
+        display: &str,
+        args: Vec<Arg>,
+        opts: &crate::options::ActorOptions,
+    ) -> Result<crate::actor::ActorHandle, Error> {
+        let captured =
+            captured_group().filter(|_| opts.scheduling == Scheduling::Default).map(|pg| {
+                crate::options::ActorOptions {
+                    scheduling: Scheduling::PlacementGroup {
+                        placement_group_id: pg,
+                        bundle_index: -1,
+                    },
+                    capture_child_tasks: true,
+                    ..opts.clone()
+                }
+            });
+        let opts = captured.as_ref().unwrap_or(opts);
+        let mut spec = self.base_spec(class, Some(display), 0, false);
+        spec.actor_creation = true;
+        spec.function = Some(pb::FunctionDescriptor {
+            language: crate::foreign::language().into(),
+            name: class.into(),
+            class_name: display.into(),
+        });
+        spec.max_concurrency = opts.max_concurrency.max(1);
+        spec.runtime_env_hash = opts.runtime_env_hash.clone();
+        for (group, limit) in &opts.concurrency_groups {
+            if group.is_empty() || *limit == 0 {
+                return Err(Error::Cluster(format!(
+                    "concurrency group {group:?} of actor {display}: a group needs a name and a max_concurrency of 1 or more (got {limit})"
+                )));
+            }
+        }
+        for (method, group) in &opts.method_groups {
+            if !opts.concurrency_groups.contains_key(group) {
+                return Err(Error::Cluster(format!(
+                    "method {method} of actor {display} runs in concurrency group {group:?}, which the actor does not define (defined: {:?})",
+                    opts.concurrency_groups.keys().collect::<Vec<_>>()
+                )));
+            }
+        }
+        spec.concurrency_groups =
+            opts.concurrency_groups.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        spec.method_groups =
+            opts.method_groups.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        spec.capture_child_tasks = opts.capture_child_tasks;
+        if let Scheduling::PlacementGroup { placement_group_id, .. } = &opts.scheduling {
+            spec.placement_group_id = placement_group_id.clone();
+        }
+        let (args, _pins) =
+            self.resolve_args(args, class).await.map_err(|e| Error::from_wire(&e, class))?;
+        spec.args = args;
+        let mut resources: HashMap<String, f64> =
+            opts.resources.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        if let Some(c) = opts.num_cpus {
+            resources.insert("CPU".into(), c);
+        }
+        if opts.num_gpus > 0.0 {
+            resources.insert("GPU".into(), opts.num_gpus);
+        }
+        // The creation task carries what the actor asked for, explicitly (Ray's
+        // `get_assigned_resources` in its methods; the head and agent account with
+        // the request's `resources`, which the placement default is added to).
+        spec.resources = resources.clone();
+        let labels = tpuray_scheduler::parse_label_selector(&opts.label_selector)
+            .map_err(|e| Error::Cluster(format!("label_selector: {e}")))?;
+        let mut head = self.head_client().map_err(|e| Error::Cluster(e.to_string()))?;
+        let reply = head
+            .create_actor(pb::CreateActorRequest {
+                request_id: tpuray_proto::new_request_id(),
+                job_id: self.job_id.clone(),
+                name: opts.name.clone().unwrap_or_default(),
+                namespace: opts.namespace.clone().unwrap_or_default(),
+                class_name: display.to_string(),
+                resources,
+                max_restarts: opts.max_restarts,
+                detached: opts.detached,
+                label_selector: tpuray_proto::convert::labels_to_proto(&labels),
+                strategy: Some(opts.scheduling.to_proto()),
+                get_if_exists: opts.get_if_exists,
+                creation_task: prost::Message::encode_to_vec(&spec),
+            })
+            .await
+            .map_err(|s| Error::Cluster(format!("creating actor {display}: {}", s.message())))?
+            .into_inner();
+        let a = reply.actor.unwrap_or_default();
+        Ok(crate::actor::ActorHandle {
+            actor_id: a.actor_id,
+            class: display.to_string(),
+            name: a.name,
+            max_task_retries: opts.max_task_retries,
+            max_pending_calls: opts.max_pending_calls,
+        })
+    }
+
+    /// Submits an actor method call through the actor's ordered sender (CORE-4).
+    ///
+    /// # Errors
+    /// [`Error::PendingCallsLimitExceeded`] when this process already has the handle's
+    /// `max_pending_calls` unfinished calls to the actor (CORE-13: refused here, before
+    /// anything is registered or sent).
+    pub(crate) fn call_actor(
+        self: &Arc<Self>,
+        handle: &crate::actor::ActorHandle,
+        method: &str,
+        args: Vec<Arg>,
+        streaming: bool,
+        num_returns: u32,
+        call: &crate::options::CallOptions,
+    ) -> Result<pb::TaskSpec, Error> {
+        let display = format!("{}.{method}", short_class(&handle.class));
+        let conn = self.actor_conn(&handle.actor_id);
+        if handle.max_pending_calls >= 0 {
+            let pending = conn.pending.lock().unwrap().len();
+            if pending >= handle.max_pending_calls as usize {
+                return Err(Error::PendingCallsLimitExceeded {
+                    function: display,
+                    message: format!(
+                        "the call {}.{method} could not be submitted to actor {}: {pending} of its calls from this process are unfinished (max_pending_calls={})",
+                        short_class(&handle.class),
+                        handle.actor_id,
+                        handle.max_pending_calls
+                    ),
+                });
+            }
+        }
+        let mut spec = self.base_spec(
+            method,
+            Some(&display),
+            if streaming { 0 } else { num_returns },
+            streaming,
+        );
+        spec.actor_id = handle.actor_id.clone();
+        spec.concurrency_group = call.concurrency_group.clone();
+        spec.function = Some(pb::FunctionDescriptor {
+            language: crate::foreign::language().into(),
+            name: method.into(),
+            class_name: handle.class.clone(),
+        });
+        conn.pending.lock().unwrap().insert(spec.task_id.clone());
+        self.register_submitted(&spec);
+        // Resolve arguments at once, in parallel with earlier calls; the
+        // sender awaits them in submission order.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        match Self::resolve_args_now(args) {
+            Ok(resolved) => {
+                let _ = tx.send(Ok(resolved));
+            }
+            Err(args) => {
+                let core = Arc::clone(self);
+                self.rt.spawn(async move {
+                    let _ = tx.send(core.resolve_args(args, &display).await);
+                });
+            }
+        }
+        let retries = call.max_task_retries.unwrap_or(handle.max_task_retries);
+        let _ = conn.tx.send((spec.clone(), rx, retries, call.retry_exceptions));
+        Ok(spec)
+    }
+
+    pub(super) fn actor_conn(self: &Arc<Self>, actor_id: &str) -> Arc<ActorConn> {
+        let mut actors = self.actors.lock().unwrap();
+        if let Some(c) = actors.get(actor_id) {
+            return Arc::clone(c);
+        }
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let conn = Arc::new(ActorConn { tx, pending: Mutex::new(Default::default()) });
+        actors.insert(actor_id.to_string(), Arc::clone(&conn));
+        let core = Arc::clone(self);
+        let id = actor_id.to_string();
+        self.rt.spawn(async move { core.actor_sender(id, rx).await });
+        conn
+    }
+
+    /// Waits until the actor is ALIVE on a node not known dead (CORE-10): (worker
+    /// address, incarnation, node id).
+    /// The error of a call lost mid-call on incarnation `inc` (its `num_restarts`) of
+    /// `actor_id` with no retries left, as Ray's actor submitter decides it: the actor is
+    /// dead by the head's record (waited for up to [`ACTOR_DEATH_INFO_WAIT`]) →
+    /// `ActorDied`; restarting, restarted, or no news by then → `ActorUnavailable` (the
+    /// call may or may not have run). Ray: `actor_task_submitter.cc`, the push-failure
+    /// path and `timeout_ms_task_wait_for_death_info`.
+    pub(super) async fn lost_call_error(
+        &self,
+        actor_id: &str,
+        inc: u32,
+        status: &tonic::Status,
+        function: &str,
+    ) -> pb::TaskError {
+        let why = tpuray_proto::client::status_chain(status);
+        let deadline = Instant::now() + ACTOR_DEATH_INFO_WAIT;
+        let mut dead = None;
+        if let Ok(mut head) = self.head_client() {
+            while Instant::now() < deadline {
+                let mut req = Request::new(pb::GetActorRequest {
+                    actor_id: actor_id.to_string(),
+                    ..Default::default()
+                });
+                req.set_timeout(ACTOR_DEATH_INFO_WAIT);
+                match head.get_actor(req).await.map(|r| r.into_inner().actor) {
+                    Ok(Some(a)) if a.state == pb::ActorState::Dead as i32 => {
+                        dead = Some(a.death_cause);
+                        break;
+                    }
+                    Ok(Some(a))
+                        if a.state == pb::ActorState::Restarting as i32
+                            || a.state == pb::ActorState::PendingCreation as i32
+                            || a.num_restarts != inc =>
+                    {
+                        break;
+                    }
+                    Err(s) if s.code() == tonic::Code::NotFound => {
+                        dead = Some(s.message().to_string());
+                        break;
+                    }
+                    _ => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+        }
+        match dead {
+            Some(cause) => err(
+                Kind::ActorDied,
+                format!("the actor died while running the call ({why}): {cause}"),
+                function,
+            ),
+            None => err(
+                Kind::ActorUnavailable,
+                format!(
+                    "The actor {actor_id} is unavailable: The actor is temporarily \
+                     unavailable: {why}. The task may or may not have been executed on the actor."
+                ),
+                function,
+            ),
+        }
+    }
+
+    pub(super) async fn wait_actor_alive(
+        &self,
+        actor_id: &str,
+    ) -> Result<(String, u32, String), String> {
+        let mut head = self.head_client().map_err(|e| e.to_string())?;
+        let mut warned = false;
+        let started = Instant::now();
+        loop {
+            let mut req = Request::new(pb::GetActorRequest {
+                actor_id: actor_id.to_string(),
+                wait_alive_ms: 5_000,
+                ..Default::default()
+            });
+            req.set_timeout(Duration::from_secs(30));
+            let a = match head.get_actor(req).await {
+                Ok(r) => r.into_inner().actor.unwrap_or_default(),
+                Err(s) if s.code() == tonic::Code::NotFound => return Err(s.message().to_string()),
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+            };
+            if a.state == pb::ActorState::Alive as i32 {
+                if self.deaths.is_dead(&a.node_id) {
+                    // The head's record is about to move it (its node died).
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+                return Ok((a.worker_address, a.num_restarts, a.node_id));
+            }
+            if a.state == pb::ActorState::Dead as i32 {
+                return Err(a.death_cause);
+            }
+            if !warned && started.elapsed() > Duration::from_secs(5) && !a.pending_reason.is_empty()
+            {
+                warned = true;
+                eprintln!(
+                    "tpuray: warning: actor {} is not placed yet: {}",
+                    a.class_name, a.pending_reason
+                );
+            }
+        }
+    }
+
+    pub(super) async fn actor_sender(
+        self: Arc<Self>,
+        actor_id: String,
+        mut rx: tokio::sync::mpsc::UnboundedReceiver<(pb::TaskSpec, ResolvedArgs, i32, bool)>,
+    ) {
+        self.watch_nodes();
+        let current: Arc<Mutex<Option<(String, u32, String)>>> = Arc::new(Mutex::new(None));
+        // Calls that never reached the actor (connection refused: it died or
+        // moved) come back here and go out again, before newer calls.
+        // (call, pinned args, delivery attempts, retries left after the actor dies
+        // mid-call or the method raises, retry on the method's exceptions)
+        let (retry_tx, mut retry_rx) =
+            tokio::sync::mpsc::unbounded_channel::<(pb::TaskSpec, Vec<RawRef>, u32, i32, bool)>();
+        let mut incarnation: Option<u32> = None;
+        let mut seq = 0u64;
+        loop {
+            let (mut spec, pins, attempts, retries, retry_exceptions) = tokio::select! {
+                biased;
+                Some(r) = retry_rx.recv() => r,
+                next = rx.recv() => {
+                    let Some((mut spec, resolved, retries, retry_exceptions)) = next else { return };
+                    match resolved.await {
+                        Ok(Ok((args, pins))) => {
+                            spec.args = args;
+                            (spec, pins, 0, retries, retry_exceptions)
+                        }
+                        Ok(Err(e)) => {
+                            self.finish_failed(&spec, e);
+                            continue;
+                        }
+                        Err(_) => continue,
+                    }
+                }
+            };
+            if attempts > 0 {
+                tokio::time::sleep(Duration::from_millis(100 * u64::from(attempts.min(5)))).await;
+            }
+            let known = current.lock().unwrap().clone();
+            let (address, inc, node_id) = match known {
+                Some(a) => a,
+                None => match self.wait_actor_alive(&actor_id).await {
+                    Ok(a) => {
+                        *current.lock().unwrap() = Some(a.clone());
+                        a
+                    }
+                    Err(cause) => {
+                        let e =
+                            err(Kind::ActorDied, format!("the actor is dead: {cause}"), &spec.name);
+                        self.finish_failed(&spec, e);
+                        continue;
+                    }
+                },
+            };
+            if incarnation != Some(inc) {
+                incarnation = Some(inc);
+                seq = 0;
+            }
+            spec.sequence_no = seq;
+            seq += 1;
+            let core = Arc::clone(&self);
+            let current = Arc::clone(&current);
+            let retry_tx = retry_tx.clone();
+            let actor_id = actor_id.clone();
+            self.running.lock().unwrap().insert(
+                spec.task_id.clone(),
+                Running { worker_address: address.clone(), cancelled: false, actor: true },
+            );
+            self.rt.spawn(async move {
+                let result = match core.worker_client(&address) {
+                    // CORE-10: never sent to a dead node: resent to the restart.
+                    Ok(_) if core.deaths.is_dead(&node_id) => Err(tonic::Status::unavailable(
+                        format!("not sent: {}; tcp connect error", node_died(&node_id).message()),
+                    )),
+                    Ok(mut c) => {
+                        let push = c.push_task(pb::PushTaskRequest { spec: Some(spec.clone()) });
+                        // Lost with its node mid-call: as a lost connection.
+                        core.unless_node_dies(&node_id, push).await
+                    }
+                    Err(e) => Err(tonic::Status::internal(e.to_string())),
+                };
+                let cancelled =
+                    core.running.lock().unwrap().remove(&spec.task_id).is_some_and(|r| r.cancelled);
+                match result {
+                    // CORE-12: a call cancelled while it ran is not retried, and its
+                    // get fails with Cancelled (Ray's TaskCancelledError).
+                    Ok(_) if cancelled => {
+                        core.finish_failed(&spec, err(Kind::Cancelled, "cancelled", &spec.name));
+                    }
+                    Ok(reply) => {
+                        let mut reply = reply.into_inner();
+                        match reply.error.take() {
+                            // The method raised: with retry_exceptions (Ray's, per method
+                            // or per call) it runs again while max_task_retries lasts.
+                            Some(e)
+                                if retry_exceptions
+                                    && retries != 0
+                                    && !e.no_retry
+                                    && e.kind == Kind::Application as i32 =>
+                            {
+                                spec.attempt += 1;
+                                let left = if retries < 0 { retries } else { retries - 1 };
+                                let _ = retry_tx.send((spec, pins, 0, left, retry_exceptions));
+                            }
+                            Some(e) => core.finish_failed(&spec, e),
+                            None => core.finish_ok(&spec, reply),
+                        }
+                    }
+                    Err(status) => {
+                        *current.lock().unwrap() = None;
+                        let never_delivered = is_connect_error(&status);
+                        // About 60 s of re-resolving covers the head's death
+                        // timeout plus a restart elsewhere.
+                        if never_delivered && attempts < 120 {
+                            let _ = retry_tx.send((
+                                spec,
+                                pins,
+                                attempts + 1,
+                                retries,
+                                retry_exceptions,
+                            ));
+                            return;
+                        }
+                        // Died mid-call: Ray's max_task_retries sends it again to the
+                        // restarted actor (which fails it if the actor stays dead).
+                        if !never_delivered && retries != 0 {
+                            spec.attempt += 1;
+                            let left = if retries < 0 { retries } else { retries - 1 };
+                            let _ = retry_tx.send((spec, pins, 1, left, retry_exceptions));
+                            return;
+                        }
+                        let e = core.lost_call_error(&actor_id, inc, &status, &spec.name).await;
+                        core.finish_failed(&spec, e);
+                    }
+                }
+            });
+        }
+    }
+}

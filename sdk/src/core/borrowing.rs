@@ -1,0 +1,261 @@
+//! The borrowing protocol (CORE-2): this process's holds on objects other processes
+//! own, the ordered queues of borrower changes sent to each owner, and the owner's side
+//! that applies them.
+
+use super::*;
+
+/// An open borrow batch: its depth, and per owner queue the last registration queued in it.
+pub(super) type BorrowBatch = (usize, Vec<(Arc<BorrowQueue>, u64)>);
+
+/// Waits until the owners confirmed every borrow this thread started.
+pub(crate) fn confirm_borrows(core: &Core) {
+    let pending: Vec<_> = PENDING_BORROWS.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    for h in pending {
+        let _ = core.rt.block_on(h);
+    }
+}
+
+/// Opens a borrow batch on this thread: until the matching [`end_borrow_batch`], the
+/// borrower registrations of refs made here (a value being deserialized) are queued
+/// without waiting, and go to each owner together (CORE-2). Batches nest.
+pub(crate) fn begin_borrow_batch() {
+    BORROW_BATCH.with(|b| b.borrow_mut().0 += 1);
+}
+
+/// Closes the batch [`begin_borrow_batch`] opened; the outermost one waits until every
+/// owner confirmed the registrations queued inside it (on an executor thread, inside the
+/// runtime, the wait is left to [`confirm_borrows`] as for single registrations).
+pub(crate) fn end_borrow_batch() {
+    let waits = BORROW_BATCH.with(|b| {
+        let mut b = b.borrow_mut();
+        b.0 = b.0.saturating_sub(1);
+        if b.0 == 0 { std::mem::take(&mut b.1) } else { Vec::new() }
+    });
+    if waits.is_empty() {
+        return;
+    }
+    let Some(c) = try_core() else { return };
+    let all = async move {
+        for (q, seq) in waits {
+            q.confirmed(seq).await;
+        }
+    };
+    wait_registered(c, all);
+}
+
+/// Waits for a borrower registration: on an executor thread (inside the runtime) it is
+/// recorded for [`confirm_borrows`]; elsewhere this thread blocks until it is confirmed.
+pub(super) fn wait_registered(
+    c: &Core,
+    fut: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    if tokio::runtime::Handle::try_current().is_ok() {
+        let h = c.rt.spawn(fut);
+        PENDING_BORROWS.with(|p| p.borrow_mut().push(h));
+    } else {
+        c.rt.block_on(fut);
+    }
+}
+
+/// This process's hold on an object another process owns (CORE-2).
+#[derive(Default)]
+pub(super) struct Borrow {
+    /// Counted refs alive here.
+    pub(super) refs: usize,
+    /// Whether the owner counts this process as a borrower (registered, not yet
+    /// released).
+    pub(super) registered: bool,
+    /// Objects this process owns whose value nests this one and which hold it on this
+    /// process's behalf (the executor registered `<this process>#ret:<object>` with its
+    /// owner before replying): while one lives, refs here need no registration of their
+    /// own; the last one to go registers this process first if refs remain.
+    pub(super) covers: usize,
+}
+
+/// A queued borrower registration to wait for ([`Core::queue_borrower`]).
+pub(crate) struct BorrowWait((Arc<BorrowQueue>, u64));
+
+/// Returns once every registration in `waits` was answered (or failed).
+pub(crate) async fn all_confirmed(waits: Vec<BorrowWait>) {
+    // Changes to one owner are answered in order: its last one covers the rest.
+    let mut last: Vec<(Arc<BorrowQueue>, u64)> = Vec::new();
+    for BorrowWait((q, seq)) in waits {
+        match last.iter_mut().find(|(x, _)| Arc::ptr_eq(x, &q)) {
+            Some(w) => w.1 = w.1.max(seq),
+            None => last.push((q, seq)),
+        }
+    }
+    for (q, seq) in last {
+        q.confirmed(seq).await;
+    }
+}
+
+/// Borrower changes this process sends one owner (CORE-2), in the order they were
+/// queued: one batch on the wire at a time (whatever queued while the previous batch
+/// was out), applied by the owner in order, so a release never overtakes the
+/// registration before it.
+pub(super) struct BorrowQueue {
+    pub(super) state: Mutex<BorrowQueueState>,
+    /// The sequence number of the last change the owner answered (or that failed).
+    pub(super) done: tokio::sync::watch::Sender<u64>,
+}
+
+#[derive(Default)]
+pub(super) struct BorrowQueueState {
+    pub(super) updates: VecDeque<pb::BorrowerUpdate>,
+    /// The sequence number of the last change queued.
+    pub(super) last: u64,
+    /// A task is sending this queue's batches.
+    pub(super) sending: bool,
+}
+
+/// Changes in one `UpdateBorrowers` call at most (about 3 MiB).
+pub(super) const MAX_BORROWER_UPDATES_PER_CALL: usize = 50_000;
+
+impl BorrowQueue {
+    /// Sends queued batches until the queue is empty.
+    pub(super) async fn send_all(
+        &self,
+        client: Result<pb::worker_service_client::WorkerServiceClient<AuthChannel>, Error>,
+        me: String,
+    ) {
+        loop {
+            let (updates, last) = {
+                let mut st = self.state.lock().unwrap();
+                if st.updates.is_empty() {
+                    st.sending = false;
+                    return;
+                }
+                let n = st.updates.len().min(MAX_BORROWER_UPDATES_PER_CALL);
+                let batch: Vec<_> = st.updates.drain(..n).collect();
+                (batch, st.last - st.updates.len() as u64)
+            };
+            if let Ok(c) = &client {
+                let mut c = c.clone();
+                let mut req = Request::new(pb::UpdateBorrowersRequest {
+                    borrower_address: me.clone(),
+                    updates,
+                });
+                req.set_timeout(Duration::from_secs(10));
+                let _ = c.update_borrowers(req).await;
+            }
+            self.done.send_replace(last);
+        }
+    }
+
+    /// Returns once the change numbered `seq` was answered (or failed).
+    pub(super) async fn confirmed(&self, seq: u64) {
+        let mut rx = self.done.subscribe();
+        let _ = rx.wait_for(|d| *d >= seq).await;
+    }
+}
+
+impl Core {
+    /// Queues a borrower change for `owner` (`borrower` empty: this process) and starts
+    /// its sender when idle; returns the queue and the change's sequence number, for
+    /// [`BorrowQueue::confirmed`].
+    pub(super) fn queue_borrow_update(
+        &self,
+        owner: &str,
+        id: String,
+        borrower: String,
+        add: bool,
+    ) -> (Arc<BorrowQueue>, u64) {
+        let q = {
+            let mut qs = self.borrow_queues.lock().unwrap();
+            match qs.get(owner) {
+                Some(q) => Arc::clone(q),
+                None => {
+                    let q = Arc::new(BorrowQueue {
+                        state: Mutex::new(BorrowQueueState::default()),
+                        done: tokio::sync::watch::Sender::new(0),
+                    });
+                    qs.insert(owner.to_string(), Arc::clone(&q));
+                    q
+                }
+            }
+        };
+        let (seq, start) = {
+            let mut st = q.state.lock().unwrap();
+            st.updates.push_back(pb::BorrowerUpdate { object_id: id, borrower, add });
+            st.last += 1;
+            let start = !st.sending;
+            st.sending = true;
+            (st.last, start)
+        };
+        if start {
+            let client = self.worker_client(owner);
+            let me = self.address.clone();
+            let sender = Arc::clone(&q);
+            self.rt.spawn(async move { sender.send_all(client, me).await });
+        }
+        (q, seq)
+    }
+
+    /// Queues registering `borrower` (a borrower key) of `id` with `owner`; the result is
+    /// for [`all_confirmed`].
+    pub(crate) fn queue_borrower(&self, owner: &str, id: &str, borrower: &str) -> BorrowWait {
+        BorrowWait(self.queue_borrow_update(owner, id.to_string(), borrower.to_string(), true))
+    }
+
+    /// Owner side of `UpdateBorrower`; false when the object is gone.
+    pub(crate) fn serve_update_borrower(&self, id: &str, borrower: &str, add: bool) -> bool {
+        let (known, freed) = {
+            let mut objs = self.objects.lock().unwrap();
+            apply_borrower_update(&mut objs, id, borrower, add)
+        };
+        if let Some(o) = freed {
+            self.on_freed(id, *o);
+        }
+        known
+    }
+
+    /// Owner side of `UpdateBorrowers`: the changes in order (`default` is the borrower
+    /// of changes that name none).
+    pub(crate) fn serve_update_borrowers(&self, default: &str, updates: &[pb::BorrowerUpdate]) {
+        let mut freed = Vec::new();
+        {
+            let mut objs = self.objects.lock().unwrap();
+            for u in updates {
+                let borrower = if u.borrower.is_empty() { default } else { &u.borrower };
+                if let (_, Some(o)) =
+                    apply_borrower_update(&mut objs, &u.object_id, borrower, u.add)
+                {
+                    freed.push((u.object_id.as_str(), o));
+                }
+            }
+        }
+        for (id, o) in freed {
+            self.on_freed(id, *o);
+        }
+    }
+
+    /// One object that covered borrowed `nid` no longer does: when it was the last and
+    /// refs here still use `nid`, this process registers as its borrower (queued before
+    /// anything the caller queues next for `owner`).
+    pub(super) fn uncover(&self, nid: &str, owner: &str) {
+        let mut b = self.borrowed.lock().unwrap();
+        let Some(e) = b.get_mut(nid) else { return };
+        e.covers = e.covers.saturating_sub(1);
+        if e.covers > 0 {
+            return;
+        }
+        if e.refs == 0 {
+            b.remove(nid);
+        } else if !e.registered {
+            e.registered = true;
+            self.queue_borrow_update(owner, nid.to_string(), String::new(), true);
+        }
+    }
+
+    /// Records that an owned object's value nests `nested` and holds them for this
+    /// process (Borrow::covers).
+    pub(super) fn cover_nested(&self, nested: &[(String, String)]) {
+        let mut b = self.borrowed.lock().unwrap();
+        for (nid, owner) in nested {
+            if *owner != self.address {
+                b.entry(nid.clone()).or_default().covers += 1;
+            }
+        }
+    }
+}

@@ -1,0 +1,89 @@
+//! What the owner does when copies are lost (CORE-6, CORE-10): a stored object whose
+//! every copy is gone is made again by running its task (same return ids) while
+//! retries remain, else it fails.
+
+use super::*;
+
+impl Core {
+    /// What an owner does when a node dies (CORE-10); waits on the node end by
+    /// themselves through [`crate::node_watch::NodeDeaths::died`].
+    pub(super) fn on_node_death(self: &Arc<Self>, node_id: &str) {
+        let lost: Vec<String> = {
+            let objs = self.objects.lock().unwrap();
+            objs.iter()
+                .filter(|(_, o)| match &o.state {
+                    ObjState::Stored { locations, .. } => {
+                        locations.iter().any(|l| l.node_id == node_id)
+                    }
+                    _ => false,
+                })
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        let dead = [node_id.to_string()];
+        for id in lost {
+            self.object_lost(&id, &dead);
+        }
+    }
+
+    /// Copies of owned object `id` on the nodes `lost` cannot be read: drops
+    /// those locations and, when none is left, runs the task that made it
+    /// again (CORE-6) or, without lineage or retries, fails it as lost.
+    pub(super) fn object_lost(self: &Arc<Self>, id: &str, lost: &[String]) {
+        let redo = {
+            let mut objs = self.objects.lock().unwrap();
+            let Some(o) = objs.get_mut(id) else { return };
+            if let Some(p) = o.pulls.as_mut() {
+                p.slots.retain(|p| !lost.contains(&p.source));
+            }
+            let ObjState::Stored { locations, .. } = &mut o.state else { return };
+            locations.retain(|l| !lost.contains(&l.node_id));
+            if !locations.is_empty() {
+                return;
+            }
+            match o.lineage.clone() {
+                Some(l) if l.retries_left != 0 => {
+                    // Every stored return of that task comes back with the new run.
+                    for rid in &l.spec.return_ids {
+                        if let Some(r) = objs.get_mut(rid)
+                            && matches!(r.state, ObjState::Stored { .. })
+                        {
+                            r.state = ObjState::Pending;
+                            r.lineage = None;
+                        }
+                    }
+                    l
+                }
+                l => {
+                    let why = if l.is_some() {
+                        "the task that made it has no retries left"
+                    } else {
+                        "it was made by put, so no task can make it again"
+                    };
+                    o.state = ObjState::failed(pb::TaskError {
+                        kind: Kind::ObjectLost as i32,
+                        message: format!("every copy was lost with its node and {why}"),
+                        function_name: id.to_string(),
+                        ..Default::default()
+                    });
+                    drop(objs);
+                    self.objects_changed.notify_waiters();
+                    return;
+                }
+            }
+        };
+        self.objects_changed.notify_waiters();
+        let mut spec = redo.spec.clone();
+        spec.attempt += 1;
+        self.event(&spec, "RETRYING", "reconstructing a lost return object");
+        let left = if redo.retries_left < 0 { redo.retries_left } else { redo.retries_left - 1 };
+        redo.class.queue.lock().unwrap().push_back(Queued {
+            spec,
+            retries_left: left,
+            retry_exceptions: redo.retry_exceptions,
+            pins: redo.pins.clone(),
+        });
+        redo.class.queued.notify_one();
+        self.ensure_leases(&redo.class);
+    }
+}
