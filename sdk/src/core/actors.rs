@@ -430,55 +430,68 @@ impl Core {
                 };
                 let cancelled =
                     core.running.lock().unwrap().remove(&spec.task_id).is_some_and(|r| r.cancelled);
-                match result {
+                let attempt = retry::Attempt {
+                    work: retry::Work::ActorCall,
+                    retries_left: retries,
+                    retry_exceptions,
+                    cancelled,
+                    undelivered: attempts,
+                };
+                let outcome = match &result {
+                    Ok(reply) => match &reply.get_ref().error {
+                        Some(e) => retry::Outcome::Raised {
+                            application: e.kind == Kind::Application as i32,
+                            no_retry: e.no_retry,
+                        },
+                        None => retry::Outcome::Returned,
+                    },
+                    Err(status) => retry::Outcome::Lost { reached: !is_connect_error(status) },
+                };
+                if result.is_err() {
+                    *current.lock().unwrap() = None;
+                }
+                match (retry::decide(&attempt, outcome), result) {
                     // CORE-12: a call cancelled while it ran is not retried, and its
                     // get fails with Cancelled (Ray's TaskCancelledError).
-                    Ok(_) if cancelled => {
+                    (retry::Decision::FailCancelled, _) => {
                         core.finish_failed(&spec, err(Kind::Cancelled, "cancelled", &spec.name));
                     }
-                    Ok(reply) => {
-                        let mut reply = reply.into_inner();
-                        match reply.error.take() {
-                            // The method raised: with retry_exceptions (Ray's, per method
-                            // or per call) it runs again while max_task_retries lasts.
-                            Some(e)
-                                if retry_exceptions
-                                    && retries != 0
-                                    && !e.no_retry
-                                    && e.kind == Kind::Application as i32 =>
-                            {
-                                spec.attempt += 1;
-                                let left = if retries < 0 { retries } else { retries - 1 };
-                                let _ = retry_tx.send((spec, pins, 0, left, retry_exceptions));
-                            }
-                            Some(e) => core.finish_failed(&spec, e),
-                            None => core.finish_ok(&spec, reply),
-                        }
+                    (retry::Decision::Finish, Ok(reply)) => {
+                        core.finish_ok(&spec, reply.into_inner())
                     }
-                    Err(status) => {
-                        *current.lock().unwrap() = None;
-                        let never_delivered = is_connect_error(&status);
-                        // About 60 s of re-resolving covers the head's death
-                        // timeout plus a restart elsewhere.
-                        if never_delivered && attempts < 120 {
-                            let _ = retry_tx.send((
-                                spec,
-                                pins,
-                                attempts + 1,
-                                retries,
-                                retry_exceptions,
-                            ));
-                            return;
-                        }
-                        // Died mid-call: Ray's max_task_retries sends it again to the
-                        // restarted actor (which fails it if the actor stays dead).
-                        if !never_delivered && retries != 0 {
-                            spec.attempt += 1;
-                            let left = if retries < 0 { retries } else { retries - 1 };
-                            let _ = retry_tx.send((spec, pins, 1, left, retry_exceptions));
-                            return;
-                        }
+                    // Never reached the actor (it died or moved): sent again, before newer
+                    // calls, once its next address is known.
+                    (retry::Decision::Resend, _) => {
+                        let _ =
+                            retry_tx.send((spec, pins, attempts + 1, retries, retry_exceptions));
+                    }
+                    // The method raised with retry_exceptions (Ray's, per method or per
+                    // call), or the actor died mid-call: Ray's max_task_retries sends it
+                    // again to the restarted actor (which fails it if the actor stays dead).
+                    (retry::Decision::Retry { retries_left }, result) => {
+                        spec.attempt += 1;
+                        let backoff = u32::from(result.is_err());
+                        let _ =
+                            retry_tx.send((spec, pins, backoff, retries_left, retry_exceptions));
+                    }
+                    (retry::Decision::Fail, Ok(reply)) => {
+                        let e = reply.into_inner().error.unwrap_or_default();
+                        core.finish_failed(&spec, e);
+                    }
+                    (retry::Decision::Fail, Err(status)) => {
                         let e = core.lost_call_error(&actor_id, inc, &status, &spec.name).await;
+                        core.finish_failed(&spec, e);
+                    }
+                    (decision, _) => {
+                        // decide() gives actor calls none of these (a Finish comes only
+                        // with a reply, a Requeue only for tasks): fail loudly.
+                        let e = err(
+                            Kind::WorkerDied,
+                            format!(
+                                "internal error: retry decision {decision:?} for an actor call"
+                            ),
+                            &spec.name,
+                        );
                         core.finish_failed(&spec, e);
                     }
                 }

@@ -7,69 +7,99 @@ use super::*;
 /// worker means a dead node ([`Core::failure_cause`]).
 pub(super) const FAILURE_CAUSE_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// How an attempt of a pushed task ended, with what carrying out the decision needs.
+pub(super) enum Ended {
+    /// The worker answered: the task returned, or raised (the reply's `error`).
+    Replied(pb::PushTaskReply),
+    /// The worker handed it back unrun (CORE-9).
+    HandedBack,
+    /// The worker's connection broke: `detail` names the worker, and the node's agent
+    /// is asked whether the node died ([`Core::failure_cause`]).
+    Lost { detail: String, node_id: String, agent_address: String },
+}
+
 impl Core {
-    /// Finishes a task that was cancelled while it ran; true if it was.
-    pub(super) fn finish_if_cancelled(&self, spec: &pb::TaskSpec) -> bool {
-        let running = self.running.lock().unwrap().remove(&spec.task_id);
-        if running.is_some_and(|r| r.cancelled) {
-            self.finish_failed(spec, err(Kind::Cancelled, "cancelled", &spec.name));
-            return true;
+    /// An attempt of task `q` of `class` ended: [`retry::decide`] says what follows
+    /// (CORE-5, CORE-12), and this carries it out.
+    pub(super) fn task_ended(self: &Arc<Self>, class: &Arc<Class>, mut q: Queued, ended: Ended) {
+        let cancelled =
+            self.running.lock().unwrap().remove(&q.spec.task_id).is_some_and(|r| r.cancelled);
+        let attempt = retry::Attempt {
+            work: retry::Work::Task,
+            retries_left: q.retries_left,
+            retry_exceptions: q.retry_exceptions,
+            cancelled,
+            undelivered: 0,
+        };
+        let outcome = match &ended {
+            Ended::Replied(reply) => match &reply.error {
+                Some(e) => retry::Outcome::Raised {
+                    application: e.kind == Kind::Application as i32,
+                    no_retry: e.no_retry,
+                },
+                None => retry::Outcome::Returned,
+            },
+            Ended::HandedBack => retry::Outcome::HandedBack,
+            Ended::Lost { .. } => retry::Outcome::Lost { reached: true },
+        };
+        match (retry::decide(&attempt, outcome), ended) {
+            (retry::Decision::FailCancelled, _) => {
+                self.finish_failed(&q.spec, err(Kind::Cancelled, "cancelled", &q.spec.name));
+            }
+            (retry::Decision::Finish, Ended::Replied(reply)) => self.complete(class, q, reply),
+            (retry::Decision::Requeue, _) => {
+                // Queued again first in line; the class pushes one task at a time for a
+                // while.
+                class.shallow_until_ms.store(
+                    now_ms() + SHALLOW_AFTER_GIVE_BACK.as_millis() as u64,
+                    Ordering::Relaxed,
+                );
+                class.queue.lock().unwrap().push_front(q);
+                class.queued.notify_one();
+                self.ensure_leases(class);
+            }
+            (retry::Decision::Retry { retries_left }, ended) => {
+                let detail = match ended {
+                    Ended::Replied(r) => r.error.map(|e| e.message).unwrap_or_default(),
+                    Ended::Lost { detail, .. } => detail,
+                    Ended::HandedBack => String::new(),
+                };
+                q.retries_left = retries_left;
+                q.spec.attempt += 1;
+                self.event(&q.spec, "RETRYING", &detail);
+                class.queue.lock().unwrap().push_back(q);
+                class.queued.notify_one();
+                self.ensure_leases(class);
+            }
+            (retry::Decision::Fail, Ended::Replied(mut reply)) => {
+                let e = reply.error.take().unwrap_or_default();
+                self.finish_failed(&q.spec, e);
+            }
+            (retry::Decision::Fail, Ended::Lost { detail, node_id, agent_address }) => {
+                let core = Arc::clone(self);
+                self.rt.spawn(async move {
+                    let e = match core.failure_cause(&node_id, &agent_address).await {
+                        Some(node_dead) => err(Kind::NodeDied, node_dead, &q.spec.name),
+                        None => err(
+                            Kind::WorkerDied,
+                            format!("{detail} (no retries left)"),
+                            &q.spec.name,
+                        ),
+                    };
+                    core.finish_failed(&q.spec, e);
+                });
+            }
+            (decision, _) => {
+                // decide() gives tasks none of these (a Finish comes only with a reply,
+                // a Resend only for actor calls): fail loudly rather than lose the task.
+                let e = err(
+                    Kind::WorkerDied,
+                    format!("internal error: retry decision {decision:?} for a task"),
+                    &q.spec.name,
+                );
+                self.finish_failed(&q.spec, e);
+            }
         }
-        false
-    }
-
-    /// Queues a task the worker handed back unrun (CORE-9) again, first in line, without
-    /// counting an attempt; the class pushes one task at a time for a while.
-    pub(super) fn given_back(self: &Arc<Self>, class: &Arc<Class>, q: Queued) {
-        if self.finish_if_cancelled(&q.spec) {
-            return;
-        }
-        class
-            .shallow_until_ms
-            .store(now_ms() + SHALLOW_AFTER_GIVE_BACK.as_millis() as u64, Ordering::Relaxed);
-        class.queue.lock().unwrap().push_front(q);
-        class.queued.notify_one();
-        self.ensure_leases(class);
-    }
-
-    /// Queues a task again for its next attempt (CORE-5).
-    pub(super) fn retry(self: &Arc<Self>, class: &Arc<Class>, mut q: Queued, detail: &str) {
-        q.retries_left -= 1;
-        q.spec.attempt += 1;
-        self.event(&q.spec, "RETRYING", detail);
-        class.queue.lock().unwrap().push_back(q);
-        class.queued.notify_one();
-        self.ensure_leases(class);
-    }
-
-    /// The worker running `q` (leased from the agent at `agent_address` on `node_id`)
-    /// broke its connection: the task is retried while it has retries, else it fails
-    /// with the cause [`Core::failure_cause`] finds.
-    pub(super) fn worker_died(
-        self: &Arc<Self>,
-        class: &Arc<Class>,
-        q: Queued,
-        detail: &str,
-        node_id: &str,
-        agent_address: &str,
-    ) {
-        if self.finish_if_cancelled(&q.spec) {
-            return;
-        }
-        if q.retries_left != 0 {
-            self.retry(class, q, detail);
-            return;
-        }
-        let core = Arc::clone(self);
-        let (detail, node_id, agent) =
-            (detail.to_string(), node_id.to_string(), agent_address.to_string());
-        self.rt.spawn(async move {
-            let e = match core.failure_cause(&node_id, &agent).await {
-                Some(node_dead) => err(Kind::NodeDied, node_dead, &q.spec.name),
-                None => err(Kind::WorkerDied, format!("{detail} (no retries left)"), &q.spec.name),
-            };
-            core.finish_failed(&q.spec, e);
-        });
     }
 
     /// Why a worker on `node_id` broke, as Ray's owner decides it: the node's agent is
@@ -102,24 +132,13 @@ impl Core {
         }
     }
 
+    /// Sets the returns of task `q`, which returned (`reply` has no error).
     pub(super) fn complete(
         self: &Arc<Self>,
         class: &Arc<Class>,
         q: Queued,
-        mut reply: pb::PushTaskReply,
+        reply: pb::PushTaskReply,
     ) {
-        if self.finish_if_cancelled(&q.spec) {
-            return;
-        }
-        if let Some(e) = reply.error.take() {
-            let app = e.kind == Kind::Application as i32 && !e.no_retry;
-            if app && q.retry_exceptions && q.retries_left != 0 {
-                self.retry(class, q, &e.message);
-                return;
-            }
-            self.finish_failed(&q.spec, e);
-            return;
-        }
         // CORE-6: stored returns keep what it takes to run the task again.
         let stored = reply
             .returns

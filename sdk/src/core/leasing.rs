@@ -18,19 +18,6 @@ pub(super) fn fixed_pipeline_depth() -> Option<usize> {
     })
 }
 
-/// CORE-9: the most tasks pushed to one leased worker at once while the node has no
-/// CPU left for another lease of the class and its tasks are quick; fewer for slower
-/// ones, so that what waits on a worker takes about [`PIPELINE_BUDGET_US`].
-pub(super) const DEEP_PIPELINE: usize = 256;
-
-/// The work a deep pipeline keeps queued on one worker (CORE-9), in microseconds of
-/// the class's average push: 16 tasks of the slowest quick class.
-pub(super) const PIPELINE_BUDGET_US: u64 = 16 * QUICK_TASK_US;
-
-/// A class whose pushes (round trip included) take at most this long on
-/// average counts as quick (CORE-9), in microseconds.
-pub(super) const QUICK_TASK_US: u64 = 2_000;
-
 /// Tasks sent to one worker in one `PushTasks` call at most (CORE-9): half the deep
 /// pipeline, so the worker runs one batch while the next is on its way.
 pub(super) const PUSH_BATCH_MAX: usize = DEEP_PIPELINE / 2;
@@ -46,9 +33,6 @@ pub(super) const SHALLOW_AFTER_GIVE_BACK: Duration = Duration::from_secs(1);
 /// How long an idle lease waits for another task of its class before it
 /// is returned.
 pub(super) const LEASE_LINGER: Duration = Duration::from_millis(100);
-
-/// Leases one scheduling class may hold or ask for at once.
-pub(super) const MAX_LEASES_PER_CLASS: usize = 32;
 
 pub(super) struct Queued {
     pub(super) spec: pb::TaskSpec,
@@ -86,25 +70,15 @@ pub(super) struct Class {
 }
 
 impl Class {
-    /// Tasks one leased worker of this class may hold at once (CORE-3, CORE-9):
-    /// `TPURAY_MAX_TASKS_IN_FLIGHT_PER_WORKER` when set; else 1 (as Ray's
-    /// default), and [`DEEP_PIPELINE`] while a lease request of the class waits
-    /// for resources (every CPU it could use is busy) and its tasks are quick,
-    /// so quick tasks stop paying a round trip each without ever waiting behind
-    /// a slow one while a CPU is free. A task queued behind another that
-    /// blocks or runs long comes back unrun (the executor hands it back).
+    /// Tasks one leased worker of this class may hold at once now ([`pipeline::depth`]).
     pub(super) fn depth(&self) -> usize {
-        if let Some(d) = fixed_pipeline_depth() {
-            return d;
-        }
-        let push_us = self.push_us.load(Ordering::Relaxed);
-        let quick = push_us <= QUICK_TASK_US;
-        let busy_node = self.asking.load(Ordering::Relaxed) > 0;
-        if quick && busy_node && now_ms() >= self.shallow_until_ms.load(Ordering::Relaxed) {
-            (PIPELINE_BUDGET_US / push_us.max(1)).clamp(2, DEEP_PIPELINE as u64) as usize
-        } else {
-            1
-        }
+        pipeline::depth(
+            fixed_pipeline_depth(),
+            self.push_us.load(Ordering::Relaxed),
+            self.asking.load(Ordering::Relaxed),
+            now_ms(),
+            self.shallow_until_ms.load(Ordering::Relaxed),
+        )
     }
 
     pub(super) fn note_push(&self, took: Duration) {
@@ -178,15 +152,12 @@ impl Core {
         let queued = class.queue.lock().unwrap().len();
         loop {
             let cur = class.leases.load(Ordering::SeqCst);
-            // Busy leases count too: a task queued behind a running one gets a
-            // lease of its own instead of waiting (as Ray requests one per task).
-            let busy = class.in_flight.load(Ordering::SeqCst);
-            let per_lease = fixed_pipeline_depth().unwrap_or(1);
-            // A lease whose worker handed tasks back (it is blocked or slow) takes no more
-            // until it answers: the tasks need a lease besides it (CORE-9).
-            let stalled = class.stalled.load(Ordering::SeqCst);
-            let want =
-                ((queued + busy).div_ceil(per_lease) + stalled).clamp(1, MAX_LEASES_PER_CLASS);
+            let want = pipeline::leases_wanted(
+                queued,
+                class.in_flight.load(Ordering::SeqCst),
+                class.stalled.load(Ordering::SeqCst),
+                fixed_pipeline_depth().unwrap_or(1),
+            );
             if queued == 0 || cur >= want {
                 return;
             }
@@ -435,7 +406,7 @@ impl Core {
             let depth = if handing_back { 1 } else { class.depth() };
             // A deep pipeline is topped up once a quarter of it is free, so answers that
             // come one by one still go out as batches, not a push per answer.
-            let top_up = if tasks_in_flight == 0 { 1 } else { (depth / 4).max(1) };
+            let top_up = pipeline::top_up(depth, tasks_in_flight);
             while !broken && tasks_in_flight + top_up <= depth {
                 let batch: Vec<Queued> = {
                     let mut queue = class.queue.lock().unwrap();
@@ -506,14 +477,14 @@ impl Core {
                             handing_back = true;
                             class.stalled.fetch_add(1, Ordering::SeqCst);
                         }
-                        self.given_back(class, q);
+                        self.task_ended(class, q, Ended::HandedBack);
                     }
                     Ok(reply) => {
                         class.note_push(took);
                         // The worker exits after this (its task's max_calls ran out):
                         // nothing more goes to it, and its lease goes back.
                         broken |= reply.worker_exiting;
-                        self.complete(class, q, reply);
+                        self.task_ended(class, q, Ended::Replied(reply));
                     }
                     Err(status) => {
                         broken = true;
@@ -523,7 +494,12 @@ impl Core {
                             g.worker_address,
                             status.message()
                         );
-                        self.worker_died(class, q, &detail, &g.node_id, agent_address);
+                        let lost = Ended::Lost {
+                            detail,
+                            node_id: g.node_id.clone(),
+                            agent_address: agent_address.to_string(),
+                        };
+                        self.task_ended(class, q, lost);
                     }
                 }
             }

@@ -41,8 +41,24 @@ impl Core {
             if !locations.is_empty() {
                 return;
             }
-            match o.lineage.clone() {
-                Some(l) if l.retries_left != 0 => {
+            // CORE-6: the task that made it runs again while it has retries (the one
+            // retry decision, as for a lost worker).
+            let again = o.lineage.clone().and_then(|l| {
+                let attempt = retry::Attempt {
+                    work: retry::Work::Task,
+                    retries_left: l.retries_left,
+                    retry_exceptions: l.retry_exceptions,
+                    cancelled: false,
+                    undelivered: 0,
+                };
+                match retry::decide(&attempt, retry::Outcome::ReturnsLost) {
+                    retry::Decision::Retry { retries_left } => Some((l, retries_left)),
+                    _ => None,
+                }
+            });
+            let had_lineage = o.lineage.is_some();
+            match again {
+                Some((l, left)) => {
                     // Every stored return of that task comes back with the new run.
                     for rid in &l.spec.return_ids {
                         if let Some(r) = objs.get_mut(rid)
@@ -52,10 +68,10 @@ impl Core {
                             r.lineage = None;
                         }
                     }
-                    l
+                    (l, left)
                 }
-                l => {
-                    let why = if l.is_some() {
+                None => {
+                    let why = if had_lineage {
                         "the task that made it has no retries left"
                     } else {
                         "it was made by put, so no task can make it again"
@@ -73,10 +89,10 @@ impl Core {
             }
         };
         self.objects_changed.notify_waiters();
+        let (redo, left) = redo;
         let mut spec = redo.spec.clone();
         spec.attempt += 1;
         self.event(&spec, "RETRYING", "reconstructing a lost return object");
-        let left = if redo.retries_left < 0 { redo.retries_left } else { redo.retries_left - 1 };
         redo.class.queue.lock().unwrap().push_back(Queued {
             spec,
             retries_left: left,

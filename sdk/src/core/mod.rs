@@ -66,12 +66,15 @@ mod leasing;
 mod lineage;
 mod objects;
 mod ownership;
+pub mod pipeline;
+pub mod retry;
 mod submit;
 
 use actors::*;
 use borrowing::*;
 pub(crate) use borrowing::{all_confirmed, begin_borrow_batch, confirm_borrows, end_borrow_batch};
 use cancel::*;
+use completion::Ended;
 use generators::*;
 pub(crate) use generators::{drop_generator, next_generator_item, next_generator_item_ref};
 use leasing::*;
@@ -79,6 +82,7 @@ use objects::*;
 use ownership::*;
 pub use ownership::{Data, OBJECT_FREED, OWNER_DIED};
 pub(crate) use ownership::{add_ref, release_ref};
+use pipeline::DEEP_PIPELINE;
 use submit::*;
 
 /// Results up to this size travel inline in replies; larger ones go to the
