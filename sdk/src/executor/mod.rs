@@ -1,0 +1,182 @@
+//! The executing side of a worker process: runs pushed tasks on executor
+//! threads (never on the runtime threads that answer RPCs), hosts at most one
+//! actor, releases each caller's actor calls in sequence order (CORE-4), and
+//! stores large results in the node's object store.
+//!
+//! Here: the executor's state ([`Executor`], its queued jobs, the hosted actor) and its
+//! start. The rest, by seam: `threads.rs` (the executor threads' loop, the task queue
+//! and CORE-9's hand-back, running one call), `actor_calls.rs` (an actor's calls:
+//! CORE-4's per-caller order, concurrency groups, async methods on a foreign event
+//! loop), `invoke.rs` (calling the function: arguments resolved, Rust registry or
+//! foreign runtime), `replies.rs` (results stored and handed over, streamed items,
+//! failures) and `context.rs` (the task running on this thread, and cancellation).
+
+mod actor_calls;
+mod context;
+mod invoke;
+mod replies;
+mod threads;
+
+pub(crate) use context::{
+    current_capture_group, current_placement_group, current_task_cancelled, current_task_id,
+    task_cancelled,
+};
+
+use std::collections::{BTreeMap, HashMap};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicU8};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::oneshot;
+use tpuray_proto::pb;
+
+use crate::core::Core;
+use crate::registry::{self, ActorClass};
+
+use invoke::{foreign_of, panic_message, resolve_args, task_info};
+use threads::spawn_threads;
+
+struct Job {
+    spec: pb::TaskSpec,
+    reply: oneshot::Sender<pb::PushTaskReply>,
+    /// [`QUEUED`], [`STARTED`] or [`HANDED_BACK`]: a task (not an actor call) queued
+    /// behind another is handed back unrun when that one blocks or runs long (CORE-9).
+    state: Arc<AtomicU8>,
+}
+
+const QUEUED: u8 = 0;
+const STARTED: u8 = 1;
+const HANDED_BACK: u8 = 2;
+
+struct CallerQueue {
+    next: u64,
+    waiting: BTreeMap<u64, Job>,
+}
+
+struct ActorHost {
+    /// The class in this binary's registry; `None` for an actor of a foreign runtime.
+    class: Option<&'static ActorClass>,
+    state: Mutex<Box<dyn std::any::Any + Send>>,
+    callers: Mutex<HashMap<String, CallerQueue>>,
+}
+
+pub(crate) struct Executor {
+    core: Arc<Core>,
+    /// The default group's queue (every call of a task worker).
+    tx: std::sync::mpsc::Sender<Job>,
+    actor: Option<ActorHost>,
+    /// Task ids pushed here and not answered yet (queued or running), for cancellation.
+    running: Mutex<HashMap<String, ()>>,
+    /// The actor's concurrency groups (Ray's `concurrency_groups`): each one's limit
+    /// and the queue of its own executor threads.
+    groups: HashMap<String, (usize, std::sync::mpsc::Sender<Job>)>,
+    /// The group of each method whose calls name none (`@ray.method(concurrency_group)`).
+    method_groups: HashMap<String, String>,
+    /// Calls of each function name run here so far, for `max_calls`.
+    calls: Mutex<HashMap<String, u32>>,
+    /// Set once a task's `max_calls` ran out: this worker runs nothing more (what is
+    /// queued goes back unrun) and exits when its lease returns.
+    retiring: AtomicBool,
+    /// The hosted actor's placement group ("" for none) and whether it captures what
+    /// its methods submit.
+    actor_group: (String, bool),
+    /// The actor's `max_concurrency` (1 for a task worker): how many of its calls run at
+    /// once, on executor threads (at most [`MAX_EXECUTOR_THREADS`]) or on its event loop.
+    max_concurrency: usize,
+    /// Per concurrency group ("" the default): calls running on the foreign runtime's
+    /// event loop, started without an executor thread (see [`Executor::start_on_loop`]),
+    /// and those waiting for one of the group's places.
+    on_loop: Mutex<HashMap<String, (usize, std::collections::VecDeque<Job>)>>,
+}
+
+/// Executor threads of one actor at most (`max_concurrency` above this shares them).
+const MAX_EXECUTOR_THREADS: u32 = 256;
+
+impl Executor {
+    /// Starts `threads` executor threads. For an actor worker, `creation`
+    /// is the actor's creation task, run here before anything else.
+    ///
+    /// # Errors
+    /// The actor's class is not in this binary, or its constructor failed.
+    pub(crate) fn start(
+        core: Arc<Core>,
+        creation: Option<pb::TaskSpec>,
+    ) -> Result<Arc<Self>, String> {
+        let mut threads = 1;
+        let mut max_concurrency = 1;
+        let mut group_limits: BTreeMap<String, u32> = BTreeMap::new();
+        let mut method_groups = HashMap::new();
+        let mut actor_group = (String::new(), false);
+        if let Some(spec) = &creation {
+            group_limits = spec.concurrency_groups.iter().map(|(k, v)| (k.clone(), *v)).collect();
+            method_groups = spec.method_groups.clone().into_iter().collect();
+            actor_group = (spec.placement_group_id.clone(), spec.capture_child_tasks);
+        }
+        if let Some(f) = creation.as_ref().and_then(|s| s.function.as_ref()) {
+            crate::metrics::set_actor_class(&f.class_name);
+        }
+        let actor = match creation {
+            Some(spec) if foreign_of(&spec).is_some() => {
+                let rt = foreign_of(&spec).expect("checked");
+                let args = resolve_args(&core, &spec).map_err(|f| f.message)?;
+                let info = task_info(&spec);
+                std::panic::catch_unwind(AssertUnwindSafe(|| rt.create_actor(&info, args)))
+                    .map_err(|p| format!("{} constructor {}", info.class_name, panic_message(p)))?
+                    .map_err(|f| f.message)?;
+                threads = spec.max_concurrency.clamp(1, MAX_EXECUTOR_THREADS) as usize;
+                max_concurrency = spec.max_concurrency.max(1) as usize;
+                Some(ActorHost {
+                    class: None,
+                    state: Mutex::new(Box::new(())),
+                    callers: Mutex::new(HashMap::new()),
+                })
+            }
+            Some(spec) => {
+                let class_name =
+                    spec.function.as_ref().map(|f| f.class_name.clone()).unwrap_or_default();
+                let class = registry::class(&class_name).ok_or_else(|| {
+                    format!("actor class {class_name} is not registered in this worker's binary")
+                })?;
+                let args = resolve_args(&core, &spec).map_err(|f| f.message)?;
+                let state = std::panic::catch_unwind(AssertUnwindSafe(|| (class.construct)(&args)))
+                    .map_err(|p| format!("{class_name} constructor {}", panic_message(p)))?
+                    .map_err(|f| format!("{class_name} constructor failed: {}", f.message))?;
+                threads = spec.max_concurrency.clamp(1, MAX_EXECUTOR_THREADS) as usize;
+                max_concurrency = spec.max_concurrency.max(1) as usize;
+                Some(ActorHost {
+                    class: Some(class),
+                    state: Mutex::new(state),
+                    callers: Mutex::new(HashMap::new()),
+                })
+            }
+            None => None,
+        };
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let mut groups = HashMap::new();
+        let mut group_rx = Vec::new();
+        for (name, limit) in group_limits {
+            let (gtx, grx) = std::sync::mpsc::channel::<Job>();
+            let limit = limit.max(1) as usize;
+            groups.insert(name.clone(), (limit, gtx));
+            group_rx.push((name, limit, grx));
+        }
+        let ex = Arc::new(Self {
+            core,
+            tx,
+            actor,
+            running: Mutex::new(HashMap::new()),
+            groups,
+            method_groups,
+            calls: Mutex::new(HashMap::new()),
+            retiring: AtomicBool::new(false),
+            actor_group,
+            max_concurrency,
+            on_loop: Mutex::new(HashMap::new()),
+        });
+        spawn_threads(&ex, rx, threads, "");
+        for (name, limit, grx) in group_rx {
+            spawn_threads(&ex, grx, limit.min(MAX_EXECUTOR_THREADS as usize), &name);
+        }
+        Ok(ex)
+    }
+}
