@@ -9,7 +9,7 @@
 //! `sim: <N> schedules, <F> failures`; a failing schedule prints its seed, and
 //! `TPURAY_SIM_SEED=<s>` replays just that seed (every machine) with a step trace.
 //! `TPURAY_SIM_SCHEDULES=<n>` changes how many schedules each machine runs (default
-//! 6,000, 12,000 in all). Seeds are fixed, so CI runs the same schedules every time.
+//! 6,000, 18,000 in all). Seeds are fixed, so CI runs the same schedules every time.
 //!
 //! What is checked (the numbers are ARCHITECTURE.md's):
 //! - CORE-5: a task or call is run again only while its retry budget lasts (never more
@@ -27,6 +27,7 @@ use std::collections::VecDeque;
 use std::io::Write;
 
 use tpuray::core::pipeline::{self, MAX_LEASES_PER_CLASS};
+use tpuray::core::refs::{OwnerTable, Settled};
 use tpuray::core::retry::{self, Attempt, Decision, MAX_UNDELIVERED_RESENDS, Outcome, Work};
 
 /// A small seeded generator (splitmix64): the whole schedule follows from the seed.
@@ -598,6 +599,250 @@ fn lease_schedule(seed: u64, wanted: Wanted, trace: bool) -> SimResult {
     Ok(())
 }
 
+// ---- ownership and borrowing (CORE-2) -----------------------------------------------
+
+/// An owned object's value as the table sees it: pending until its task ends.
+struct SimObj {
+    settled: bool,
+}
+
+impl Settled for SimObj {
+    fn settled(&self) -> bool {
+        self.settled
+    }
+}
+
+/// A borrower change on its way from a borrower to the owner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Change {
+    object: usize,
+    add: bool,
+}
+
+/// A process that borrows the owner's objects: its counted refs to each, whether the
+/// owner counts it as a borrower of each (registered), and its queue of changes to the
+/// owner (one ordered queue per owner, as `BorrowQueue`).
+#[derive(Default)]
+struct Borrower {
+    refs: Vec<usize>,
+    /// Of those, the refs it kept after a task (the rest are held by running tasks).
+    kept: Vec<usize>,
+    registered: Vec<bool>,
+    queue: VecDeque<Change>,
+}
+
+impl Borrower {
+    /// A counted ref made here (CORE-2: the first registers this process with the owner).
+    fn take(&mut self, o: usize) {
+        self.refs[o] += 1;
+        if self.refs[o] == 1 && !self.registered[o] {
+            self.registered[o] = true;
+            self.queue.push_back(Change { object: o, add: true });
+        }
+    }
+
+    /// The last clone of a counted ref dropped here: released behind the registration.
+    fn drop_ref(&mut self, o: usize) {
+        self.refs[o] -= 1;
+        if self.refs[o] == 0 && self.registered[o] {
+            self.registered[o] = false;
+            self.queue.push_back(Change { object: o, add: false });
+        }
+    }
+
+    /// Whether the owner has applied every change this process queued for `o`: an
+    /// executor waits for that before it replies (`confirm_borrows`).
+    fn confirmed(&self, o: usize) -> bool {
+        !self.queue.iter().any(|c| c.object == o)
+    }
+}
+
+/// A task carrying a ref to `object` from `from` (the owner: `None`) to borrower `to`,
+/// pinned by its sender until it replies.
+#[derive(Clone, Copy, Debug)]
+struct Carry {
+    object: usize,
+    from: Option<usize>,
+    to: usize,
+    /// The receiver deserialized the ref (and queued its registration).
+    arrived: bool,
+}
+
+/// One schedule of the borrowing protocol against the owner's `OwnerTable`: the owner
+/// makes objects (some pending until their task ends), clones and drops refs, passes
+/// refs into tasks on borrowers, borrowers pass them on to each other and keep or drop
+/// them, and each borrower's changes reach the owner in order but interleaved with the
+/// others' at random (a change delivered twice in a row, as a resent batch, included).
+/// After every step: an object is freed only when no process holds a ref to it (the
+/// owner's refs and pins and every borrower's, the ground truth kept here); at the end,
+/// with every ref dropped, nothing is left in the table (no leak).
+///
+/// Not modelled: a borrower that dies without releasing (the owner does not drop a dead
+/// borrower's registrations yet; ARCHITECTURE.md lists it under CORE-2's "not yet").
+fn ownership_schedule(seed: u64, trace: bool) -> SimResult {
+    let mut rng = Rng(seed);
+    let nb = 1 + rng.below(3) as usize;
+    let max_objects = 1 + rng.below(6) as usize;
+    let mut table: OwnerTable<SimObj> = OwnerTable::default();
+    // Ground truth: the owner's counted refs (handles and pins) and whether each
+    // object was freed.
+    let mut owner_refs: Vec<usize> = Vec::new();
+    // Of those, the pins of tasks in flight (the rest are handles the program holds).
+    let mut owner_pins: Vec<usize> = Vec::new();
+    let mut freed: Vec<bool> = Vec::new();
+    let mut borrowers: Vec<Borrower> = (0..nb).map(|_| Borrower::default()).collect();
+    let mut carries: Vec<Carry> = Vec::new();
+    let mut step = 0u64;
+    let stormy_steps = 20 + rng.below(200);
+    loop {
+        step += 1;
+        if step > 100_000 {
+            return Err("ownership: no end after 100,000 steps".into());
+        }
+        let stormy = step < stormy_steps;
+        let objects = owner_refs.len();
+        // What can happen now: (kind, a, b).
+        let mut ev: Vec<(u8, usize, usize)> = Vec::new();
+        if stormy && objects < max_objects {
+            ev.push((0, 0, 0)); // create
+        }
+        for o in 0..objects {
+            if freed[o] {
+                continue;
+            }
+            if owner_refs[o] > owner_pins[o] {
+                ev.push((2, o, 0)); // owner drops a ref (a handle or its clone)
+                if stormy {
+                    ev.push((1, o, 0)); // owner clones a counted ref
+                    ev.push((5, o, rng.below(nb as u64) as usize)); // pass into a task
+                }
+            }
+            if table.get(&o.to_string()).is_some_and(|e| !e.settled) {
+                ev.push((3, o, 0)); // its task ends
+            }
+            for (b, br) in borrowers.iter().enumerate() {
+                if br.kept[o] > 0 {
+                    ev.push((8, o, b)); // a borrower drops a ref it kept
+                }
+                if br.refs[o] > 0 && stormy && nb > 1 {
+                    ev.push((9, o, b)); // passes it on to another borrower
+                }
+            }
+        }
+        for (b, br) in borrowers.iter().enumerate() {
+            if !br.queue.is_empty() {
+                ev.push((6, b, 0)); // deliver the borrower's next change
+            }
+        }
+        for (i, c) in carries.iter().enumerate() {
+            if !c.arrived {
+                ev.push((7, i, 0)); // the task runs: the ref is deserialized
+            } else if borrowers[c.to].confirmed(c.object) {
+                ev.push((10, i, 0)); // the task replies
+            }
+        }
+        if ev.is_empty() {
+            break;
+        }
+        let (kind, a, b) = ev[rng.below(ev.len() as u64) as usize];
+        if trace {
+            eprintln!("step {step}: event {kind} ({a}, {b})");
+        }
+        let id = |o: usize| o.to_string();
+        let mut free_now: Option<(usize, Option<SimObj>)> = None;
+        match kind {
+            0 => {
+                let o = owner_refs.len();
+                table.register(id(o), SimObj { settled: rng.chance(50) });
+                owner_refs.push(1);
+                owner_pins.push(0);
+                freed.push(false);
+                for br in &mut borrowers {
+                    br.refs.push(0);
+                    br.kept.push(0);
+                    br.registered.push(false);
+                }
+            }
+            1 => {
+                owner_refs[a] += 1;
+                if !table.add_local(&id(a)) {
+                    return Err(format!("ownership: object {a} was freed under a live ref"));
+                }
+            }
+            2 => {
+                owner_refs[a] -= 1;
+                free_now = Some((a, table.release_local(&id(a))));
+            }
+            3 => free_now = Some((a, table.settle(&id(a), |v| v.settled = true))),
+            5 => {
+                // The owner pins the argument while the task is in flight.
+                owner_refs[a] += 1;
+                owner_pins[a] += 1;
+                table.add_local(&id(a));
+                carries.push(Carry { object: a, from: None, to: b, arrived: false });
+            }
+            6 => {
+                let c = borrowers[a].queue.pop_front().expect("a queued change");
+                if stormy && c.add && rng.chance(10) {
+                    borrowers[a].queue.push_front(c); // a resent batch: delivered twice
+                }
+                let (_, f) = table.update_borrower(&id(c.object), &format!("b{a}"), c.add);
+                free_now = Some((c.object, f));
+            }
+            7 => {
+                carries[a].arrived = true;
+                let c = carries[a];
+                borrowers[c.to].take(c.object);
+            }
+            8 => {
+                borrowers[b].kept[a] -= 1;
+                borrowers[b].drop_ref(a);
+            }
+            9 => {
+                // Borrower b passes its ref into a task on another borrower: it pins it
+                // (its own counted ref) until that task replies.
+                let to = (b + 1 + rng.below(nb as u64 - 1) as usize) % nb;
+                borrowers[b].take(a);
+                carries.push(Carry { object: a, from: Some(b), to, arrived: false });
+            }
+            _ => {
+                let c = carries.swap_remove(a);
+                // The receiver keeps the ref (an actor's state) or drops it with the task.
+                if stormy && rng.chance(40) {
+                    borrowers[c.to].kept[c.object] += 1;
+                } else {
+                    borrowers[c.to].drop_ref(c.object);
+                }
+                match c.from {
+                    None => {
+                        owner_refs[c.object] -= 1;
+                        owner_pins[c.object] -= 1;
+                        free_now = Some((c.object, table.release_local(&id(c.object))));
+                    }
+                    Some(from) => borrowers[from].drop_ref(c.object),
+                }
+            }
+        }
+        if let Some((o, Some(_))) = free_now {
+            freed[o] = true;
+            let holders: Vec<usize> = (0..nb).filter(|&b| borrowers[b].refs[o] > 0).collect();
+            if owner_refs[o] > 0 || !holders.is_empty() {
+                return Err(format!(
+                    "ownership: step {step}: object {o} freed while held (owner refs {}, borrowers {holders:?})",
+                    owner_refs[o]
+                ));
+            }
+        }
+    }
+    // Everything dropped and delivered: nothing left in the owner's table.
+    if !table.is_empty() {
+        let left: Vec<String> =
+            table.iter().map(|(k, e)| format!("{k}({} refs)", e.refs())).collect();
+        return Err(format!("ownership: leaked after every ref dropped: {left:?}"));
+    }
+    Ok(())
+}
+
 // ---- the runner ---------------------------------------------------------------------
 
 fn schedules_per_machine() -> u64 {
@@ -621,8 +866,9 @@ fn seed(machine: u64, i: u64) -> u64 {
 /// seed, and fails when any schedule failed.
 #[test]
 fn seeded_schedules_keep_every_invariant() {
-    let machines: [(&str, Schedule); 2] = [
+    let machines: [(&str, Schedule); 3] = [
         ("retry", retry_schedule),
+        ("ownership", ownership_schedule),
         ("leases", |s, trace| lease_schedule(s, pipeline::leases_wanted, trace)),
     ];
     let mut out = std::io::stderr();

@@ -200,12 +200,9 @@ impl Core {
 
     /// Owner side of `UpdateBorrower`; false when the object is gone.
     pub(crate) fn serve_update_borrower(&self, id: &str, borrower: &str, add: bool) -> bool {
-        let (known, freed) = {
-            let mut objs = self.objects.lock().unwrap();
-            apply_borrower_update(&mut objs, id, borrower, add)
-        };
+        let (known, freed) = self.objects.lock().unwrap().update_borrower(id, borrower, add);
         if let Some(o) = freed {
-            self.on_freed(id, *o);
+            self.on_freed(id, o);
         }
         known
     }
@@ -218,15 +215,13 @@ impl Core {
             let mut objs = self.objects.lock().unwrap();
             for u in updates {
                 let borrower = if u.borrower.is_empty() { default } else { &u.borrower };
-                if let (_, Some(o)) =
-                    apply_borrower_update(&mut objs, &u.object_id, borrower, u.add)
-                {
+                if let (_, Some(o)) = objs.update_borrower(&u.object_id, borrower, u.add) {
                     freed.push((u.object_id.as_str(), o));
                 }
             }
         }
         for (id, o) in freed {
-            self.on_freed(id, *o);
+            self.on_freed(id, o);
         }
     }
 

@@ -199,9 +199,7 @@ impl Core {
                         state: ObjState::Pending,
                         lineage: None,
                         pulls: None,
-                        refs: 0,
                         task_id: None,
-                        borrowers: Default::default(),
                         nested,
                         pins: vec![],
                     };

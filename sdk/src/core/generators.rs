@@ -49,18 +49,16 @@ impl Core {
         }
         let state = ObjState::from_return(item.clone());
         // Held by the generator until the consumer takes its ref.
-        self.objects.lock().unwrap().insert(
+        self.objects.lock().unwrap().register(
             item.object_id.clone(),
-            Box::new(Owned {
+            Owned {
                 state,
                 lineage: None,
                 pulls: None,
-                refs: 1,
                 task_id: None,
-                borrowers: Default::default(),
                 nested: vec![],
                 pins: vec![],
-            }),
+            },
         );
         g.items.push(item.object_id);
         drop(gens);

@@ -67,6 +67,7 @@ mod lineage;
 mod objects;
 mod ownership;
 pub mod pipeline;
+pub mod refs;
 pub mod retry;
 mod submit;
 
@@ -193,9 +194,8 @@ pub(crate) struct Core {
     pub token: Option<String>,
     pub store: LocalStore,
     pub fail_on_infeasible: bool,
-    /// Boxed: a queued task's return sits here, and the table's empty buckets (up to
-    /// half of them after it grows) then cost a pointer each, not a whole entry.
-    objects: Mutex<HashMap<String, Box<Owned>>>,
+    /// The objects this process owns, with their reference counts (CORE-2).
+    objects: Mutex<refs::OwnerTable<Owned>>,
     objects_changed: Notify,
     classes: Mutex<HashMap<String, Arc<Class>>>,
     /// The options of the last task submitted, and their class ([`Core::class_for`]).
@@ -328,7 +328,7 @@ impl Core {
             token,
             store,
             fail_on_infeasible,
-            objects: Mutex::new(HashMap::new()),
+            objects: Mutex::new(refs::OwnerTable::default()),
             objects_changed: Notify::new(),
             classes: Mutex::new(HashMap::new()),
             last_class: Mutex::new(None),
@@ -551,7 +551,7 @@ mod tests {
     /// behind a `Box`, as `Failed` and `pulls` are).
     #[test]
     fn an_owned_entry_fits_its_budget() {
-        let size = std::mem::size_of::<Owned>();
+        let size = std::mem::size_of::<refs::Counted<Owned>>();
         assert!(size <= 192, "Owned is {size} bytes; its budget is 192 (see the doc above)");
     }
 

@@ -99,11 +99,6 @@ pub(super) struct Owned {
     pub(super) state: ObjState,
     /// The task that made it, when it can run again (CORE-6).
     pub(super) lineage: Option<Arc<Lineage>>,
-    /// References alive in this process plus one per borrowing process
-    /// (CORE-2).
-    pub(super) refs: usize,
-    /// Processes that borrow the object (their WorkerService addresses).
-    pub(super) borrowers: std::collections::HashSet<String>,
     /// Refs nested in this object's value that this process was registered
     /// to borrow on its behalf (id, owner); released when it is freed.
     pub(super) nested: Vec<(String, String)>,
@@ -114,6 +109,12 @@ pub(super) struct Owned {
     /// The pulls of a stored object (OBJ-8); `None` until the first is assigned (boxed:
     /// most objects are never pulled, and every queued task's return is an entry).
     pub(super) pulls: Option<Box<Pulls>>,
+}
+
+impl refs::Settled for Owned {
+    fn settled(&self) -> bool {
+        !matches!(self.state, ObjState::Pending)
+    }
 }
 
 /// The pulls of one stored object (OBJ-8).
@@ -132,9 +133,7 @@ pub(super) struct Pulls {
 pub(crate) fn add_ref(id: &str, owner: &str) {
     let Some(c) = try_core() else { return };
     if c.address == owner {
-        if let Some(o) = c.objects.lock().unwrap().get_mut(id) {
-            o.refs += 1;
-        }
+        c.objects.lock().unwrap().add_local(id);
         return;
     }
     let queued = {
@@ -188,48 +187,9 @@ pub(crate) fn release_ref(id: &str, owner: &str) {
         }
         return;
     }
-    let freed = {
-        let mut objs = c.objects.lock().unwrap();
-        match objs.get_mut(id) {
-            Some(o) => {
-                o.refs = o.refs.saturating_sub(1);
-                if o.refs == 0 && !matches!(o.state, ObjState::Pending) {
-                    objs.remove(id)
-                } else {
-                    None
-                }
-            }
-            None => None,
-        }
-    };
+    let freed = c.objects.lock().unwrap().release_local(id);
     if let Some(o) = freed {
-        c.on_freed(id, *o);
-    }
-}
-
-/// One borrower change on the owner's table: (whether the object is known, the object
-/// when this change dropped its last reference and it is to be freed).
-pub(super) fn apply_borrower_update(
-    objs: &mut HashMap<String, Box<Owned>>,
-    id: &str,
-    borrower: &str,
-    add: bool,
-) -> (bool, Option<Box<Owned>>) {
-    let Some(o) = objs.get_mut(id) else { return (false, None) };
-    if add {
-        if o.borrowers.insert(borrower.to_string()) {
-            o.refs += 1;
-        }
-        (true, None)
-    } else if o.borrowers.remove(borrower) {
-        o.refs = o.refs.saturating_sub(1);
-        if o.refs == 0 && !matches!(o.state, ObjState::Pending) {
-            (true, objs.remove(id))
-        } else {
-            (true, None)
-        }
-    } else {
-        (true, None)
+        c.on_freed(id, o);
     }
 }
 
@@ -238,18 +198,9 @@ impl Core {
     /// hands to a [`RawRef::adopt`] (so a result that arrives before the
     /// caller has its ref cannot free the object).
     pub(super) fn register_owned(&self, id: &str, state: ObjState, task_id: Option<String>) {
-        self.objects.lock().unwrap().insert(
+        self.objects.lock().unwrap().register(
             id.to_string(),
-            Box::new(Owned {
-                state,
-                lineage: None,
-                pulls: None,
-                refs: 1,
-                task_id,
-                borrowers: Default::default(),
-                nested: vec![],
-                pins: vec![],
-            }),
+            Owned { state, lineage: None, pulls: None, task_id, nested: vec![], pins: vec![] },
         );
     }
 
@@ -259,20 +210,13 @@ impl Core {
 
     /// Sets an owned object's state and the lineage that can make it again.
     pub(super) fn set_state_with(&self, id: &str, state: ObjState, lineage: Option<Arc<Lineage>>) {
-        let freed = {
-            let mut objs = self.objects.lock().unwrap();
-            match objs.get_mut(id) {
-                Some(o) => {
-                    o.state = state;
-                    o.lineage = lineage;
-                    // Nobody holds a ref any more: free at once (CORE-2).
-                    if o.refs == 0 { objs.remove(id) } else { None }
-                }
-                None => None,
-            }
-        };
+        // Nobody holds a ref any more: freed at once (CORE-2).
+        let freed = self.objects.lock().unwrap().settle(id, |o| {
+            o.state = state;
+            o.lineage = lineage;
+        });
         if let Some(o) = freed {
-            self.on_freed(id, *o);
+            self.on_freed(id, o);
         }
         self.objects_changed.notify_waiters();
     }
