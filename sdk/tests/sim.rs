@@ -1,15 +1,21 @@
 //! Deterministic simulation of the core worker's pure state machines (issue 22): seeded
-//! schedules drive the production decisions of `tpuray::core::retry` (what becomes of a
-//! task or actor call after each attempt) and `tpuray::core::pipeline` (how many leases
-//! a scheduling class asks for and how many tasks a leased worker holds), with events
-//! reordered, replies duplicated and lost, workers and nodes dying and tasks blocking on
-//! one another at any step, and check the invariants after every step.
+//! schedules drive the production code of `tpuray::core::retry` (what becomes of a task
+//! or actor call after each attempt), `tpuray::core::pipeline` (how many leases a
+//! scheduling class asks for and how many tasks a leased worker holds),
+//! `tpuray::core::refs` (the owner's reference counts under the borrowing protocol) and
+//! `tpuray::core::actor_order` (the order an actor releases and starts calls), with
+//! events reordered, replies and changes duplicated and lost, workers and nodes dying and
+//! tasks blocking on one another at any step, and check the invariants after every step.
+//! Three regression cases replay the event sequences of bugs found before by flaky
+//! multi-process tests, against the old logic (which breaks) and the production one:
+//! the lease that waited for ever for a handed-back task (da44a84), the blocked-thread
+//! deadlock (a0b60fe) and async actor calls starting out of order (d6562ad).
 //!
 //! Run: `cargo test -p tpuray --test sim -- --nocapture` prints
 //! `sim: <N> schedules, <F> failures`; a failing schedule prints its seed, and
 //! `TPURAY_SIM_SEED=<s>` replays just that seed (every machine) with a step trace.
 //! `TPURAY_SIM_SCHEDULES=<n>` changes how many schedules each machine runs (default
-//! 6,000, 18,000 in all). Seeds are fixed, so CI runs the same schedules every time.
+//! 6,000, 24,000 in all). Seeds are fixed, so CI runs the same schedules every time.
 //!
 //! What is checked (the numbers are ARCHITECTURE.md's):
 //! - CORE-5: a task or call is run again only while its retry budget lasts (never more
@@ -21,11 +27,16 @@
 //! - CORE-3/CORE-9: a class never holds or asks for more than `MAX_LEASES_PER_CLASS`
 //!   leases, a queued task always has a lease that can take it or a lease request on
 //!   its way (no deadlock, even when a running task blocks on a task queued behind it),
-//!   and every lease is returned once the queue drains (no lease leaked).
+//!   and every lease is returned once the queue drains (no lease leaked);
+//! - CORE-2: no object is freed while any process (owner or borrower) holds a ref, and
+//!   nothing is left in the owner's table once every ref is dropped;
+//! - CORE-4: an actor's calls start in each caller's sequence order, within the
+//!   group's concurrency limit, and every one starts and ends.
 
 use std::collections::VecDeque;
 use std::io::Write;
 
+use tpuray::core::actor_order::{CallerQueue, Places};
 use tpuray::core::pipeline::{self, MAX_LEASES_PER_CLASS};
 use tpuray::core::refs::{OwnerTable, Settled};
 use tpuray::core::retry::{self, Attempt, Decision, MAX_UNDELIVERED_RESENDS, Outcome, Work};
@@ -843,6 +854,139 @@ fn ownership_schedule(seed: u64, trace: bool) -> SimResult {
     Ok(())
 }
 
+// ---- the order an actor starts its calls in (CORE-4) ----------------------------------
+
+/// The places of a concurrency group as they worked before d6562ad: an ended call gave
+/// its place back first, and the call waiting first was started again afterwards, so a
+/// call released in between could take the place (and the waiter went to the back).
+#[derive(Default)]
+struct PlacesBeforeD6562ad {
+    used: usize,
+    waiting: VecDeque<(usize, u64)>,
+}
+
+/// A call: (its caller, its sequence number).
+type Call = (usize, u64);
+
+/// The group's places, production (`Places`) or as before d6562ad.
+enum Group {
+    Now(Places<Call>),
+    Before(PlacesBeforeD6562ad),
+}
+
+impl Group {
+    fn start(&mut self, limit: usize, call: (usize, u64)) -> Option<(usize, u64)> {
+        match self {
+            Group::Now(p) => p.start(limit, call),
+            Group::Before(p) => {
+                if p.used >= limit {
+                    p.waiting.push_back(call);
+                    return None;
+                }
+                p.used += 1;
+                Some(call)
+            }
+        }
+    }
+
+    /// A call ended: (the call to start now, the call to offer its place again later).
+    fn ended(&mut self) -> (Option<Call>, Option<Call>) {
+        match self {
+            Group::Now(p) => (p.ended(), None),
+            Group::Before(p) => {
+                p.used -= 1;
+                (None, p.waiting.pop_front())
+            }
+        }
+    }
+}
+
+/// One schedule of an async actor's calls: a few callers each send numbered calls,
+/// which arrive in any order (each push is its own RPC); each caller's queue releases
+/// them in sequence, and they take the group's places (`limit` of them) in release
+/// order; running calls end at random, interleaved with arrivals. Checked: no call
+/// starts before one released ahead of it (CORE-4: per caller, in sequence), never more
+/// than `limit` run, and every call starts and ends.
+fn actor_order_schedule(seed: u64, before_fix: bool, trace: bool) -> SimResult {
+    let mut rng = Rng(seed);
+    let callers = 1 + rng.below(3) as usize;
+    let calls: Vec<u64> = (0..callers).map(|_| 1 + rng.below(8)).collect();
+    let limit = 1 + rng.below(3) as usize;
+    let mut queues: Vec<CallerQueue<(usize, u64)>> =
+        (0..callers).map(|_| CallerQueue::default()).collect();
+    let mut group = if before_fix {
+        Group::Before(PlacesBeforeD6562ad::default())
+    } else {
+        Group::Now(Places::default())
+    };
+    let mut in_flight: Vec<(usize, u64)> =
+        (0..callers).flat_map(|c| (0..calls[c]).map(move |s| (c, s))).collect();
+    let mut running: Vec<(usize, u64)> = Vec::new();
+    let mut offered: Vec<(usize, u64)> = Vec::new(); // before d6562ad: waiters to restart
+    let (mut released, mut started) = (Vec::new(), Vec::new());
+    let mut ended = 0usize;
+    let total = in_flight.len();
+    let mut step = 0u64;
+    loop {
+        step += 1;
+        let mut ev: Vec<u8> = Vec::new();
+        if !in_flight.is_empty() {
+            ev.push(0);
+        }
+        if !running.is_empty() {
+            ev.push(1);
+        }
+        if !offered.is_empty() {
+            ev.push(2);
+        }
+        let Some(&kind) = ev.get(rng.below(ev.len().max(1) as u64) as usize) else { break };
+        let mut to_start: Vec<(usize, u64)> = Vec::new();
+        match kind {
+            0 => {
+                let call = in_flight.swap_remove(rng.below(in_flight.len() as u64) as usize);
+                queues[call.0].arrive(call.1, call);
+                while let Some(c) = queues[call.0].release() {
+                    released.push(c);
+                    to_start.extend(group.start(limit, c));
+                }
+            }
+            1 => {
+                running.swap_remove(rng.below(running.len() as u64) as usize);
+                ended += 1;
+                let (now, later) = group.ended();
+                to_start.extend(now);
+                offered.extend(later);
+            }
+            _ => {
+                let c = offered.remove(0);
+                to_start.extend(group.start(limit, c));
+            }
+        }
+        for c in to_start {
+            if trace {
+                eprintln!("step {step}: call {c:?} starts");
+            }
+            started.push(c);
+            running.push(c);
+        }
+        if running.len() > limit {
+            return Err(format!("actor order: {} calls run at once, limit {limit}", running.len()));
+        }
+        if started[..] != released[..started.len()] {
+            return Err(format!(
+                "actor order: started {started:?} but released {released:?} (limit {limit})"
+            ));
+        }
+    }
+    if started.len() != total || ended != total {
+        return Err(format!(
+            "actor order: {total} calls, {} started, {ended} ended",
+            started.len()
+        ));
+    }
+    Ok(())
+}
+
 // ---- the runner ---------------------------------------------------------------------
 
 fn schedules_per_machine() -> u64 {
@@ -866,9 +1010,10 @@ fn seed(machine: u64, i: u64) -> u64 {
 /// seed, and fails when any schedule failed.
 #[test]
 fn seeded_schedules_keep_every_invariant() {
-    let machines: [(&str, Schedule); 3] = [
+    let machines: [(&str, Schedule); 4] = [
         ("retry", retry_schedule),
         ("ownership", ownership_schedule),
+        ("actor order", |s, trace| actor_order_schedule(s, false, trace)),
         ("leases", |s, trace| lease_schedule(s, pipeline::leases_wanted, trace)),
     ];
     let mut out = std::io::stderr();
@@ -954,5 +1099,117 @@ fn core9_a_handed_back_task_gets_a_lease_besides_its_blocked_worker() {
         pool.hand_back(0).unwrap();
         assert_eq!(pool.queue, VecDeque::from([1]));
         assert_eq!(pool.asking == 0, deadlocks);
+    }
+}
+
+/// CORE-4 regression (d6562ad; test_async_actor_calls_answer failed 2 runs in 6-8 with
+/// `max_concurrency=1`): an ended async call gave its place back before the call waiting
+/// first took it, so a call released in between started ahead of it. Replayed against
+/// the old places (some seed breaks the order) and the production ones (none does).
+#[test]
+fn core4_an_async_call_released_later_never_starts_ahead_of_one_waiting() {
+    let broken =
+        (0..5_000).map(|i| seed(11, i)).find(|&s| actor_order_schedule(s, true, false).is_err());
+    let s = broken.expect("the old places break the start order in some schedule");
+    assert_eq!(actor_order_schedule(s, false, false), Ok(()), "seed {s}");
+}
+
+/// How a runtime thread learns whether the worker is blocked (`Core::is_blocked`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum IsBlocked {
+    /// Production: a load of the blocked-thread count, never the telling lock.
+    ReadsTheCount,
+    /// Before a0b60fe: it took the lock `set_blocked` holds while it tells the agent.
+    TakesTheTellingLock,
+}
+
+/// The threads of a worker whose task blocks in get (AGENT-11, CORE-9), as a schedule of
+/// steps: the executor thread takes the telling lock, counts itself blocked and, being
+/// the first, sends `NotifyWorkerBlocked`, which needs a free runtime thread to go out
+/// and be answered, while the lock is held (so the agent hears blocks and unblocks in
+/// order). Meanwhile the worker's two runtime threads answer the owner's pushes: each
+/// task queued behind the blocked one asks `is_blocked` to decide whether it goes back
+/// (`QueuedTask::reply`). Returns whether every thread got through (false: deadlock).
+/// This checks the thin layer's locking rule, not a pure machine: the rule is the one
+/// `Core::is_blocked`'s doc states.
+fn blocked_threads_schedule(seed: u64, rule: IsBlocked) -> bool {
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Rt {
+        Idle,
+        WaitsForLock,
+    }
+    let mut rng = Rng(seed);
+    let mut queued_polls = 1 + rng.below(4); // tasks behind the blocked one, to answer
+    let mut lock_held = false;
+    let mut rpc_pending = false;
+    let mut exec_step = 0u8; // 0: take lock, 1: count + send, 2: wait answer, 3: done
+    let mut rts = [Rt::Idle, Rt::Idle];
+    for _ in 0..10_000 {
+        if exec_step == 3 && queued_polls == 0 && rts.iter().all(|r| *r == Rt::Idle) {
+            return true;
+        }
+        // Runnable steps: (thread, what).
+        let mut can: Vec<(usize, u8)> = Vec::new();
+        match exec_step {
+            0 if !lock_held => can.push((0, 0)),
+            1 => can.push((0, 1)),
+            2 if !rpc_pending => can.push((0, 2)),
+            _ => {}
+        }
+        for (i, r) in rts.iter().enumerate() {
+            match r {
+                Rt::Idle => {
+                    if rpc_pending {
+                        can.push((1 + i, 0)); // send the notification and get its answer
+                    }
+                    if queued_polls > 0 {
+                        can.push((1 + i, 1)); // answer a queued task: is_blocked?
+                    }
+                }
+                Rt::WaitsForLock if !lock_held => can.push((1 + i, 2)),
+                Rt::WaitsForLock => {}
+            }
+        }
+        let Some(&(thread, what)) = can.get(rng.below(can.len().max(1) as u64) as usize) else {
+            return false; // nothing can run: deadlock
+        };
+        match (thread, what) {
+            (0, 0) => {
+                lock_held = true;
+                exec_step = 1;
+            }
+            (0, 1) => {
+                rpc_pending = true; // blocked_threads 0 -> 1: tell the agent
+                exec_step = 2;
+            }
+            (0, _) => {
+                lock_held = false;
+                exec_step = 3;
+            }
+            (_, 0) => rpc_pending = false,
+            (t, 1) => {
+                queued_polls -= 1;
+                if rule == IsBlocked::TakesTheTellingLock && lock_held {
+                    rts[t - 1] = Rt::WaitsForLock;
+                }
+            }
+            (t, _) => rts[t - 1] = Rt::Idle, // got the lock, read, let go
+        }
+    }
+    false
+}
+
+/// CORE-9 regression (a0b60fe, the nested-get deadlock test hanging one run in five):
+/// `is_blocked` took the lock that `set_blocked` holds while the runtime tells the agent,
+/// so with both runtime threads asking it the notification could never go out. Replayed
+/// as thread schedules: the old rule deadlocks in some, the production rule in none.
+#[test]
+fn core9_is_blocked_never_waits_for_the_agent_to_hear_of_a_block() {
+    let seeds: Vec<u64> = (0..2_000).map(|i| seed(13, i)).collect();
+    let old =
+        seeds.iter().filter(|&&s| !blocked_threads_schedule(s, IsBlocked::TakesTheTellingLock));
+    assert!(old.count() > 0, "the old rule deadlocks in some schedule");
+    for s in seeds {
+        assert!(blocked_threads_schedule(s, IsBlocked::ReadsTheCount), "seed {s} deadlocks");
     }
 }

@@ -56,6 +56,7 @@ use crate::error::Error;
 use crate::object_ref::RawRef;
 use crate::options::{Scheduling, TaskOptions};
 
+pub mod actor_order;
 mod actors;
 mod borrowing;
 mod cancel;

@@ -3,7 +3,6 @@
 //! whose arguments all came inline) straight onto that runtime's event loop, within the
 //! group's limit.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU8;
 
@@ -14,7 +13,7 @@ use tpuray_proto::pb::task_error::Kind;
 use super::context::task_cancelled;
 use super::invoke::{foreign_of, task_info};
 use super::replies::{failure, stopped};
-use super::{CallerQueue, Executor, Job, QUEUED};
+use super::{Executor, Job, QUEUED};
 use crate::codec::Encoded;
 use crate::error::TaskFailure;
 use crate::foreign::ForeignRuntime;
@@ -63,12 +62,9 @@ impl Executor {
         // CORE-4: release each caller's calls in sequence order.
         {
             let mut callers = actor.callers.lock().unwrap();
-            let q = callers
-                .entry(job.spec.caller_id.clone())
-                .or_insert_with(|| CallerQueue { next: 0, waiting: BTreeMap::new() });
-            q.waiting.insert(job.spec.sequence_no, job);
-            while let Some(j) = q.waiting.remove(&q.next) {
-                q.next += 1;
+            let q = callers.entry(job.spec.caller_id.clone()).or_default();
+            q.arrive(job.spec.sequence_no, job);
+            while let Some(j) = q.release() {
                 let group = match self.group_of(&j.spec) {
                     Ok(g) => g,
                     Err(message) => {
@@ -126,17 +122,14 @@ impl Executor {
     /// executor thread. At most the group's limit run at once (`max_concurrency` for the
     /// default group, Ray's limit for async actors); the rest wait here in order.
     fn start_on_loop(self: &Arc<Self>, rt: &'static dyn ForeignRuntime, job: Job, group: String) {
-        {
+        let start = {
             let limit = self.group_limit(&group);
             let mut on_loop = self.on_loop.lock().unwrap();
-            let slot = on_loop.entry(group.clone()).or_default();
-            if slot.0 >= limit {
-                slot.1.push_back(job);
-                return;
-            }
-            slot.0 += 1;
+            on_loop.entry(group.clone()).or_default().start(limit, job)
+        };
+        if let Some(job) = start {
+            self.launch_on_loop(rt, job, group);
         }
-        self.launch_on_loop(rt, job, group);
     }
 
     /// Hands a call holding one of the `max_concurrency` places to the loop. When it
@@ -174,12 +167,6 @@ impl Executor {
     /// The call of `group` waiting first for the place a call just gave up (which it
     /// takes), or `None` (the place is free again).
     fn next_on_loop(&self, group: &str) -> Option<Job> {
-        let mut on_loop = self.on_loop.lock().unwrap();
-        let slot = on_loop.entry(group.to_string()).or_default();
-        let next = slot.1.pop_front();
-        if next.is_none() {
-            slot.0 -= 1;
-        }
-        next
+        self.on_loop.lock().unwrap().entry(group.to_string()).or_default().ended()
     }
 }

@@ -36,6 +36,8 @@ use crate::registry::{self, ActorClass};
 use invoke::{foreign_of, panic_message, resolve_args, task_info};
 use threads::spawn_threads;
 
+use crate::core::actor_order::{CallerQueue, Places};
+
 struct Job {
     spec: pb::TaskSpec,
     reply: oneshot::Sender<pb::PushTaskReply>,
@@ -48,16 +50,12 @@ const QUEUED: u8 = 0;
 const STARTED: u8 = 1;
 const HANDED_BACK: u8 = 2;
 
-struct CallerQueue {
-    next: u64,
-    waiting: BTreeMap<u64, Job>,
-}
-
 struct ActorHost {
     /// The class in this binary's registry; `None` for an actor of a foreign runtime.
     class: Option<&'static ActorClass>,
     state: Mutex<Box<dyn std::any::Any + Send>>,
-    callers: Mutex<HashMap<String, CallerQueue>>,
+    /// Each caller's calls, released in sequence order (CORE-4).
+    callers: Mutex<HashMap<String, CallerQueue<Job>>>,
 }
 
 pub(crate) struct Executor {
@@ -86,7 +84,7 @@ pub(crate) struct Executor {
     /// Per concurrency group ("" the default): calls running on the foreign runtime's
     /// event loop, started without an executor thread (see [`Executor::start_on_loop`]),
     /// and those waiting for one of the group's places.
-    on_loop: Mutex<HashMap<String, (usize, std::collections::VecDeque<Job>)>>,
+    on_loop: Mutex<HashMap<String, Places<Job>>>,
 }
 
 /// Executor threads of one actor at most (`max_concurrency` above this shares them).
