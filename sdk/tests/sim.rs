@@ -2,7 +2,8 @@
 //! schedules drive the production code of `tpuray::core::retry` (what becomes of a task
 //! or actor call after each attempt), `tpuray::core::pipeline` (how many leases a
 //! scheduling class asks for and how many tasks a leased worker holds),
-//! `tpuray::core::refs` (the owner's reference counts under the borrowing protocol) and
+//! `tpuray::core::refs` (the owner's reference counts under the borrowing protocol),
+//! `tpuray::core::transfer` (which copy each pulling node copies from) and
 //! `tpuray::core::actor_order` (the order an actor releases and starts calls), with
 //! events reordered, replies and changes duplicated and lost, workers and nodes dying and
 //! tasks blocking on one another at any step, and check the invariants after every step.
@@ -15,7 +16,7 @@
 //! `sim: <N> schedules, <F> failures`; a failing schedule prints its seed, and
 //! `TPURAY_SIM_SEED=<s>` replays just that seed (every machine) with a step trace.
 //! `TPURAY_SIM_SCHEDULES=<n>` changes how many schedules each machine runs (default
-//! 6,000, 24,000 in all). Seeds are fixed, so CI runs the same schedules every time.
+//! 6,000, 30,000 in all). Seeds are fixed, so CI runs the same schedules every time.
 //!
 //! What is checked (the numbers are ARCHITECTURE.md's):
 //! - CORE-5: a task or call is run again only while its retry budget lasts (never more
@@ -31,15 +32,22 @@
 //! - CORE-2: no object is freed while any process (owner or borrower) holds a ref, and
 //!   nothing is left in the owner's table once every ref is dropped;
 //! - CORE-4: an actor's calls start in each caller's sequence order, within the
-//!   group's concurrency limit, and every one starts and ends.
+//!   group's concurrency limit, and every one starts and ends;
+//! - OBJ-8: at most `MAX_PULLS_PER_SOURCE` pulls from one copy at once, one pull per
+//!   node at a time, and every process on a live node gets the object while a copy
+//!   survives.
 
 use std::collections::VecDeque;
 use std::io::Write;
+use std::time::Instant;
+
+use tpuray_proto::pb;
 
 use tpuray::core::actor_order::{CallerQueue, Places};
 use tpuray::core::pipeline::{self, MAX_LEASES_PER_CLASS};
 use tpuray::core::refs::{OwnerTable, Settled};
 use tpuray::core::retry::{self, Attempt, Decision, MAX_UNDELIVERED_RESENDS, Outcome, Work};
+use tpuray::core::transfer::{MAX_PULLS_PER_SOURCE, Pulls};
 
 /// A small seeded generator (splitmix64): the whole schedule follows from the seed.
 struct Rng(u64);
@@ -987,6 +995,146 @@ fn actor_order_schedule(seed: u64, before_fix: bool, trace: bool) -> SimResult {
     Ok(())
 }
 
+// ---- pulls between nodes (OBJ-8) ------------------------------------------------------
+
+/// A process on a node that wants the object: waiting to ask, pulling, or done (it has
+/// a local copy to read).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Want {
+    /// Waiting; it asks the owner again once something changed after `seen`.
+    Asks {
+        seen: u64,
+    },
+    Pulling {
+        from: usize,
+    },
+    Has,
+}
+
+/// One schedule of an object pulled by several nodes (a broadcast): processes ask the
+/// owner for a source (`Pulls::assign`), pulls finish (adding a copy) or fail, nodes die
+/// (their copies and pulls lost) in a random order. Checked: at most
+/// `MAX_PULLS_PER_SOURCE` pulls from one copy at once, never two pulls by one node, and
+/// every process on a live node ends with a copy unless every copy was lost (then the
+/// object is lost, which lineage handles).
+fn transfer_schedule(seed: u64, trace: bool) -> SimResult {
+    let mut rng = Rng(seed);
+    let nodes = 2 + rng.below(7) as usize;
+    let loc = |n: usize| pb::ObjectLocation {
+        node_id: format!("n{n}"),
+        agent_address: format!("10.0.0.{n}:1"),
+        store_dir: String::new(),
+    };
+    let node_of = |l: &pb::ObjectLocation| l.node_id[1..].parse::<usize>().expect("a node id");
+    let mut locations = vec![loc(0)];
+    let mut pulls: Option<Box<Pulls>> = None;
+    let mut dead = vec![false; nodes];
+    // (node, what the process wants); 1 or 2 processes on each node but the first.
+    let mut procs: Vec<(usize, Want)> = Vec::new();
+    for n in 1..nodes {
+        for _ in 0..1 + rng.below(2) {
+            procs.push((n, Want::Asks { seen: u64::MAX }));
+        }
+    }
+    let start = Instant::now();
+    let mut generation = 0u64; // bumped by whatever changes what asking answers
+    for step in 0..50_000u64 {
+        let now = start + std::time::Duration::from_millis(10 * step);
+        let mut ev: Vec<(u8, usize)> = Vec::new();
+        for (i, (n, w)) in procs.iter().enumerate() {
+            if dead[*n] {
+                continue;
+            }
+            match w {
+                Want::Asks { seen } if *seen != generation => ev.push((0, i)),
+                Want::Pulling { .. } => ev.push((1, i)),
+                _ => {}
+            }
+        }
+        if rng.chance(2) && dead.iter().filter(|d| !**d).count() > 1 {
+            ev.push((2, rng.below(nodes as u64) as usize));
+        }
+        if ev.is_empty() {
+            break;
+        }
+        let (kind, i) = ev[rng.below(ev.len() as u64) as usize];
+        match kind {
+            0 => {
+                let (n, _) = procs[i];
+                let got = Pulls::assign(&mut pulls, &locations, &format!("n{n}"), now);
+                procs[i].1 = match got {
+                    None => Want::Asks { seen: generation },
+                    Some(l) if l.iter().any(|l| node_of(l) == n) => Want::Has,
+                    Some(l) if l.len() == 1 => Want::Pulling { from: node_of(&l[0]) },
+                    Some(l) => return Err(format!("transfer: node {n} got {} sources", l.len())),
+                };
+                if trace {
+                    eprintln!("step {step}: process {i} on n{n} asks: {:?}", procs[i].1);
+                }
+            }
+            1 => {
+                let (n, Want::Pulling { from }) = procs[i] else { unreachable!() };
+                let p = pulls.as_mut().expect("a pull was assigned");
+                p.done(&format!("n{from}"), &format!("n{n}"));
+                if dead[from] {
+                    procs[i].1 = Want::Asks { seen: u64::MAX }; // the source went: again
+                } else {
+                    if !locations.iter().any(|l| node_of(l) == n) {
+                        locations.push(loc(n));
+                    }
+                    procs[i].1 = Want::Has;
+                }
+                generation += 1;
+                if trace {
+                    eprintln!("step {step}: n{n}'s pull from n{from} ends: {:?}", procs[i].1);
+                }
+            }
+            _ => {
+                if dead[i] {
+                    continue;
+                }
+                dead[i] = true;
+                locations.retain(|l| node_of(l) != i);
+                if let Some(p) = pulls.as_mut() {
+                    p.lost(&[format!("n{i}")]);
+                }
+                generation += 1;
+                if trace {
+                    eprintln!("step {step}: node n{i} dies");
+                }
+                if locations.is_empty() {
+                    return Ok(()); // every copy lost: lineage's case, not this machine's
+                }
+            }
+        }
+        // Ground truth: pulls in flight per live source, and per pulling node.
+        for src in 0..nodes {
+            let from_src = procs
+                .iter()
+                .filter(|(n, w)| !dead[*n] && *w == Want::Pulling { from: src })
+                .count();
+            if !dead[src] && from_src > MAX_PULLS_PER_SOURCE {
+                return Err(format!("transfer: {from_src} pulls from n{src} at once"));
+            }
+        }
+        for n in 0..nodes {
+            // A pull from a dead source is over (CORE-10 ends it at once), even before
+            // its process hears.
+            let by_node = procs
+                .iter()
+                .filter(|(m, w)| *m == n && matches!(w, Want::Pulling { from } if !dead[*from]))
+                .count();
+            if by_node > 1 {
+                return Err(format!("transfer: node n{n} pulls {by_node} copies at once"));
+            }
+        }
+    }
+    if let Some((n, w)) = procs.iter().find(|(n, w)| !dead[*n] && *w != Want::Has) {
+        return Err(format!("transfer: a process on n{n} never got the object: {w:?}"));
+    }
+    Ok(())
+}
+
 // ---- the runner ---------------------------------------------------------------------
 
 fn schedules_per_machine() -> u64 {
@@ -1010,8 +1158,9 @@ fn seed(machine: u64, i: u64) -> u64 {
 /// seed, and fails when any schedule failed.
 #[test]
 fn seeded_schedules_keep_every_invariant() {
-    let machines: [(&str, Schedule); 4] = [
+    let machines: [(&str, Schedule); 5] = [
         ("retry", retry_schedule),
+        ("transfer", transfer_schedule),
         ("ownership", ownership_schedule),
         ("actor order", |s, trace| actor_order_schedule(s, false, trace)),
         ("leases", |s, trace| lease_schedule(s, pipeline::leases_wanted, trace)),

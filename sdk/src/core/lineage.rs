@@ -34,7 +34,7 @@ impl Core {
             let mut objs = self.objects.lock().unwrap();
             let Some(o) = objs.get_mut(id) else { return };
             if let Some(p) = o.pulls.as_mut() {
-                p.slots.retain(|p| !lost.contains(&p.source));
+                p.lost(lost);
             }
             let ObjState::Stored { locations, .. } = &mut o.state else { return };
             locations.retain(|l| !lost.contains(&l.node_id));

@@ -71,6 +71,7 @@ pub mod pipeline;
 pub mod refs;
 pub mod retry;
 mod submit;
+pub mod transfer;
 
 use actors::*;
 use borrowing::*;

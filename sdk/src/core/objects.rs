@@ -4,53 +4,17 @@
 
 use super::*;
 
-/// Pulls of one object the owner lets run at once from one copy; later
-/// pullers wait for a copy to finish and then pull from it (a tree broadcast).
-pub(super) const MAX_PULLS_PER_SOURCE: usize = 2;
-
-/// An assigned pull not reported done within this long no longer holds its
-/// source (its puller died or hung).
-pub(super) const PULL_SLOT_TTL: Duration = Duration::from_secs(120);
-
 /// Pulls one process runs at once. Each has at most the agent's channel of
 /// chunks plus the one being written in flight (about 20 MiB), so a process
 /// holds at most about 80 MiB of object bytes in transit.
 pub(super) const MAX_PULLS_PER_PROCESS: usize = 4;
 
-/// OBJ-8: the source a puller on node `puller` copies stored object `o` from:
-/// every location when its own node has a copy; else the copy with the fewest
-/// pulls in flight, under [`MAX_PULLS_PER_SOURCE`], then the one that served
-/// least, then the newest (so later pullers copy from earlier ones instead of
-/// all from the first). `None` while every copy is busy or another process of
-/// the same node is pulling it already: wait for one to finish.
+/// OBJ-8: the sources a puller on node `puller` copies stored object `o` from
+/// ([`transfer::Pulls::assign`]); `None` while it is not stored or must wait.
 pub(super) fn assign_source(o: &mut Owned, puller: &str) -> Option<Vec<pb::ObjectLocation>> {
     let Owned { state, pulls, .. } = o;
     let ObjState::Stored { locations, .. } = state else { return None };
-    if locations.iter().any(|l| l.node_id == puller) {
-        return Some(locations.clone());
-    }
-    let Pulls { slots: pulls, served } = &mut **pulls.get_or_insert_with(Default::default);
-    let now = Instant::now();
-    pulls.retain(|p| now.duration_since(p.since) < PULL_SLOT_TTL);
-    if pulls.iter().any(|p| p.puller == puller) {
-        return None;
-    }
-    let in_flight = |n: &str| pulls.iter().filter(|p| p.source == n).count();
-    let best = locations
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| in_flight(&l.node_id) < MAX_PULLS_PER_SOURCE)
-        .min_by_key(|(i, l)| {
-            (
-                in_flight(&l.node_id),
-                served.get(&l.node_id).copied().unwrap_or(0),
-                std::cmp::Reverse(*i),
-            )
-        })
-        .map(|(_, l)| l.clone())?;
-    pulls.push(PullSlot { source: best.node_id.clone(), puller: puller.to_string(), since: now });
-    *served.entry(best.node_id.clone()).or_default() += 1;
-    Some(vec![best])
+    transfer::Pulls::assign(pulls, locations, puller, Instant::now())
 }
 
 /// Why a pull failed: the source (its node is gone, or it no longer has the
@@ -249,11 +213,8 @@ impl Core {
             let mut objs = self.objects.lock().unwrap();
             match objs.get_mut(id) {
                 Some(o) => {
-                    if let Some(p) = o.pulls.as_mut()
-                        && let Some(i) =
-                            p.slots.iter().position(|p| p.source == source && p.puller == puller)
-                    {
-                        p.slots.remove(i);
+                    if let Some(p) = o.pulls.as_mut() {
+                        p.done(source, puller);
                     }
                     // CORE-10: a node the head declared dead holds no copy any more.
                     if let (Some(c), ObjState::Stored { locations, .. }) = (copy, &mut o.state)

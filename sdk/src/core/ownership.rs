@@ -88,13 +88,6 @@ pub(super) enum Got {
     TimedOut,
 }
 
-/// A pull the owner assigned: `puller` (a node) copies from `source` (a node).
-pub(super) struct PullSlot {
-    pub(super) source: String,
-    pub(super) puller: String,
-    pub(super) since: Instant,
-}
-
 pub(super) struct Owned {
     pub(super) state: ObjState,
     /// The task that made it, when it can run again (CORE-6).
@@ -108,22 +101,13 @@ pub(super) struct Owned {
     pub(super) task_id: Option<String>,
     /// The pulls of a stored object (OBJ-8); `None` until the first is assigned (boxed:
     /// most objects are never pulled, and every queued task's return is an entry).
-    pub(super) pulls: Option<Box<Pulls>>,
+    pub(super) pulls: Option<Box<transfer::Pulls>>,
 }
 
 impl refs::Settled for Owned {
     fn settled(&self) -> bool {
         !matches!(self.state, ObjState::Pending)
     }
-}
-
-/// The pulls of one stored object (OBJ-8).
-#[derive(Default)]
-pub(super) struct Pulls {
-    /// Pulls assigned and not reported done.
-    pub(super) slots: Vec<PullSlot>,
-    /// Pulls assigned to each source node so far (ties go to the least used).
-    pub(super) served: HashMap<String, u32>,
 }
 
 /// Called when a counted [`RawRef`] is made in this process: the owner
