@@ -7,24 +7,48 @@
 //! LOGS-4: only paths inside the logs directory are served: a name that is absolute
 //! or holds `..` is refused, and symbolic links are not followed out of it.
 //! Both functions block (directory walks, file reads): call them on a blocking thread.
+//! They fail with a [`LogFileError`]; the agent's gRPC service turns it into a status.
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Component, Path, PathBuf};
 
-use tonic::Status;
 use tpuray_proto::pb;
 
 /// The most a `ReadLog` answers with (4 MiB).
 pub const MAX_READ: u64 = 4 << 20;
 
+/// Why a log file could not be listed or read. Each variant says which gRPC code the
+/// agent's service answers it with (in brackets).
+#[derive(Debug, thiserror::Error)]
+pub enum LogFileError {
+    /// The `ListLogs` glob does not parse (`INVALID_ARGUMENT`).
+    #[error("glob {glob:?} does not parse: {error}")]
+    BadGlob { glob: String, error: globset::Error },
+    /// LOGS-4: the name is empty, absolute or holds `..` (`INVALID_ARGUMENT`).
+    #[error(
+        "log file name {0:?} must be a path inside the node's logs directory (no `..`, not absolute)"
+    )]
+    NameOutside(String),
+    /// The name is a directory, a symbolic link or another non-file (`INVALID_ARGUMENT`).
+    #[error("{0} is not a plain file")]
+    NotPlainFile(String),
+    /// LOGS-4: the name resolves (through a symbolic link above it) to a path outside
+    /// the logs directory (`INVALID_ARGUMENT`).
+    #[error("{0} lies outside the node's logs directory")]
+    ResolvesOutside(String),
+    /// The file or the logs directory could not be read (`INTERNAL`).
+    #[error("{}: {error}", path.display())]
+    Io { path: PathBuf, error: std::io::Error },
+}
+
 /// The files under `dir` whose path relative to it matches `glob` (`""` is `*`), sorted.
 ///
 /// # Errors
-/// `INVALID_ARGUMENT` for a glob that does not parse.
-pub fn list(dir: &Path, glob: &str) -> Result<Vec<String>, Status> {
+/// [`LogFileError::BadGlob`] for a glob that does not parse.
+pub fn list(dir: &Path, glob: &str) -> Result<Vec<String>, LogFileError> {
     let glob = if glob.is_empty() { "*" } else { glob };
     let m = globset::Glob::new(glob)
-        .map_err(|e| Status::invalid_argument(format!("glob {glob:?} does not parse: {e}")))?
+        .map_err(|error| LogFileError::BadGlob { glob: glob.to_string(), error })?
         .compile_matcher();
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
@@ -48,14 +72,12 @@ pub fn list(dir: &Path, glob: &str) -> Result<Vec<String>, Status> {
 }
 
 /// `name` inside `dir` (LOGS-4).
-fn inside(dir: &Path, name: &str) -> Result<PathBuf, Status> {
+fn inside(dir: &Path, name: &str) -> Result<PathBuf, LogFileError> {
     let p = Path::new(name);
     if name.is_empty()
         || p.components().any(|c| !matches!(c, Component::Normal(_) | Component::CurDir))
     {
-        return Err(Status::invalid_argument(format!(
-            "log file name {name:?} must be a path inside the node's logs directory (no `..`, not absolute)"
-        )));
+        return Err(LogFileError::NameOutside(name.to_string()));
     }
     Ok(dir.join(p))
 }
@@ -63,27 +85,23 @@ fn inside(dir: &Path, name: &str) -> Result<PathBuf, Status> {
 /// Reads the piece `req` asks for from a file under `dir`.
 ///
 /// # Errors
-/// `INVALID_ARGUMENT` for a name outside the directory, `INTERNAL` when the file cannot
-/// be read; a missing file is `found: false`.
-pub fn read(dir: &Path, req: &pb::ReadLogRequest) -> Result<pb::ReadLogReply, Status> {
+/// [`LogFileError::NameOutside`], [`LogFileError::NotPlainFile`] or
+/// [`LogFileError::ResolvesOutside`] for a name that is not a file inside the directory,
+/// [`LogFileError::Io`] when the file cannot be read; a missing file is `found: false`.
+pub fn read(dir: &Path, req: &pb::ReadLogRequest) -> Result<pb::ReadLogReply, LogFileError> {
     let path = inside(dir, &req.filename)?;
+    let io = |error: std::io::Error| LogFileError::Io { path: path.clone(), error };
     let meta = match std::fs::symlink_metadata(&path) {
         Ok(m) if m.is_file() => m,
-        Ok(_) => {
-            return Err(Status::invalid_argument(format!("{} is not a plain file", req.filename)));
-        }
+        Ok(_) => return Err(LogFileError::NotPlainFile(req.filename.clone())),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             return Ok(pb::ReadLogReply { found: false, ..Default::default() });
         }
-        Err(e) => return Err(Status::internal(format!("{}: {e}", path.display()))),
+        Err(e) => return Err(io(e)),
     };
-    let io = |e: std::io::Error| Status::internal(format!("{}: {e}", path.display()));
     let root = dir.canonicalize().map_err(io)?;
     if !path.canonicalize().map_err(io)?.starts_with(&root) {
-        return Err(Status::invalid_argument(format!(
-            "{} lies outside the node's logs directory",
-            req.filename
-        )));
+        return Err(LogFileError::ResolvesOutside(req.filename.clone()));
     }
     let mut f = std::fs::File::open(&path).map_err(io)?;
     let size = meta.len();
@@ -178,8 +196,31 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         for bad in ["../secret", "/etc/passwd", "a/../../b", ""] {
             let e = read(d.path(), &req(bad, -1)).unwrap_err();
-            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bad}");
+            assert!(matches!(e, LogFileError::NameOutside(ref n) if n == bad), "{bad}: {e:?}");
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "log file name {bad:?} must be a path inside the node's logs directory (no `..`, not absolute)"
+                )
+            );
         }
-        assert_eq!(list(d.path(), "[").unwrap_err().code(), tonic::Code::InvalidArgument);
+        let e = list(d.path(), "[").unwrap_err();
+        assert!(matches!(e, LogFileError::BadGlob { .. }), "{e:?}");
+        assert!(e.to_string().starts_with("glob \"[\" does not parse: "), "{e}");
+    }
+
+    #[test]
+    fn logs_4_directories_and_links_out_of_the_directory_are_refused() {
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("secret"), "s").unwrap();
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join("sub")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), d.path().join("up")).unwrap();
+        let e = read(d.path(), &req("sub", -1)).unwrap_err();
+        assert!(matches!(e, LogFileError::NotPlainFile(_)), "{e:?}");
+        assert_eq!(e.to_string(), "sub is not a plain file");
+        let e = read(d.path(), &req("up/secret", -1)).unwrap_err();
+        assert!(matches!(e, LogFileError::ResolvesOutside(_)), "{e:?}");
+        assert_eq!(e.to_string(), "up/secret lies outside the node's logs directory");
     }
 }

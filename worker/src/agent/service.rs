@@ -1,6 +1,6 @@
 //! The node agent's gRPC service: each `NodeAgentService` handler reads its wire
-//! message, calls the agent, and answers; [`AgentError`]s and the ledger's errors become
-//! gRPC statuses here and nowhere else.
+//! message, calls the agent, and answers; [`AgentError`]s, the ledger's errors and the
+//! log files' [`LogFileError`]s become gRPC statuses here and nowhere else.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,6 +14,7 @@ use tpuray_proto::pb::node_agent_service_server::NodeAgentService;
 use tpuray_proto::runtime_env::SETUP_FAILED_PREFIX;
 
 use super::{Agent, AgentError, PoolKey};
+use crate::logfiles::LogFileError;
 
 /// The gRPC status an [`AgentError`] is answered with (each variant's doc names its
 /// code); a ledger refusal with the ledger's own ([`crate::ledger::LedgerError::into_status`]).
@@ -30,6 +31,19 @@ pub(super) fn to_status(e: AgentError) -> Status {
         AgentError::Ledger { node, error } => error.into_status(&node),
         AgentError::Head { code, message } => Status::new(code, message),
         AgentError::Internal(m) => Status::internal(m),
+    }
+}
+
+/// The gRPC status a [`LogFileError`] is answered with: `INVALID_ARGUMENT` for a glob
+/// or name the request got wrong, `INTERNAL` when the node cannot read the file.
+fn log_status(e: LogFileError) -> Status {
+    let msg = e.to_string();
+    match e {
+        LogFileError::BadGlob { .. }
+        | LogFileError::NameOutside(_)
+        | LogFileError::NotPlainFile(_)
+        | LogFileError::ResolvesOutside(_) => Status::invalid_argument(msg),
+        LogFileError::Io { .. } => Status::internal(msg),
     }
 }
 
@@ -234,7 +248,8 @@ impl NodeAgentService for AgentSvc {
         let glob = req.into_inner().glob;
         let files = tokio::task::spawn_blocking(move || crate::logfiles::list(&dir, &glob))
             .await
-            .map_err(|e| Status::internal(e.to_string()))??;
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(log_status)?;
         Ok(Response::new(pb::ListLogsReply { files }))
     }
 
@@ -246,7 +261,8 @@ impl NodeAgentService for AgentSvc {
         let req = req.into_inner();
         let r = tokio::task::spawn_blocking(move || crate::logfiles::read(&dir, &req))
             .await
-            .map_err(|e| Status::internal(e.to_string()))??;
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(log_status)?;
         Ok(Response::new(r))
     }
 
@@ -282,5 +298,40 @@ impl NodeAgentService for AgentSvc {
     ) -> Result<Response<pb::ListWorkersReply>, Status> {
         let workers = self.0.list_workers();
         Ok(Response::new(pb::ListWorkersReply { workers }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_file_errors_keep_their_codes_and_messages() {
+        let d = tempfile::tempdir().unwrap();
+        let glob = crate::logfiles::list(d.path(), "[").unwrap_err();
+        let glob_msg = glob.to_string();
+        let s = log_status(glob);
+        assert_eq!((s.code(), s.message()), (tonic::Code::InvalidArgument, glob_msg.as_str()));
+        for (e, code) in [
+            (LogFileError::NameOutside("../x".into()), tonic::Code::InvalidArgument),
+            (LogFileError::NotPlainFile("sub".into()), tonic::Code::InvalidArgument),
+            (LogFileError::ResolvesOutside("up/x".into()), tonic::Code::InvalidArgument),
+            (
+                LogFileError::Io {
+                    path: "/logs/a.out".into(),
+                    error: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+                },
+                tonic::Code::Internal,
+            ),
+        ] {
+            let msg = e.to_string();
+            let s = log_status(e);
+            assert_eq!((s.code(), s.message()), (code, msg.as_str()));
+        }
+        let io = LogFileError::Io {
+            path: "/logs/a.out".into(),
+            error: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        };
+        assert_eq!(io.to_string(), "/logs/a.out: permission denied");
     }
 }
