@@ -19,7 +19,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::watch;
-use tonic::Status;
 use tpuray_proto::pb;
 use tpuray_proto::runtime_env::JobRuntimeEnv;
 use tpuray_scheduler::ResourceSet;
@@ -310,7 +309,9 @@ impl Agent {
     }
 
     /// Sends a status to the head until it has it (same request id on every try, so it
-    /// applies once), or the head says the job is gone.
+    /// applies once), or the head says the job is gone. A head client that cannot be
+    /// made ([`AgentError::Internal`]) or a failed call ([`AgentError::Head`]) is
+    /// logged and retried.
     async fn send_report(
         &self,
         submission_id: &str,
@@ -332,14 +333,16 @@ impl Agent {
             let client =
                 tpuray_proto::client::head(&self.config.head_address, self.config.token.as_deref());
             let r = match client {
-                Ok(mut head) => head.report_job_status(req.clone()).await.map(|_| ()),
-                Err(e) => Err(Status::internal(e.to_string())),
+                Ok(mut head) => {
+                    head.report_job_status(req.clone()).await.map(|_| ()).map_err(AgentError::from)
+                }
+                Err(e) => Err(AgentError::Internal(e.to_string())),
             };
             match r {
                 Ok(()) => return,
-                Err(s) if s.code() == tonic::Code::NotFound => return,
-                Err(s) => {
-                    tracing::warn!(%submission_id, %status, "cannot report the job's status yet: {}", s.message());
+                Err(AgentError::Head { code: tonic::Code::NotFound, .. }) => return,
+                Err(e) => {
+                    tracing::warn!(%submission_id, %status, "cannot report the job's status yet: {e}");
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
             }
