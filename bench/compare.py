@@ -27,6 +27,13 @@ three). Every run's output is kept in a folder printed at the end.
 and a certificate for this machine are made with `tpuray tls make-ca/make-cert` in the
 output folder and given to every tpuray process as TPURAY_TLS_CERT, TPURAY_TLS_KEY and
 TPURAY_TLS_CA (the Ray column is unchanged: Ray runs without TLS).
+
+--baseline-venv DIR compares two tpuray builds: DIR is another release build's venv (say
+of an earlier commit: `python3 -m venv DIR && DIR/bin/pip install maturin cloudpickle
+numpy && DIR/bin/pip install --no-build-isolation --no-deps ./python-sdk` in that
+checkout). Its Python and Rust runs are interleaved with the others in every round,
+and a second table gives each case's median for both builds and the ratio new / base,
+marking a case more than 10% below the baseline.
 """
 
 from __future__ import annotations
@@ -248,6 +255,8 @@ def main() -> int:
     ap.add_argument("--tpuray-cli", default=None,
                     help="the tpuray CLI for the --rust run (default: the venv's python -m tpuray)")
     ap.add_argument("--skip-ray", action="store_true", help="tpuray runs only (no Ray column)")
+    ap.add_argument("--baseline-venv", default=None,
+                    help="a second tpuray release build's venv to compare against, run interleaved")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     ap.add_argument("--tls", action="store_true",
                     help="run tpuray with mutual TLS (a throwaway CA and certificate)")
@@ -260,6 +269,14 @@ def main() -> int:
     tp_py = ensure_tpuray(Path(a.tpuray_venv))
     require_optimized(tp_py, "bench/compare.py")
     tpuray = [a.tpuray_cli] if a.tpuray_cli else [str(tp_py), "-m", "tpuray"]
+    base_py = None
+    if a.baseline_venv:
+        base_py = Path(a.baseline_venv).absolute() / "bin" / "python"
+        if not base_py.exists():
+            sys.exit(f"compare.py: --baseline-venv {a.baseline_venv}: no bin/python there "
+                     "(expected a venv with a release build of tpuray)")
+        require_optimized(base_py, "bench/compare.py --baseline-venv")
+    base = [str(base_py), "-m", "tpuray"] if base_py else []
     common = ["--json", "--warmup-sleep", str(pause)]
     if a.quick:
         common += ["--trials", "1", "--trial-seconds", "0.5"]
@@ -283,14 +300,19 @@ def main() -> int:
         env = dict(env, TPURAY_TLS_CERT=str(outdir / "cert" / "cert.pem"),
                    TPURAY_TLS_KEY=str(outdir / "cert" / "key.pem"),
                    TPURAY_TLS_CA=str(outdir / "ca" / "ca.pem"))
-    results: dict[str, dict[str, list[float]]] = {"ray": {}, "py": {}, "rust": {}}
-    skipped: dict[str, dict[str, str]] = {"ray": {}, "py": {}, "rust": {}}
+    keys = ("ray", "py", "rust", "base-py", "base-rust")
+    results: dict[str, dict[str, list[float]]] = {k: {} for k in keys}
+    skipped: dict[str, dict[str, str]] = {k: {} for k in keys}
     for r in range(1, rounds + 1):
         print(f"round {r}/{rounds}", file=sys.stderr, flush=True)
         runs = [
             ("py", tpuray + ["microbenchmark", "--python", str(tp_py)] + common, env),
             ("rust", tpuray + ["microbenchmark", "--rust"] + common, env),
         ]
+        if base_py:
+            # Interleaved: each build's run of a kind right after the other's.
+            runs.insert(0, ("base-py", base + ["microbenchmark", "--python", str(base_py)] + common, env))
+            runs.insert(2, ("base-rust", base + ["microbenchmark", "--rust"] + common, env))
         if ray_py:
             runs.insert(0, ("ray", [str(ray_py), "-c", RAY_WRAPPER], ray_env))
         for key, argv, e in runs:
@@ -323,6 +345,20 @@ def main() -> int:
     for key, label in (("py", "tpuray (Python)"), ("rust", "tpuray (Rust)")):
         for name, why in skipped[key].items():
             print(f"skipped in {label}: {name}: {why}")
+    if base_py:
+        print(f"\nthis build against the baseline ({a.baseline_venv}), medians of {rounds} "
+              "round(s), operations per second; '<' marks a case more than 10% below\n")
+        head = (f"{'case':<{w}}{'base Py':>12}{'Python':>12}{'new/base':>9}"
+                f"{'base Rust':>12}{'Rust':>12}{'new/base':>9}")
+        print(head)
+        print("-" * len(head))
+        for n in names:
+            cols = ""
+            for k in ("py", "rust"):
+                b, v = med[f"base-{k}"].get(n), med[k].get(n)
+                mark = "<" if b and v is not None and v < 0.9 * b else " "
+                cols += f"{fmt(b):>12}{fmt(v):>12}{ratio(v, b):>8}{mark}"
+            print(f"{n:<{w}}{cols}")
     print(f"\nrun outputs: {outdir}")
     return 0
 
