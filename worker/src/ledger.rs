@@ -6,7 +6,7 @@
 //! processes of its own. The agent holds it under its state lock, passes the time in
 //! where a rule needs one, carries out what a call returns (stopping workers, waking
 //! waiters) and turns a [`LedgerError`] into a gRPC status at the service edge
-//! ([`LedgerError::into_status`]).
+//! (`agent/service.rs`, `ledger_status`).
 //!
 //! Invariants (the agent's numbering, `agent/mod.rs`):
 //! - AGENT-2: `available` never exceeds `total`, whatever is given back, and a release
@@ -23,8 +23,6 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use tonic::Status;
-use tpuray_proto::ids::NodeId;
 use tpuray_proto::pb;
 use tpuray_scheduler::gpu::{GpuAllocator, GpuError};
 use tpuray_scheduler::{Amount, ChipAllocator, ChipError, ResourceSet};
@@ -55,21 +53,6 @@ pub enum LedgerError {
     /// workers holding such devices and ask again.
     #[error("{0}")]
     DevicesBusy(String),
-}
-
-impl LedgerError {
-    /// The gRPC status for this error on node `node`: `RESOURCE_EXHAUSTED`, `NOT_FOUND`,
-    /// `FAILED_PRECONDITION`, `INVALID_ARGUMENT` or `UNAVAILABLE` (retry shortly).
-    pub fn into_status(self, node: &NodeId) -> Status {
-        let msg = format!("node {node}: {self}");
-        match self {
-            LedgerError::Exhausted { .. } => Status::resource_exhausted(msg),
-            LedgerError::BundleNotPrepared { .. } => Status::not_found(msg),
-            LedgerError::NoDevices(_) => Status::failed_precondition(msg),
-            LedgerError::Invalid(_) => Status::invalid_argument(msg),
-            LedgerError::DevicesBusy(_) => Status::unavailable(msg),
-        }
-    }
 }
 
 /// What a lease holds now, and the CPUs it lent back while its worker is blocked.
@@ -419,9 +402,7 @@ mod tests {
         let e = l.take("a lease", &set(r#"{"CPU": 2, "memory": 10}"#)).unwrap_err();
         assert!(matches!(e, LedgerError::Exhausted { .. }), "{e:?}");
         assert_eq!(amount(l.available(), "memory"), 100.0, "nothing taken on refusal");
-        let msg = e.into_status(&NodeId::from_wire("n1"));
-        assert_eq!(msg.code(), tonic::Code::ResourceExhausted);
-        assert!(msg.message().contains("node n1: cannot reserve a lease: needs"), "{msg:?}");
+        assert!(e.to_string().starts_with("cannot reserve a lease: needs"), "{e}");
         l.release(&set(r#"{"CPU": 3}"#));
         l.release(&set(r#"{"CPU": 3, "memory": 5}"#));
         assert_eq!(amount(l.available(), "CPU"), 4.0);
@@ -460,7 +441,6 @@ mod tests {
         assert_eq!(amount(l.available(), "CPU"), 2.0);
         let e = l.commit_bundles("pg1", &[0, 1]).unwrap_err();
         assert_eq!(e, LedgerError::BundleNotPrepared { pg: "pg1".into(), index: 1 });
-        assert_eq!(e.into_status(&NodeId::from_wire("n")).code(), tonic::Code::NotFound);
         l.commit_bundles("pg1", &[0]).unwrap();
         l.commit_bundles("pg1", &[0]).unwrap();
         let names = l.bundle_names("pg1", &[]);
@@ -527,8 +507,6 @@ mod tests {
         assert!(matches!(l.allocate_chips(3, None), Err(LedgerError::Invalid(_))));
         assert!(matches!(l.allocate_chips(2, Some(&[0])), Err(LedgerError::Invalid(_))));
         assert!(matches!(l.allocate_chips(4, None), Err(LedgerError::DevicesBusy(_))));
-        let e = l.allocate_chips(4, None).unwrap_err().into_status(&NodeId::from_wire("n"));
-        assert_eq!(e.code(), tonic::Code::Unavailable);
         let gpus = l.allocate_gpus(amt(2.0)).unwrap();
         assert!(matches!(l.allocate_gpus(amt(1.5)), Err(LedgerError::Invalid(_))));
         assert!(matches!(l.allocate_gpus(amt(0.5)), Err(LedgerError::DevicesBusy(_))));

@@ -8,16 +8,17 @@ use std::time::{Duration, Instant};
 use tonic::{Request, Response, Status};
 use tpuray_proto::check_protocol_version;
 use tpuray_proto::convert::{labels_from_proto, resources_from_proto};
-use tpuray_proto::ids::{ActorId, JobId, LeaseId, WorkerId};
+use tpuray_proto::ids::{ActorId, JobId, LeaseId, NodeId, WorkerId};
 use tpuray_proto::pb;
 use tpuray_proto::pb::node_agent_service_server::NodeAgentService;
 use tpuray_proto::runtime_env::SETUP_FAILED_PREFIX;
 
 use super::{Agent, AgentError, PoolKey};
+use crate::ledger::LedgerError;
 use crate::logfiles::LogFileError;
 
 /// The gRPC status an [`AgentError`] is answered with (each variant's doc names its
-/// code); a ledger refusal with the ledger's own ([`crate::ledger::LedgerError::into_status`]).
+/// code); a ledger refusal as [`ledger_status`] says.
 pub(super) fn to_status(e: AgentError) -> Status {
     match e {
         AgentError::Unavailable(m) => Status::unavailable(m),
@@ -28,9 +29,24 @@ pub(super) fn to_status(e: AgentError) -> Status {
         }
         AgentError::NotFound(m) => Status::not_found(m),
         AgentError::Timeout(m) => Status::deadline_exceeded(m),
-        AgentError::Ledger { node, error } => error.into_status(&node),
+        AgentError::Ledger { node, error } => ledger_status(error, &node),
         AgentError::Head { code, message } => Status::new(code, message),
         AgentError::Internal(m) => Status::internal(m),
+    }
+}
+
+/// The gRPC status a ledger refusal on node `node` is answered with, its message
+/// prefixed with the node: `RESOURCE_EXHAUSTED`, `NOT_FOUND` (a bundle not prepared),
+/// `FAILED_PRECONDITION` (no such devices), `INVALID_ARGUMENT` or `UNAVAILABLE` (devices
+/// busy: retry shortly).
+fn ledger_status(e: LedgerError, node: &NodeId) -> Status {
+    let msg = format!("node {node}: {e}");
+    match e {
+        LedgerError::Exhausted { .. } => Status::resource_exhausted(msg),
+        LedgerError::BundleNotPrepared { .. } => Status::not_found(msg),
+        LedgerError::NoDevices(_) => Status::failed_precondition(msg),
+        LedgerError::Invalid(_) => Status::invalid_argument(msg),
+        LedgerError::DevicesBusy(_) => Status::unavailable(msg),
     }
 }
 
@@ -304,6 +320,32 @@ impl NodeAgentService for AgentSvc {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The codes a ledger refusal is answered with (moved here from the ledger's tests
+    /// with the conversion).
+    #[test]
+    fn ledger_refusals_keep_their_codes_and_name_the_node() {
+        let set = |json: &str| tpuray_scheduler::ResourceSet::from_json(json).unwrap();
+        let mut l = crate::ledger::Ledger::new(set(r#"{"CPU": 4, "TPU": 4}"#));
+        let n1 = NodeId::from_wire("n1");
+        let cpus = set(r#"{"CPU": 8}"#);
+        let s = ledger_status(l.take("a lease", &cpus).unwrap_err(), &n1);
+        assert_eq!(s.code(), tonic::Code::ResourceExhausted);
+        assert!(s.message().starts_with("node n1: cannot reserve a lease: needs"), "{s:?}");
+        let s = ledger_status(l.commit_bundles("pg1", &[0]).unwrap_err(), &n1);
+        assert_eq!(s.code(), tonic::Code::NotFound);
+        l.allocate_chips(4, None).unwrap();
+        let s = ledger_status(l.allocate_chips(4, None).unwrap_err(), &n1);
+        assert_eq!(s.code(), tonic::Code::Unavailable);
+        for (e, code) in [
+            (LedgerError::NoDevices("GPUs"), tonic::Code::FailedPrecondition),
+            (LedgerError::Invalid("3 chips".into()), tonic::Code::InvalidArgument),
+        ] {
+            let msg = format!("node n1: {e}");
+            let s = ledger_status(e, &n1);
+            assert_eq!((s.code(), s.message()), (code, msg.as_str()));
+        }
+    }
 
     #[test]
     fn log_file_errors_keep_their_codes_and_messages() {
