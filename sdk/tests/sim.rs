@@ -350,6 +350,15 @@ struct Lease {
     handing_back: bool,
 }
 
+/// An attempt of a task of the lease pool, as `retry::decide` sees it.
+const TASK: Attempt = Attempt {
+    work: Work::Task,
+    retries_left: 0,
+    retry_exceptions: false,
+    cancelled: false,
+    undelivered: 0,
+};
+
 /// How many leases the class wants: the production rule, or the one before da44a84.
 type Wanted = fn(usize, usize, usize, usize) -> usize;
 
@@ -439,14 +448,7 @@ impl Pool {
         self.leases[l].handing_back = true;
         self.shallow_until = self.now + 50;
         for &t in behind.iter().rev() {
-            let a = Attempt {
-                work: Work::Task,
-                retries_left: 0,
-                retry_exceptions: false,
-                cancelled: false,
-                undelivered: 0,
-            };
-            if retry::decide(&a, Outcome::HandedBack) != Decision::Requeue {
+            if retry::decide(&TASK, Outcome::HandedBack) != Decision::Requeue {
                 return Err("leases: a handed-back task was not requeued".into());
             }
             self.queue.push_front(t);
@@ -563,14 +565,7 @@ fn lease_schedule(seed: u64, wanted: Wanted, trace: bool) -> SimResult {
                 let t = lease.held.pop_front().expect("a held task");
                 pool.tasks[t].done = true;
                 // retry::decide of a returned attempt finishes it.
-                let a = Attempt {
-                    work: Work::Task,
-                    retries_left: 0,
-                    retry_exceptions: false,
-                    cancelled: false,
-                    undelivered: 0,
-                };
-                if retry::decide(&a, Outcome::Returned) != Decision::Finish {
+                if retry::decide(&TASK, Outcome::Returned) != Decision::Finish {
                     return Err("leases: a returned task was not finished".into());
                 }
                 if lease.held.is_empty() && lease.handing_back {
