@@ -1,6 +1,15 @@
 //! Actors from the caller's side: creation through the head, and each actor's ordered
 //! sender (CORE-4) that resolves the actor's address, numbers calls per incarnation,
 //! resends calls that never reached it and decides what a lost call becomes.
+//!
+//! In full:
+//! - CORE-4: one ordered sender per actor per caller; the actor releases calls by
+//!   per-caller sequence number (reset per incarnation); calls that never reached a
+//!   dead instance are resent to its restart.
+//! - CORE-13 (`Core::call_actor`): a caller's unfinished calls to one actor are
+//!   counted per actor (`ActorConn::pending`, until each call's result or failure is
+//!   recorded); one more than the handle's `max_pending_calls` is refused at submission
+//!   with `PendingCallsLimitExceeded`, nothing sent.
 
 use super::*;
 

@@ -1,5 +1,17 @@
 //! Cancelling tasks and actor calls (CORE-12): queued here, queued or running on a
 //! worker, forwarded to a borrowed ref's owner, and recursively what a task submitted.
+//!
+//! In full:
+//! - CORE-12 (`Core::cancel_task`, `Executor::cancel`): a cancelled task is never
+//!   retried and its `get` fails with `Cancelled`, wherever it was: queued at the owner
+//!   (removed), queued on its worker (never started), or running (`force`: the worker
+//!   exits; else the worker marks it cancelled, which a Rust task reads with
+//!   `tpuray::is_cancelled()` and a generator stops on, and `ForeignRuntime::cancel`
+//!   tells the Python runtime, which raises `KeyboardInterrupt` in the task's thread or
+//!   cancels an async method's asyncio task, as Ray does). `recursive` reaches the
+//!   tasks it submitted: each worker records the children of the task running on each
+//!   executor thread. `force` for an unfinished actor call is refused, as Ray refuses
+//!   it.
 
 use super::*;
 

@@ -1,6 +1,28 @@
 //! Leasing workers for a scheduling class and pushing its queued tasks to them
 //! (CORE-3, CORE-9): how many leases a class asks for, the lease loop (spillback,
 //! infeasible, set-up failures), and the pipelined pushes to one leased worker.
+//!
+//! In full:
+//! - CORE-3: tasks of one scheduling class share leases from the local agent
+//!   (following spillback), as many leases as queued tasks (up to 32); an idle lease
+//!   lingers 100 ms for the next task.
+//! - CORE-9: one task in flight per worker (Ray's default
+//!   `max_tasks_in_flight_per_worker`), except while a lease request of the class waits
+//!   for resources (the node has no CPU left for it) and the class's pushes average at
+//!   most 2 ms: then up to 256 per worker, fewer as pushes slow (about 32 ms of the
+//!   class's average push queued per worker), sent in batches of up to 128 tasks and ~4
+//!   MiB (`PushTasks`, whose replies stream back as each task ends, those ready
+//!   together in one message), so quick tasks stop paying a round trip each. The owner
+//!   handles every answer already in before it pushes again, and tops a worker's
+//!   pipeline up only once a quarter of it is free, so answers arriving one by one
+//!   still go out as batches. Arguments that need no waiting (values, no top-level
+//!   refs) are resolved on the caller's thread, with no runtime task per call.
+//!   `TPURAY_MAX_TASKS_IN_FLIGHT_PER_WORKER` fixes the depth instead. A task queued
+//!   behind another on a worker goes back to its owner unrun (`PushTaskReply.not_run`,
+//!   no attempt counted) when the running task blocks in get/wait (it may wait for that
+//!   very task) or after 50 ms in the queue (the one in front is slow); the owner
+//!   queues it first again, sends nothing more to that worker until it answers, and
+//!   pushes one task at a time for a second.
 
 use super::*;
 

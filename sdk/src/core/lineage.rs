@@ -1,6 +1,29 @@
 //! What the owner does when copies are lost (CORE-6, CORE-10): a stored object whose
 //! every copy is gone is made again by running its task (same return ids) while
 //! retries remain, else it fails.
+//!
+//! In full:
+//! - CORE-6 (lineage): the owner keeps the spec and pinned arguments of the task that
+//!   made each stored object while the object lives; when no copy can be read (every
+//!   node holding one is gone), it runs the task again with the same return ids while
+//!   retries remain (the same budget), and readers wait for the new copy; a lost
+//!   argument is made again the same way when the new run reads it. A lost `put` fails
+//!   with `ObjectLost`; a borrower whose owner cannot be reached gets `ObjectLost`
+//!   beginning "owner died" (Python: `OwnerDiedError`). Not yet: actor-task results are
+//!   not reconstructed.
+//! - CORE-10 (`node_watch.rs`, `Core::watch_nodes`): drivers from `init`, and workers
+//!   from their first submission, actor call or pull, follow the head's state changes
+//!   (`Subscribe`, resumed after the last sequence number when the stream breaks) and
+//!   act on a node's death at once rather than on a transport keep-alive: pushes to its
+//!   workers end as worker deaths (retried per `max_retries`), actor calls there as
+//!   lost connections (resent per `max_task_retries`, or not sent at all while the
+//!   head's record still names the dead node), pulls from its store as a lost source,
+//!   and owned objects whose copies were only there are made again from lineage (or
+//!   fail as lost) without waiting for a reader; copies a dead node reports later are
+//!   ignored, and a dead node's agent is not asked to take a lease back. A driver's
+//!   `shutdown` ends its subscription (`Core::stop_watching_nodes`): an open stream
+//!   held the head's graceful stop, so stopping a local `init()` cluster waited out
+//!   `tpuray stop`'s 10 s grace.
 
 use super::*;
 

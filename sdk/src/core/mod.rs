@@ -29,6 +29,21 @@
 //!   at most the handle's `max_pending_calls`; one more is refused at
 //!   submission, before anything is registered or sent.
 //!
+//! In full (moved here from ARCHITECTURE.md):
+//! - CORE-14 (`core::install`/`uninstall`, `Core::release`): a driver may `init`
+//!   again after `shutdown` in the same process (Ray's `ray.init()` after
+//!   `ray.shutdown()`; the Python SDK and the Rust SDK alike). The process's core is an
+//!   atomic pointer to a core that is leaked on install and never freed, so every
+//!   `&'static Arc<Core>` handed out stays valid: `shutdown` uninstalls it (later calls
+//!   find none, a later `init` installs a new one with a new job) and releases it: its
+//!   runtime stops (servers, node watch, flushers, calls in flight end), its
+//!   connections close and its tables empty, so what one stopped core keeps is a few
+//!   hundred bytes. A second `init` while one is installed is refused before any job is
+//!   registered. A ref from the old job dropped later is a no-op or a borrower release
+//!   that nobody answers.
+//! - Results up to 100 KiB travel inline; larger ones sit in the executing node's
+//!   store and are pulled in chunks by other nodes. Channels are cached per address.
+//!
 //! Threads: all networking runs on this module's tokio runtime; user code
 //! calls the blocking API (`get`, `wait`, submission) from its own threads.
 //!

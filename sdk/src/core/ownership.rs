@@ -2,6 +2,25 @@
 //! references (local and one per borrowing process), the lineage that can make a lost
 //! copy again, and what freeing one does (its store copies deleted, the refs nested in
 //! its value released).
+//!
+//! In full (moved here from ARCHITECTURE.md):
+//! - CORE-2: an owned object lives while a ref exists in this process, an in-flight
+//!   task pins it (top-level arguments and refs nested inside argument values), or
+//!   another process borrows it; then it and its store copies are freed. A process that
+//!   deserializes a ref it does not own registers as a borrower with the owner and
+//!   deregisters when its last copy drops; an executor waits for those registrations
+//!   before it replies. Borrower changes for one owner travel in that owner's queue
+//!   (`UpdateBorrowers` batches, one on the wire at a time, applied in order), so a
+//!   release never overtakes the registration before it; the refs of one deserialized
+//!   value (`codec::decode`, Python's `deserialize`) are queued together and waited for
+//!   once. Refs nested in a task's return value are handed over: before replying, the
+//!   executor registers the caller with each owner as borrower `<caller>#ret:<return
+//!   id>`, which the caller releases when it frees the return object. While such a
+//!   return object lives, refs read out of it need no registration of their own (it
+//!   *covers* them, as Ray's contained-in borrows); when the last covering object goes
+//!   and refs remain, the process registers itself first, in the same queue, and only
+//!   then releases `#ret`. Not yet: generator items carrying refs, and borrowers that
+//!   die without deregistering (leaked).
 
 use super::*;
 

@@ -10,6 +10,10 @@
 //! again while `max_task_retries` lasts when the actor died mid-call, and a call refused
 //! before it reached the actor (its process gone or moving) is sent again to the
 //! restarted actor without counting (ray `task_manager.cc`, `actor_task_submitter.cc`).
+//!
+//! In full:
+//! - CORE-5: a task whose worker dies is retried `max_retries` times (default 3);
+//!   application errors only with `retry_exceptions`.
 
 /// What ran: a normal task, or a call to an actor method.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

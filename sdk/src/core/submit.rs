@@ -1,6 +1,12 @@
 //! Submitting a task (CORE-3): its spec, its arguments resolved (by value or by
 //! ref, pinned while it runs), its scheduling class, and its place in the class's
 //! queue.
+//!
+//! In full:
+//! - CORE-11: a task whose argument failed with a task error fails with that same
+//!   error, its serialized exception included, and is not retried (Ray raises the
+//!   upstream's exception class at `get`): on the owner's path (`Core::resolve_args`,
+//!   before submitting) and the executor's (`executor::resolve_args`, a borrowed ref).
 
 use super::*;
 
