@@ -1,6 +1,6 @@
 //! The native `tpuray` binary: a thin shell over [`tpuray_cli::run`].
 
-/// mimalloc instead of glibc's malloc for every process this binary runs (head, node
+/// ALLOC-1: mimalloc instead of glibc's malloc for every process this binary runs (head, node
 /// agents, workers, drivers of `tpuray microbenchmark`): task submission allocates and
 /// frees many small strings per task across threads, where glibc's arenas spent a fifth
 /// of a driver's CPU (perf, `single client tasks async`), much of it consolidating

@@ -553,6 +553,7 @@ mod tests {
         assert!(!id[10..].contains(['I', 'l', 'o', 'O', '0']), "{id}");
     }
 
+    /// HTTP-3: a bad submission is refused with a message naming the field.
     #[test]
     fn a_request_is_checked_field_by_field() {
         let ok = pb::JobSubmission { entrypoint: "echo hi".into(), ..Default::default() };

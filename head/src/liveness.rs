@@ -178,6 +178,8 @@ mod tests {
 
     const S: Duration = Duration::from_secs(1);
 
+    /// HEAD-4: a node without heartbeats past the timeout is dead (HEAD-8's grace for one
+    /// not heard from yet).
     #[test]
     fn a_node_is_dead_only_past_the_timeout_and_an_unreported_one_gets_the_grace() {
         let t0 = Instant::now();
@@ -220,6 +222,7 @@ mod tests {
         assert!(NodeSoft::heard(Some(&failed), report(4, 4), t0, 2).1.reconcile);
     }
 
+    /// HEAD-13: a heartbeat that reports the same resources changes nothing in the view.
     #[test]
     fn the_view_changes_only_when_what_it_shows_changes() {
         let t0 = Instant::now();

@@ -268,6 +268,7 @@ mod tests {
         assert!(check_config(&json!({"applications": [{"import_path": "m:app"}]})).is_ok());
     }
 
+    /// SERVE-API-3: `GET` answers in the shape of Ray's `ServeInstanceDetails`.
     #[test]
     fn details_have_rays_shape_and_nothing_without_a_controller() {
         let st = json!({

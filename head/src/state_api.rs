@@ -502,6 +502,7 @@ fn object_summary(rows: &[Value]) -> Value {
 mod tests {
     use super::*;
 
+    /// STATE-2: filters compare as Ray's `do_filter` (`=`, `!=`, strings without case).
     #[test]
     fn filters_match_as_rays_do_filter() {
         let row = json!({"state": "RUNNING", "attempt_number": 0, "is_alive": true, "name": null});
@@ -535,6 +536,7 @@ mod tests {
         assert_eq!(options(&pairs(None)).unwrap().limit, DEFAULT_LIMIT);
     }
 
+    /// STATE-1: without `detail` only Ray's default columns are sent.
     #[test]
     fn without_detail_only_default_columns_are_sent() {
         let row = json!({"task_id": "t", "state": "RUNNING", "language": "PYTHON"});

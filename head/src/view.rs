@@ -173,6 +173,7 @@ mod tests {
         ViewUpdate { full, changed: changed.to_vec(), removed: removed.to_vec(), to }
     }
 
+    /// HEAD-13: an agent holding nothing or another term's view gets the whole view.
     #[test]
     fn an_agent_holding_nothing_or_another_terms_view_starts_over_with_the_whole_view() {
         let mut log = ViewLog::new(7);
@@ -185,6 +186,7 @@ mod tests {
         assert_eq!(log.len(), 2);
     }
 
+    /// HEAD-13: an idle cluster sends no entries.
     #[test]
     fn an_idle_cluster_sends_empty_deltas() {
         let mut log = ViewLog::new(1);
@@ -194,6 +196,7 @@ mod tests {
         assert_eq!(log.since(1, 1000, 8), up(false, &[], &[], 1000));
     }
 
+    /// HEAD-13: a delta holds the entries changed since the agent's version, oldest first.
     #[test]
     fn a_delta_holds_each_node_changed_since_once_in_change_order() {
         let mut log = ViewLog::new(1);
@@ -221,6 +224,7 @@ mod tests {
         assert_eq!(log.since(0, 0, 100), up(true, &[2], &[], 5));
     }
 
+    /// HEAD-13: at most `entries_per_reply` entries, the next reply resuming after them.
     #[test]
     fn a_reply_carries_at_most_the_limit_and_the_next_resumes_where_it_stopped() {
         let mut log = ViewLog::new(1);
@@ -240,6 +244,7 @@ mod tests {
         assert_eq!(d, up(false, &[4, 5], &[], 5));
     }
 
+    /// HEAD-13: a version older than the removals kept starts over with the whole view.
     #[test]
     fn an_agent_behind_the_removals_kept_starts_over() {
         let mut log = ViewLog::new(1);

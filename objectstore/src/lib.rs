@@ -850,6 +850,7 @@ mod tests {
         assert!(visible_files(d.path()).is_empty());
     }
 
+    /// OBJ-2: a second seal of the same id keeps the first sealed copy.
     #[test]
     fn second_seal_keeps_the_first_copy_obj_2() {
         let d = tempfile::tempdir().unwrap();
@@ -881,6 +882,7 @@ mod tests {
         assert!(view_of(&s.path("a"), f).unwrap().is_none(), "the reader mapped b as a");
     }
 
+    /// OBJ-9: a freed object's file goes to the pool, counted once in the ledger.
     #[test]
     fn a_recycled_file_is_counted_once_obj_9() {
         let d = tempfile::tempdir().unwrap();

@@ -397,6 +397,7 @@ pub(crate) fn copy_parallel(dst: &mut [u8], src: &[u8]) {
 mod tests {
     use super::*;
 
+    /// OBJ-12: the split copy of a large write (32 MiB and up) copies every byte.
     #[test]
     fn a_parallel_copy_copies_every_byte_obj_12() {
         for len in [0, 1, 4095, PARALLEL_COPY_MIN - 1, PARALLEL_COPY_MIN, PARALLEL_COPY_MIN + 4097]

@@ -337,6 +337,7 @@ fn inode(store: &LocalStore, id: &str) -> u64 {
     std::fs::metadata(store.dir().join(id)).unwrap().ino()
 }
 
+/// OBJ-9: freed files are reused by sized writers of half to twice their size.
 #[test]
 fn freed_files_are_recycled_with_their_bytes_replaced_obj_9() {
     let f = Fixture::new(64 * MIB, false);
@@ -413,6 +414,7 @@ fn readers_racing_recycling_see_only_their_own_object_obj_10() {
     assert!(seen.into_inner() > 0, "the reader never found the object");
 }
 
+/// OBJ-9: the pool is bounded (half the capacity) and goes first when room is needed.
 #[test]
 fn the_pool_is_bounded_and_given_back_before_objects_move_obj_9() {
     // Capacity 8 MiB: the pool holds at most half, 4 MiB.
@@ -434,6 +436,7 @@ fn the_pool_is_bounded_and_given_back_before_objects_move_obj_9() {
     f.store.release_pool().unwrap();
 }
 
+/// OBJ-11: a kept mapping never holds pages the ledger gave back.
 #[test]
 fn a_writer_keeps_its_mapping_only_while_the_file_lives_obj_11() {
     let f = Fixture::new(64 * MIB, false);

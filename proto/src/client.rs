@@ -505,6 +505,7 @@ mod tests {
         assert!(e.contains("\"nope\""), "{e}");
     }
 
+    /// HEAD-7: a head that does not serve answers `UNAVAILABLE` naming the leader.
     #[test]
     fn not_leader_status_names_the_leader_in_metadata() {
         let s = not_leader(Some("127.0.0.1:7"), "head 2 is not the leader");

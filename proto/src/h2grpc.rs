@@ -158,6 +158,7 @@ impl H2Channel {
                 self.forget(&conn.alive);
                 transport_status(e)
             })?;
+        // NET-2: HEADERS plus one DATA frame that ends the stream, written together.
         if !data.is_empty() {
             stream.send_data(data, true).map_err(transport_status)?;
         }
@@ -453,6 +454,7 @@ where
             changed = stop.changed(), if !stopping => {
                 stopping = true;
                 if changed.is_err() || *stop.borrow() {
+                    // NET-2: GOAWAY; the calls in flight are still answered.
                     conn.graceful_shutdown();
                 }
             }
@@ -721,6 +723,8 @@ mod tests {
         calls_go_through_h2(false).await;
     }
 
+    /// NET-2: the h2 channel against the h2 server: unary calls, large bodies, server streams
+    /// and statuses as tonic's.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn calls_go_through_h2_to_our_server() {
         calls_go_through_h2(true).await;
@@ -746,6 +750,7 @@ mod tests {
     }
 
     /// Our server, told to stop, answers the call in flight and then returns.
+    /// NET-2: a server told to stop sends GOAWAY and answers the calls in flight.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn our_server_stops_after_answering_calls_in_flight() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -812,6 +817,7 @@ mod tests {
         assert_eq!(e.message(), "refused by the fake");
     }
 
+    /// NET-2: `grpc-timeout` is the client's deadline; the reset call's handler is dropped.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_deadline_ends_a_call_the_server_does_not_answer() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -841,6 +847,8 @@ mod tests {
         );
     }
 
+    /// NET-2: a failed connect is `UNAVAILABLE` "tcp connect error", a lost connection a
+    /// "transport error", and a later call connects again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn refused_calls_say_connect_and_a_restarted_server_is_reached_again() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -179,6 +179,7 @@ pub fn clear_current_cluster() {
 mod tests {
     use super::*;
 
+    /// REG-1: an entry carries the process start time, so a reused pid is never taken for ours.
     #[test]
     fn own_process_has_a_start_time_and_is_alive() {
         let me = std::process::id();

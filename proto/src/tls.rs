@@ -719,6 +719,7 @@ mod tests {
         assert_eq!(TlsFiles::from_parts(None, None, None).unwrap(), None);
     }
 
+    /// TLS-2: a client verifies the server's certificate against the host it dials.
     #[test]
     fn server_names_are_the_dialled_host() {
         assert!(matches!(server_name("127.0.0.1:6379").unwrap(), ServerName::IpAddress(_)));

@@ -31,7 +31,8 @@ mod placement;
 mod tasks;
 mod worker;
 
-/// mimalloc for the extension's own allocations (Python objects keep Python's allocator):
+/// ALLOC-1: mimalloc for the extension's own allocations (Python objects keep Python's
+/// allocator):
 /// the core worker, and the head and node agents that `tpuray start` runs in this
 /// process, allocate and free many small strings per task across threads, where glibc's
 /// malloc cost a fifth of a driver's CPU (as for the `tpuray` binary, `cli/src/main.rs`).

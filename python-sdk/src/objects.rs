@@ -74,6 +74,7 @@ fn get(py: Python<'_>, refs: Vec<Bound<'_, PyRef>>, timeout: Option<f64>) -> PyR
             }
             break;
         }
+        // PY-2: waited with the GIL released (`detach`); Ctrl-C interrupts between slices.
         py.check_signals()?;
         if blocked.is_none() {
             blocked = py.detach(raw::Blocked::enter);
@@ -247,7 +248,8 @@ fn wait(
     }
 }
 
-/// How long a blocking call waits between checks for Ctrl-C.
+/// How long a blocking call waits between checks for Ctrl-C (PY-2: the GIL released, signals
+/// checked between slices).
 pub(crate) const SIGNAL_SLICE: Duration = Duration::from_millis(100);
 /// How long a get/wait waits before it counts as blocked (its worker's CPUs go back to the
 /// node, AGENT-11).

@@ -51,6 +51,7 @@ def raise_mine(msg):
 
 
 def test_tasks_run_remotely_and_refs_pass_into_tasks():
+    """PY-1: Python tasks run in a worker process, their ref arguments resolved to values."""
     assert ray.get(double.remote(21)) == 42
     assert ray.get([double.remote(i) for i in range(10)]) == [i * 2 for i in range(10)]
     x = double.remote(1)
@@ -150,6 +151,7 @@ def test_wait_keeps_the_order_of_both_lists_and_refuses_bad_input():
 
 
 def test_num_returns():
+    """PY-1: a Python task's results come back one value per return object."""
     @ray.remote(num_returns=2)
     def pair():
         return 1, 2

@@ -47,6 +47,7 @@ def run_with_timeout(fn, timeout=120):
 
 
 def test_row_and_batch_transforms_keep_order_and_values():
+    """DATA-2: rows of blocks made in parallel reach the consumer in source order."""
     ds = data.range(1000).map(lambda r: {"id": r["id"], "sq": r["id"] ** 2})
     ds = ds.filter(lambda r: r["id"] % 3 == 0)
     rows = ds.take_all()
@@ -110,6 +111,8 @@ def _store_used_bytes() -> int:
 
 
 def test_backpressure_keeps_object_store_use_under_its_bound():
+    """DATA-1: with a slow consumer, the bytes an execution holds stay under
+    max_bytes_in_flight."""
     mb = 1024 * 1024
     bound = 8 * mb
     ctx = DataContext.get_current()
@@ -271,6 +274,7 @@ def test_data_context_refuses_settings_it_does_not_implement_by_name():
 
 
 def test_resource_limits_bound_the_bytes_in_flight():
+    """DATA-1: the executor's peak bytes stay under the bound set through resource_limits."""
     ctx = DataContext.get_current()
     old = ctx.execution_options.resource_limits.object_store_memory
     ctx.execution_options.resource_limits.object_store_memory = 3 * 1024 * 1024

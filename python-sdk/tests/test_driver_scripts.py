@@ -128,6 +128,7 @@ def test_a_jobs_pip_environment_is_built_for_its_workers(tmp_path, env):
 
 
 def test_ctrl_c_interrupts_a_driver_blocked_in_get(tmp_path, env):
+    """PY-2: a driver blocked in get is interrupted by Ctrl-C (SIGINT)."""
     script = tmp_path / "blocked.py"
     script.write_text(textwrap.dedent("""
         import time
@@ -207,8 +208,8 @@ def test_slice_placement_group_on_simulated_tpu_hosts(tmp_path, env):
 
 
 def test_gpu_tasks_see_only_their_gpus(tmp_path, env):
-    """CUDA_VISIBLE_DEVICES isolation (as Ray): whole GPUs are exclusive, fractions share
-    one GPU, more than one GPU must be whole."""
+    """AGENT-10: CUDA_VISIBLE_DEVICES isolation (as Ray): whole GPUs are exclusive, fractions
+    share one GPU; GPU-2: more than one GPU must be whole."""
     r = run_script(tmp_path, env, """
         import time
         import tpuray as ray

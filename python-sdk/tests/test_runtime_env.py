@@ -131,6 +131,8 @@ def test_a_job_with_uv_and_a_package_the_base_lacks_succeeds(cluster, tmp_path):
 
 
 def test_a_task_with_its_own_pip_and_env_vars_merged_over_the_jobs_sees_both(cluster, tmp_path):
+    """AGENT-3: the runtime env is part of the pool key: a plain task after the one with its
+    own pip and env_vars never runs in that task's worker (sees neither)."""
     (tmp_path / "wd").mkdir()
     (tmp_path / "wd" / "helper.py").write_text("VALUE = 'from-the-jobs-working-dir'\n")
     got = _driver(cluster, tmp_path, f"""

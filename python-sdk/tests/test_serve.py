@@ -155,6 +155,8 @@ class Front:
 
 
 def test_composition_handles_streaming_and_http(serve_instance, cluster):
+    """SERVE-3: a plain deployment gets a Starlette Request over HTTP; a handler that raises
+    is a 500 naming the error, and the proxy keeps serving."""
     h = serve.run(Front.bind(Doubler.bind(), offset=1), name="comp", route_prefix="/comp")
     port = serve_instance()
     assert h.remote(5).result(timeout_s=60)["y"] == 11
@@ -485,6 +487,8 @@ class Trunk:
 
 
 def test_a_dead_downstream_replica_never_gets_a_healthy_upstream_replaced(serve_instance):
+    """SERVE-1: a replica's health is its own: a dead downstream replica is replaced, the
+    healthy upstream one is kept."""
     h = serve.run(Trunk.bind(Leaf.bind()), name="tree", route_prefix=None)
     trunk_before = [r["replica_id"] for r in _replicas("tree", "Trunk")]
     trunk_pid = h.remote(1).result(timeout_s=60)["trunk"]
@@ -521,6 +525,8 @@ class Adoptee:
 
 
 def test_a_killed_controller_restarts_and_adopts_the_running_replicas(serve_instance):
+    """SERVE-2: a killed controller restarts and adopts the running replicas; serving goes
+    on meanwhile."""
     h = serve.run(Adoptee.bind(), name="adopt", route_prefix="/adopt")
     port = serve_instance()
     before = sorted(r["replica_id"] for r in _replicas("adopt", "Adoptee"))
@@ -847,6 +853,8 @@ serve.shutdown()
 
 
 def test_a_replica_gets_a_whole_slice_as_a_gang_and_the_next_waits_for_another(tmp_path):
+    """SCHED-15: a replica's slice group takes every host of one intact slice; the next
+    replica waits for another slice."""
     from conftest import CliCluster
 
     c = CliCluster(tmp_path).head(num_cpus=1)
@@ -917,6 +925,8 @@ if len(sys.argv) > 2:
 
 
 def test_rest_api_put_get_delete_applications(tmp_path):
+    """SERVE-API-1: the head stores a declaration the controller applies; SERVE-API-2: 503
+    without a controller; SERVE-API-3: GET reads as Ray's ServeInstanceDetails."""
     import socket
 
     from conftest import CliCluster
@@ -1067,6 +1077,8 @@ class StarletteIngress:
 
 
 def test_a_starlette_app_from_a_builder_serves_http_with_lifespan_and_streaming(serve_instance):
+    """SERVE-3: an ingress deployment gets ASGI scopes under its route prefix and its app's
+    lifespan runs in the replica."""
     h = serve.run(StarletteIngress.bind(), name="star", route_prefix="/star")
     port = serve_instance()
     assert _http(port, "/star/hello?q=1")[2] == b"started=True q=1"

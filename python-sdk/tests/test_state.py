@@ -106,6 +106,8 @@ ray.shutdown()
 
 
 def test_filters_apply_before_the_limit_and_rays_tools_read_the_same_rows(tmp_path, env):
+    """STATE-1: rows come back as Ray's classes with Ray's field names, read alike by Ray's
+    own client; STATE-2: filters apply to every row before the limit."""
     script = tmp_path / "state.py"
     script.write_text(textwrap.dedent(SCRIPT))
     release = tmp_path / "release"

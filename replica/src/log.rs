@@ -439,6 +439,8 @@ mod tests {
         suite(|| kv.clone());
     }
 
+    /// RAFT-2: entries and hard state persisted (written and flushed) survive a reopen of the
+    /// sled store.
     #[test]
     fn sled_log_keeps_entries_hard_state_and_snapshots_across_reopen() {
         let d = tempfile::tempdir().unwrap();

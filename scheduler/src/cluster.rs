@@ -434,6 +434,7 @@ mod tests {
         *s >> 33
     }
 
+    /// SCHED-17: `ClusterView` decisions equal `schedule`'s over the same nodes.
     #[test]
     fn indexed_decisions_equal_schedule_over_the_same_nodes_sched_17() {
         let shapes = [
@@ -489,6 +490,7 @@ mod tests {
         }
     }
 
+    /// SCHED-6: CPU-only work fills nodes without accelerators before GPU/TPU hosts.
     #[test]
     fn cpu_only_work_fills_cpu_nodes_before_tpu_hosts_sched_6() {
         let mut nodes = vec![
@@ -510,6 +512,7 @@ mod tests {
         assert_eq!(schedule_in(&mut view, &r, Some(&1), 5), Decision::Place(4));
     }
 
+    /// SCHED-1: fractional amounts stay exact after a million allocate/release cycles.
     #[test]
     fn fractional_cpu_sums_stay_exact_after_a_million_add_remove_cycles_sched_1_18() {
         let total = res(r#"{"CPU": 3, "GPU": 1}"#);

@@ -136,6 +136,7 @@ mod tests {
         assert_eq!(cuda_visible_devices(&a.allocate(gpus(1.0)).unwrap()), "0");
     }
 
+    /// GPU-2: more than one GPU must be a whole number.
     #[test]
     fn more_than_one_gpu_must_be_whole() {
         let mut a = GpuAllocator::new(4);

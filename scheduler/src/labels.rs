@@ -227,6 +227,7 @@ mod tests {
         }
     }
 
+    /// SCHED-8: label keys `ray.io/K` and `tpuray.io/K` are aliases.
     #[test]
     fn ray_and_tpuray_prefixes_are_aliases_sched_8() {
         let tpuray_node = Labels::parse("tpuray.io/tpu-slice-name=s1").unwrap();

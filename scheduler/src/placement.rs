@@ -838,6 +838,7 @@ mod tests {
         nodes
     }
 
+    /// SCHED-15: a slice group takes every host of N intact slices, or nothing.
     #[test]
     fn slice_group_takes_every_host_of_intact_slices_in_worker_order_sched_15() {
         let b = bundle(r#"{"TPU": 4}"#, &[]);

@@ -306,6 +306,7 @@ mod tests {
     const HARD: fn(u32) -> Strategy<u32> = |node| Strategy::NodeAffinity { node, soft: false };
     const SOFT: fn(u32) -> Strategy<u32> = |node| Strategy::NodeAffinity { node, soft: true };
 
+    /// SCHED-5: the infeasible reason names the missing resource and the cluster total.
     #[test]
     fn request_for_missing_gpu_is_infeasible_naming_cluster_total_sched_5() {
         let nodes = [node(1, "CPU=4", "=", ""), node(2, "CPU=8", "=", "")];
@@ -314,6 +315,7 @@ mod tests {
         assert_eq!(d, Decision::Infeasible { reason: want.into() });
     }
 
+    /// SCHED-5: infeasible reasons name the missing resource and the (cluster) total.
     #[test]
     fn infeasible_queue_and_place_cases_ignore_dead_nodes_sched_3_4_5() {
         let nodes = [
@@ -361,6 +363,7 @@ mod tests {
         assert_eq!(run(&req("", D, &[]), &nodes[2..], None, 0), "infeasible: no node is alive");
     }
 
+    /// SCHED-6: CPU-only work avoids GPU/TPU hosts while another node can take it.
     #[test]
     fn cpu_task_avoids_tpu_host_when_cpu_node_free_sched_6() {
         let tpu = node(1, "CPU=200,TPU=4", "=", "");
@@ -467,6 +470,7 @@ mod tests {
         }
     }
 
+    /// SCHED-8: a `ray.io/` selector matches a node's `tpuray.io/` label.
     #[test]
     fn label_selector_restricts_placement_with_prefix_aliases_sched_8() {
         let nodes =

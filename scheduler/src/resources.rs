@@ -256,6 +256,7 @@ mod tests {
         ResourceSet::from_json(json).unwrap()
     }
 
+    /// SCHED-1: fixed-point amounts add exactly (0.1 + 0.2 CPU == 0.3).
     #[test]
     fn zero_point_one_plus_zero_point_two_cpu_is_exactly_zero_point_three_sched_1() {
         let mut a = rs(r#"{"CPU": 0.1}"#);

@@ -813,6 +813,7 @@ mod tests {
         assert!(h.resources().get("accelerator_type:TPU-V5LITEPOD").0 > 0);
     }
 
+    /// SCHED-12: one-chip blocks are handed out lowest free first.
     #[test]
     fn eight_one_chip_requests_on_an_8_chip_host_get_chips_0_to_7_sched_12() {
         let mut a = ChipAllocator::new(8);
@@ -823,6 +824,7 @@ mod tests {
         assert_eq!(a.allocate(1).unwrap(), vec![5]);
     }
 
+    /// SCHED-12: chips go out as the lowest free aligned block.
     #[test]
     fn chip_blocks_are_aligned_lowest_free_first_sched_12() {
         // (host chips, held before, request, expected block or None when busy)

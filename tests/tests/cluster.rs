@@ -101,6 +101,8 @@ fn granted(o: Outcome, what: &str) -> pb::request_worker_lease_reply::Granted {
     }
 }
 
+/// REG-1: the head, agents and workers are in the machine-wide registry, and `tpuray stop`
+/// finds every one of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_node_cluster_status_lists_nodes_and_special_total_and_stop_leaves_nothing() {
     let mut c = Cluster::new();
@@ -148,6 +150,8 @@ async fn three_node_cluster_status_lists_nodes_and_special_total_and_stop_leaves
     }
 }
 
+/// HEAD-4: a killed agent and a SIGSTOPped one (its TCP connection still open) are both
+/// declared dead for missing heartbeats.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_agent_and_sigstopped_agent_are_both_marked_dead() {
     let mut c = Cluster::new();
@@ -186,6 +190,8 @@ async fn sigkilled_agent_and_sigstopped_agent_are_both_marked_dead() {
     assert!(status.contains("Nodes (1 alive, 2 dead)"), "status:\n{status}");
 }
 
+/// AGENT-1: heartbeats run on their own thread, so a node whose CPUs are all busy is never
+/// declared dead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn busy_node_whose_cpus_are_saturated_is_not_marked_dead() {
     let mut c = Cluster::new();
@@ -252,6 +258,8 @@ async fn busy_node_whose_cpus_are_saturated_is_not_marked_dead() {
 
 // ---- bad input: one test per family --------------------------------------
 
+/// PROTO-1: a node, driver job or worker registering with another protocol version is
+/// refused naming the version.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_protocol_version_on_register_node_and_register_job_is_refused_naming_versions() {
     let mut c = Cluster::new();
@@ -299,6 +307,7 @@ async fn wrong_protocol_version_on_register_node_and_register_job_is_refused_nam
     assert_eq!(c.list("nodes").as_array().unwrap().len(), 1, "the refused node was not added");
 }
 
+/// AUTH-1: head and agent refuse a missing or wrong token with `UNAUTHENTICATED` saying which.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_or_wrong_cluster_token_is_refused_by_head_and_agent() {
     let mut c = Cluster::new();
@@ -321,6 +330,7 @@ async fn missing_or_wrong_cluster_token_is_refused_by_head_and_agent() {
     agent_still_serves(&c, &head.address).await;
 }
 
+/// AUTH-1: `--auth-mode disabled` on the head opts the cluster out; its agent follows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn head_with_auth_mode_disabled_accepts_calls_without_token() {
     let mut c = Cluster::new();
@@ -630,6 +640,8 @@ fn is(state: pb::ActorState, a: &pb::ActorInfo) -> bool {
     a.state == state as i32
 }
 
+/// HEAD-3: a second live actor with the same name is refused. ACTOR-1: a worker or node
+/// death counts against `max_restarts`; a kill with `no_restart` is never restarted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn actor_lifecycle() {
     let mut c = Cluster::new();
@@ -741,6 +753,8 @@ async fn actor_lifecycle() {
     }
 }
 
+/// AGENT-4: a lease request is granted, spilled back to the node with the resource, or
+/// answered infeasible and listed as infeasible demand.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_spillback_to_node_with_special() {
     let mut c = Cluster::new();

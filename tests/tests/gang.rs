@@ -104,6 +104,8 @@ fn check_one_slice_per_host(ms: &[Env]) {
     no_duplicate_ports(ms);
 }
 
+/// AGENT-9: a per-chip gang member gets exactly its planned `TPU_VISIBLE_CHIPS`, and the
+/// gang's `TPU_PROCESS_BOUNDS` win over the independent-process defaults.
 #[test]
 fn slice_gangs_get_tpu_md_environment_and_restart_whole_on_an_intact_slice() {
     let mut c = Cluster::new();

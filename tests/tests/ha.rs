@@ -274,6 +274,7 @@ async fn a_frozen_leader_is_replaced_and_clients_and_agents_follow_the_new_one()
     .await;
 }
 
+/// HEAD-7: a leader cut off from its peers stops serving (check-quorum) and another serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_head_cut_off_from_its_peers_loses_leadership_and_rejoins_after_healing() {
     let mut c = Cluster::new();

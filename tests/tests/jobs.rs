@@ -103,6 +103,8 @@ async fn a_job_whose_node_dies_fails_naming_the_node() {
     assert!(failed.end_time_ms > 0);
 }
 
+/// HTTP-1: a follower's server reaches the leader. HTTP-2: 401 without the token, 403 with
+/// a wrong one. HTTP-3: a bad request gets a status and a body naming the problem.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_head_serves_the_jobs_api_and_refuses_requests_without_the_token() {
     let mut c = Cluster::new();

@@ -39,6 +39,8 @@ fn tpu_host(
     c.add_node(&["--num-cpus", "1", "--resources", &res]).node_id
 }
 
+/// SCHED-15: a slice group takes every host of one intact slice in worker-id order, never a
+/// mix; a third waits. SCHED-6: one-CPU tasks land on the CPU nodes only.
 #[test]
 fn slice_groups_take_whole_slices_in_worker_order_and_wait_their_turn() {
     let mut c = Cluster::new();
@@ -165,8 +167,8 @@ fn slice_groups_take_whole_slices_in_worker_order_and_wait_their_turn() {
 }
 
 /// AGENT-7 on one simulated v6e-8 host: eight one-chip actors see chips 0..7, one each,
-/// with distinct libtpu ports; a 4-chip task gets an aligned block and the bounds of
-/// TPU.md; a 3-chip request is refused naming the valid counts.
+/// with distinct libtpu ports; a 4-chip task gets an aligned block (SCHED-12) and the bounds
+/// of TPU.md; a 3-chip request is refused naming the valid counts.
 #[test]
 fn chips_are_handed_out_as_aligned_blocks_with_their_environment() {
     let mut c = Cluster::new();

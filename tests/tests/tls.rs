@@ -71,6 +71,8 @@ fn tpuray_in(host: &Host, args: &[&str], envs: &[(String, String)]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// TLS-2: heads, agents, workers and the driver on three hosts all talk mutual TLS, with
+/// certificates naming each host's address.
 #[test]
 fn an_all_tls_cluster_of_three_heads_on_three_hosts_runs_tasks_actors_and_objects() {
     let hosts = Hosts::new(3);
@@ -211,6 +213,8 @@ fn join_fails(c: &Cluster, env: &[(String, String)], name: &str) -> String {
     shown
 }
 
+/// TLS-2: the head requires a client certificate signed by the cluster's CA, and a client
+/// verifies the head's against its CA (other CA, expired, plain: each refused and named).
 #[test]
 fn a_tls_head_refuses_other_cas_expired_certificates_and_plain_nodes_naming_why() {
     let d = tempfile::tempdir().expect("tempdir");

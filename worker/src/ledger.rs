@@ -302,7 +302,7 @@ impl Ledger {
     }
 
     /// The lowest free aligned block of `k` chips (AGENT-7, SCHED-12), or exactly
-    /// `exact` (a gang member's planned `TPU_VISIBLE_CHIPS`).
+    /// `exact` (a gang member's planned `TPU_VISIBLE_CHIPS`, AGENT-9).
     ///
     /// # Errors
     /// [`LedgerError::NoDevices`] on a host without chips; [`LedgerError::Invalid`] for
@@ -496,6 +496,8 @@ mod tests {
         assert!(!uses_bundles(&set(r#"{"CPU": 1}"#), pg, &[]));
     }
 
+    /// AGENT-10: GPUs are handed out, refused while busy or fractional above one, and given
+    /// back.
     #[test]
     fn agent_7_10_devices_are_handed_out_refused_by_kind_and_given_back() {
         let mut cpu_only = Ledger::new(set(r#"{"CPU": 4}"#));

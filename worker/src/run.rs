@@ -171,6 +171,7 @@ pub fn build_resources(o: &AgentOptions) -> Result<(ResourceSet, Labels), StartE
                 labels.0.insert(k, v);
             }
         }
+        // AGENT-9: how the chips were found: `accel`, `vfio` or `simulated`.
         labels.0.insert(format!("{TPURAY_PREFIX}tpu-devices"), devices_source.to_string());
     }
     Ok((total, labels))

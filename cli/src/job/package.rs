@@ -386,6 +386,7 @@ mod tests {
         assert_ne!(package_directory(b.path(), &defaults(), true, false).unwrap().uri, pa.uri);
     }
 
+    /// JOBC-1: the URI is Ray's content hash, the XOR of SHA-1(path, bytes) over what is packed.
     #[test]
     fn jobc_1_the_uri_is_rays_content_hash() {
         // Ray 2.60's get_uri_for_directory for a folder holding a.txt ("hello") and an

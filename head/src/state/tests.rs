@@ -59,6 +59,7 @@ fn retried_request_id_is_applied_once() {
     assert_eq!(sm.actors.len(), 1);
 }
 
+/// HEAD-3: at most one live actor per (namespace, name).
 #[test]
 fn second_live_actor_with_same_name_is_rejected() {
     let mut sm = StateMachine::new();
@@ -68,6 +69,7 @@ fn second_live_actor_with_same_name_is_rejected() {
     assert!(matches!(o, Outcome::Rejected(Rejection::AlreadyExists(m)) if m.contains("\"x\"")));
 }
 
+/// ACTOR-1: an exit not asked for (here a node death) counts against `max_restarts`.
 #[test]
 fn actor_restarts_on_node_death_until_max_restarts_then_dies() {
     let mut sm = StateMachine::new();
@@ -93,6 +95,8 @@ fn actor_restarts_on_node_death_until_max_restarts_then_dies() {
     assert!(rec.is_dead(), "{:?}", rec.status);
 }
 
+/// ACTOR-1: an exit code 0 not asked for counts as a restart; an intended exit ends the
+/// actor (and frees its name, HEAD-3).
 #[test]
 fn clean_exit_not_asked_for_counts_as_a_restart() {
     let mut sm = StateMachine::new();

@@ -16,7 +16,8 @@ use crate::foreign::ForeignRuntime;
 use crate::object_ref::RawRef;
 use crate::registry;
 
-/// The foreign runtime that runs `spec`, when its language is not Rust.
+/// The foreign runtime that runs `spec`, when its language is not Rust (PY-1: every task
+/// whose descriptor names `python` goes to the Python runtime).
 pub(super) fn foreign_of(spec: &pb::TaskSpec) -> Option<&'static dyn ForeignRuntime> {
     let lang = spec.function.as_ref().map(|f| f.language.as_str()).unwrap_or("rust");
     if lang == "rust" || lang.is_empty() { None } else { crate::foreign::runtime_for(lang) }

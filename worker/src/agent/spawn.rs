@@ -154,7 +154,8 @@ impl Agent {
             cmd.env("CUDA_VISIBLE_DEVICES", tpuray_scheduler::gpu::cuda_visible_devices(&key.gpus));
         }
         if chips > 0 {
-            // A gang member started for one chip names it (TPU_VISIBLE_CHIPS).
+            // AGENT-9: a gang member started for one chip names it (TPU_VISIBLE_CHIPS) and
+            // gets exactly that block or a clear error.
             let exact: Option<Vec<u32>> = runtime_vars
                 .iter()
                 .find(|(k, _)| k == "TPU_VISIBLE_CHIPS")
@@ -180,7 +181,7 @@ impl Agent {
             {
                 cmd.env(k, v);
             }
-            // A gang's own environment (process bounds of a gang spread over a host's
+            // AGENT-9: a gang's own environment (process bounds of a gang spread over a host's
             // processes, its ports) wins over the independent-process defaults.
             for (k, v) in runtime_vars.iter().filter(|(k, _)| k.starts_with("TPU_")) {
                 cmd.env(k, v);

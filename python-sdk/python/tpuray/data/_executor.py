@@ -470,8 +470,8 @@ class StreamingExecutor:
         ctx = self.ctx
         states = [_OpState(op, i, ctx.enable_progress_bars) for i, op in enumerate(self.ops)]
         last = states[-1]
-        # preserve_order: blocks leave in source order (after an all-to-all operator, in
-        # its output order); the ones that finish early wait, counted as held bytes.
+        # DATA-2 (preserve_order): blocks leave in source order (after an all-to-all operator,
+        # in its output order); the ones that finish early wait, counted as held bytes.
         early = self._early = {}
         want = 0
         try:
@@ -577,6 +577,7 @@ class StreamingExecutor:
                 held = self._bytes_held(states)
                 anything_running = any(t.running for t in states)
                 est = s.expected_output_bytes() + (s.inqueue[0][1].size_bytes if s.inqueue else 0)
+                # DATA-1: launch only under the bound, except when nothing runs (no stall).
                 if anything_running and held + est > ctx.max_bytes_in_flight:
                     break
                 launched = (

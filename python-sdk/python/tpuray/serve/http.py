@@ -283,6 +283,8 @@ def serve_http(obj, fn, http: HTTPRequest, loop: asyncio.AbstractEventLoop, pool
                         "headers": [(b"content-type", b"application/x-ndjson")]})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    # SERVE-3: an ingress gets the ASGI scope, any other deployment a Starlette Request; an
+    # exception becomes a 500 (error_start) and the replica always ends the response.
     if is_asgi_ingress(obj):
         asyncio.run_coroutine_threadsafe(run_asgi(obj._serve_asgi_app, http.scope(), _receive_of(http.body)), loop)
     else:
