@@ -28,11 +28,6 @@ impl<T> Counted<T> {
     pub fn refs(&self) -> usize {
         self.refs
     }
-
-    /// Whether `borrower` borrows it.
-    pub fn is_borrowed_by(&self, borrower: &str) -> bool {
-        self.borrowers.contains(borrower)
-    }
 }
 
 impl<T> std::ops::Deref for Counted<T> {

@@ -90,9 +90,4 @@ impl Pulls {
     pub fn lost(&mut self, nodes: &[String]) {
         self.slots.retain(|p| !nodes.contains(&p.source));
     }
-
-    /// Pulls from `source` in flight.
-    pub fn in_flight_from(&self, source: &str) -> usize {
-        self.slots.iter().filter(|p| p.source == source).count()
-    }
 }
