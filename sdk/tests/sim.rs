@@ -3,14 +3,17 @@
 //! or actor call after each attempt), `tpuray::core::pipeline` (how many leases a
 //! scheduling class asks for and how many tasks a leased worker holds),
 //! `tpuray::core::refs` (the owner's reference counts under the borrowing protocol),
+//! `tpuray::core::outbox` (a borrower's batches of changes to an owner),
 //! `tpuray::core::transfer` (which copy each pulling node copies from) and
 //! `tpuray::core::actor_order` (the order an actor releases and starts calls), with
 //! events reordered, replies and changes duplicated and lost, workers and nodes dying and
 //! tasks blocking on one another at any step, and check the invariants after every step.
-//! Three regression cases replay the event sequences of bugs found before by flaky
-//! multi-process tests, against the old logic (which breaks) and the production one:
-//! the lease that waited for ever for a handed-back task (da44a84), the blocked-thread
-//! deadlock (a0b60fe) and async actor calls starting out of order (d6562ad).
+//! Four regression cases replay the event sequences of bugs, against the old logic
+//! (which breaks) and the production one: three found before by flaky multi-process
+//! tests, the lease that waited for ever for a handed-back task (da44a84), the
+//! blocked-thread deadlock (a0b60fe) and async actor calls starting out of order
+//! (d6562ad), and one found reading the code, borrower changes dropped when their call
+//! went unanswered (`tpuray::core::outbox`).
 //!
 //! Run: `cargo test -p tpuray --test sim -- --nocapture` prints
 //! `sim: <N> schedules, <F> failures`; a failing schedule prints its seed, and
@@ -30,7 +33,8 @@
 //!   its way (no deadlock, even when a running task blocks on a task queued behind it),
 //!   and every lease is returned once the queue drains (no lease leaked);
 //! - CORE-2: no object is freed while any process (owner or borrower) holds a ref, and
-//!   nothing is left in the owner's table once every ref is dropped;
+//!   nothing is left in the owner's table once every ref is dropped, with borrowers'
+//!   batches of changes (`tpuray::core::outbox`) lost or applied twice and resent;
 //! - CORE-4: an actor's calls start in each caller's sequence order, within the
 //!   group's concurrency limit, and every one starts and ends;
 //! - OBJ-8: at most `MAX_PULLS_PER_SOURCE` pulls from one copy at once, one pull per
@@ -44,6 +48,7 @@ use std::time::Instant;
 use tpuray_proto::pb;
 
 use tpuray::core::actor_order::{CallerQueue, Places};
+use tpuray::core::outbox::{AfterFailure, Failure, MAX_RESENDS, Outbox};
 use tpuray::core::pipeline::{self, MAX_LEASES_PER_CLASS};
 use tpuray::core::refs::{OwnerTable, Settled};
 use tpuray::core::retry::{self, Attempt, Decision, MAX_UNDELIVERED_RESENDS, Outcome, Work};
@@ -634,15 +639,21 @@ struct Change {
 }
 
 /// A process that borrows the owner's objects: its counted refs to each, whether the
-/// owner counts it as a borrower of each (registered), and its queue of changes to the
-/// owner (one ordered queue per owner, as `BorrowQueue`).
+/// owner counts it as a borrower of each (registered), and its changes to the owner in
+/// the production [`Outbox`] (one per owner, as `BorrowQueue` keeps it).
 #[derive(Default)]
 struct Borrower {
     refs: Vec<usize>,
     /// Of those, the refs it kept after a task (the rest are held by running tasks).
     kept: Vec<usize>,
     registered: Vec<bool>,
-    queue: VecDeque<Change>,
+    outbox: Outbox<Change>,
+    /// The sequence number of the last change queued for each object.
+    last_seq: Vec<u64>,
+    /// The batch on the wire (sent, not yet answered or lost).
+    wire: Option<Vec<Change>>,
+    /// Calls in a row that carried the batch out and went unanswered.
+    unanswered: u32,
 }
 
 impl Borrower {
@@ -651,7 +662,7 @@ impl Borrower {
         self.refs[o] += 1;
         if self.refs[o] == 1 && !self.registered[o] {
             self.registered[o] = true;
-            self.queue.push_back(Change { object: o, add: true });
+            self.last_seq[o] = self.outbox.push(Change { object: o, add: true }).0;
         }
     }
 
@@ -660,14 +671,14 @@ impl Borrower {
         self.refs[o] -= 1;
         if self.refs[o] == 0 && self.registered[o] {
             self.registered[o] = false;
-            self.queue.push_back(Change { object: o, add: false });
+            self.last_seq[o] = self.outbox.push(Change { object: o, add: false }).0;
         }
     }
 
     /// Whether the owner has applied every change this process queued for `o`: an
     /// executor waits for that before it replies (`confirm_borrows`).
     fn confirmed(&self, o: usize) -> bool {
-        !self.queue.iter().any(|c| c.object == o)
+        self.outbox.done() >= self.last_seq[o]
     }
 }
 
@@ -685,8 +696,11 @@ struct Carry {
 /// One schedule of the borrowing protocol against the owner's `OwnerTable`: the owner
 /// makes objects (some pending until their task ends), clones and drops refs, passes
 /// refs into tasks on borrowers, borrowers pass them on to each other and keep or drop
-/// them, and each borrower's changes reach the owner in order but interleaved with the
-/// others' at random (a change delivered twice in a row, as a resent batch, included).
+/// them, and each borrower's changes go out in batches from its [`Outbox`] and reach the
+/// owner in order but interleaved with the others' at random. While the storm lasts a
+/// call carrying a batch may go unanswered, lost on its way or applied with its answer
+/// lost (so the resent batch is applied twice), up to the outbox's resend budget in a
+/// row: an owner that lives answers within it (a batch given up is a failure here).
 /// After every step: an object is freed only when no process holds a ref to it (the
 /// owner's refs and pins and every borrower's, the ground truth kept here); at the end,
 /// with every ref dropped, nothing is left in the table (no leak).
@@ -694,6 +708,20 @@ struct Carry {
 /// Not modelled: a borrower that dies without releasing (the owner does not drop a dead
 /// borrower's registrations yet; ARCHITECTURE.md lists it under CORE-2's "not yet").
 fn ownership_schedule(seed: u64, trace: bool) -> SimResult {
+    borrowing_schedule(seed, Unanswered::Resent, trace)
+}
+
+/// What a borrower's sender does with a batch whose call went unanswered.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Unanswered {
+    /// Production: the outbox sends it again ([`Outbox::failed`]).
+    Resent,
+    /// Before the outbox: the batch counted as done and was dropped.
+    Dropped,
+}
+
+/// [`ownership_schedule`] with the given handling of unanswered batches.
+fn borrowing_schedule(seed: u64, unanswered_batch: Unanswered, trace: bool) -> SimResult {
     let mut rng = Rng(seed);
     let nb = 1 + rng.below(3) as usize;
     let max_objects = 1 + rng.below(6) as usize;
@@ -744,8 +772,11 @@ fn ownership_schedule(seed: u64, trace: bool) -> SimResult {
             }
         }
         for (b, br) in borrowers.iter().enumerate() {
-            if !br.queue.is_empty() {
-                ev.push((6, b, 0)); // deliver the borrower's next change
+            if br.wire.is_none() && br.outbox.sending() {
+                ev.push((6, b, 0)); // the borrower's sender sends its next batch
+            }
+            if br.wire.is_some() {
+                ev.push((11, b, 0)); // the call carrying it ends
             }
         }
         for (i, c) in carries.iter().enumerate() {
@@ -763,7 +794,7 @@ fn ownership_schedule(seed: u64, trace: bool) -> SimResult {
             eprintln!("step {step}: event {kind} ({a}, {b})");
         }
         let id = |o: usize| o.to_string();
-        let mut free_now: Option<(usize, Option<SimObj>)> = None;
+        let mut free_now: Vec<(usize, Option<SimObj>)> = Vec::new();
         match kind {
             0 => {
                 let o = owner_refs.len();
@@ -775,6 +806,7 @@ fn ownership_schedule(seed: u64, trace: bool) -> SimResult {
                     br.refs.push(0);
                     br.kept.push(0);
                     br.registered.push(false);
+                    br.last_seq.push(0);
                 }
             }
             1 => {
@@ -785,9 +817,9 @@ fn ownership_schedule(seed: u64, trace: bool) -> SimResult {
             }
             2 => {
                 owner_refs[a] -= 1;
-                free_now = Some((a, table.release_local(&id(a))));
+                free_now.push((a, table.release_local(&id(a))));
             }
-            3 => free_now = Some((a, table.settle(&id(a), |v| v.settled = true))),
+            3 => free_now.push((a, table.settle(&id(a), |v| v.settled = true))),
             5 => {
                 // The owner pins the argument while the task is in flight.
                 owner_refs[a] += 1;
@@ -796,12 +828,33 @@ fn ownership_schedule(seed: u64, trace: bool) -> SimResult {
                 carries.push(Carry { object: a, from: None, to: b, arrived: false });
             }
             6 => {
-                let c = borrowers[a].queue.pop_front().expect("a queued change");
-                if stormy && c.add && rng.chance(10) {
-                    borrowers[a].queue.push_front(c); // a resent batch: delivered twice
+                let max = 1 + rng.below(3) as usize;
+                borrowers[a].wire = borrowers[a].outbox.next(max);
+            }
+            11 => {
+                let br = &mut borrowers[a];
+                let batch = br.wire.take().expect("a batch on the wire");
+                let unanswered = stormy && br.unanswered < MAX_RESENDS && rng.chance(20);
+                if !unanswered || rng.chance(50) {
+                    for c in batch {
+                        let (_, f) = table.update_borrower(&id(c.object), &format!("b{a}"), c.add);
+                        free_now.push((c.object, f));
+                    }
                 }
-                let (_, f) = table.update_borrower(&id(c.object), &format!("b{a}"), c.add);
-                free_now = Some((c.object, f));
+                if unanswered && unanswered_batch == Unanswered::Dropped {
+                    br.outbox.answered();
+                } else if unanswered {
+                    br.unanswered += 1;
+                    if let AfterFailure::GaveUp(_) = br.outbox.failed(Failure::NoAnswer) {
+                        return Err(format!(
+                            "ownership: step {step}: b{a} gave up a batch after {} calls without an answer",
+                            br.unanswered
+                        ));
+                    }
+                } else {
+                    br.unanswered = 0;
+                    br.outbox.answered();
+                }
             }
             7 => {
                 carries[a].arrived = true;
@@ -831,13 +884,16 @@ fn ownership_schedule(seed: u64, trace: bool) -> SimResult {
                     None => {
                         owner_refs[c.object] -= 1;
                         owner_pins[c.object] -= 1;
-                        free_now = Some((c.object, table.release_local(&id(c.object))));
+                        free_now.push((c.object, table.release_local(&id(c.object))));
                     }
                     Some(from) => borrowers[from].drop_ref(c.object),
                 }
             }
         }
-        if let Some((o, Some(_))) = free_now {
+        for (o, f) in free_now {
+            if f.is_none() {
+                continue;
+            }
             freed[o] = true;
             let holders: Vec<usize> = (0..nb).filter(|&b| borrowers[b].refs[o] > 0).collect();
             if owner_refs[o] > 0 || !holders.is_empty() {
@@ -855,6 +911,20 @@ fn ownership_schedule(seed: u64, trace: bool) -> SimResult {
         return Err(format!("ownership: leaked after every ref dropped: {left:?}"));
     }
     Ok(())
+}
+
+/// CORE-2 regression: `BorrowQueue::send_all` dropped a batch whose `UpdateBorrowers`
+/// call failed (a timeout, a lost connection) and counted it done, so a registration
+/// the owner never applied let it free an object a borrower still used (and a lost
+/// release leaked one). Replayed against the old sender (some seed frees an object
+/// while held) and the production outbox, which resends the batch (none does).
+#[test]
+fn core2_a_borrower_batch_without_an_answer_is_sent_again() {
+    let broken = (0..5_000)
+        .map(|i| seed(17, i))
+        .find(|&s| borrowing_schedule(s, Unanswered::Dropped, false).is_err());
+    let s = broken.expect("dropping unanswered batches frees a held object in some schedule");
+    assert_eq!(borrowing_schedule(s, Unanswered::Resent, false), Ok(()), "seed {s}");
 }
 
 // ---- the order an actor starts its calls in (CORE-4) ----------------------------------

@@ -2,6 +2,7 @@
 //! own, the ordered queues of borrower changes sent to each owner, and the owner's side
 //! that applies them.
 
+use super::outbox::{self, Outbox};
 use super::*;
 
 /// An open borrow batch: its depth, and per owner queue the last registration queued in it.
@@ -90,60 +91,89 @@ pub(crate) async fn all_confirmed(waits: Vec<BorrowWait>) {
     }
 }
 
-/// Borrower changes this process sends one owner (CORE-2), in the order they were
-/// queued: one batch on the wire at a time (whatever queued while the previous batch
-/// was out), applied by the owner in order, so a release never overtakes the
-/// registration before it.
+/// Borrower changes this process sends one owner (CORE-2): the [`Outbox`] machine
+/// (order, one batch on the wire, resend or give up) under a lock, and a watch of how
+/// far the owner has answered for the threads waiting on a registration.
 pub(super) struct BorrowQueue {
-    pub(super) state: Mutex<BorrowQueueState>,
-    /// The sequence number of the last change the owner answered (or that failed).
+    pub(super) outbox: Mutex<Outbox<pb::BorrowerUpdate>>,
+    /// The sequence number of the last change the owner answered (or given up).
     pub(super) done: tokio::sync::watch::Sender<u64>,
-}
-
-#[derive(Default)]
-pub(super) struct BorrowQueueState {
-    pub(super) updates: VecDeque<pb::BorrowerUpdate>,
-    /// The sequence number of the last change queued.
-    pub(super) last: u64,
-    /// A task is sending this queue's batches.
-    pub(super) sending: bool,
 }
 
 /// Changes in one `UpdateBorrowers` call at most (about 3 MiB).
 pub(super) const MAX_BORROWER_UPDATES_PER_CALL: usize = 50_000;
 
+/// How long one `UpdateBorrowers` call may take before it counts as unanswered.
+const UPDATE_BORROWERS_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How an `UpdateBorrowers` call that got no answer ended, for [`Outbox::failed`]: a
+/// refused connection (the owner's process is gone) or the owner's own error status is
+/// [`outbox::Failure::Refused`]; a timeout, a connect that timed out or a connection
+/// lost under the call (NET-2's `UNKNOWN` "transport error") left the batch's fate
+/// unknown, [`outbox::Failure::NoAnswer`].
+fn failure_of(e: &tonic::Status) -> outbox::Failure {
+    use tonic::Code;
+    let refused_connect = e.code() == Code::Unavailable
+        && e.message().starts_with("tcp connect error")
+        && e.message().contains("refused");
+    match e.code() {
+        _ if refused_connect => outbox::Failure::Refused,
+        Code::Unavailable | Code::Unknown | Code::DeadlineExceeded | Code::Cancelled => {
+            outbox::Failure::NoAnswer
+        }
+        _ => outbox::Failure::Refused,
+    }
+}
+
 impl BorrowQueue {
-    /// Sends queued batches until the queue is empty.
+    /// Sends the outbox's batches until it is empty, each again after a call without an
+    /// answer, as [`Outbox::failed`] decides.
     pub(super) async fn send_all(
         &self,
         client: Result<pb::worker_service_client::WorkerServiceClient<AuthChannel>, Error>,
+        owner: String,
         me: String,
     ) {
         loop {
-            let (updates, last) = {
-                let mut st = self.state.lock().unwrap();
-                if st.updates.is_empty() {
-                    st.sending = false;
-                    return;
-                }
-                let n = st.updates.len().min(MAX_BORROWER_UPDATES_PER_CALL);
-                let batch: Vec<_> = st.updates.drain(..n).collect();
-                (batch, st.last - st.updates.len() as u64)
+            let Some(updates) = self.outbox.lock().unwrap().next(MAX_BORROWER_UPDATES_PER_CALL)
+            else {
+                return;
             };
-            if let Ok(c) = &client {
-                let mut c = c.clone();
-                let mut req = Request::new(pb::UpdateBorrowersRequest {
-                    borrower_address: me.clone(),
-                    updates,
-                });
-                req.set_timeout(Duration::from_secs(10));
-                let _ = c.update_borrowers(req).await;
+            let failure = match &client {
+                Ok(c) => {
+                    let mut c = c.clone();
+                    let mut req = Request::new(pb::UpdateBorrowersRequest {
+                        borrower_address: me.clone(),
+                        updates,
+                    });
+                    req.set_timeout(UPDATE_BORROWERS_TIMEOUT);
+                    match c.update_borrowers(req).await {
+                        Ok(_) => None,
+                        Err(e) => Some((failure_of(&e), e.message().to_string())),
+                    }
+                }
+                Err(e) => Some((outbox::Failure::Refused, e.to_string())),
+            };
+            let Some((how, why)) = failure else {
+                let done = self.outbox.lock().unwrap().answered();
+                self.done.send_replace(done);
+                continue;
+            };
+            let after = self.outbox.lock().unwrap().failed(how);
+            match after {
+                outbox::AfterFailure::Resend(pause) => {
+                    tracing::debug!(%owner, %why, ?pause, "UpdateBorrowers unanswered; resending");
+                    tokio::time::sleep(pause).await;
+                }
+                outbox::AfterFailure::GaveUp(done) => {
+                    tracing::warn!(%owner, %why, "borrower changes for this owner given up");
+                    self.done.send_replace(done);
+                }
             }
-            self.done.send_replace(last);
         }
     }
 
-    /// Returns once the change numbered `seq` was answered (or failed).
+    /// Returns once the change numbered `seq` was answered (or given up).
     pub(super) async fn confirmed(&self, seq: u64) {
         let mut rx = self.done.subscribe();
         let _ = rx.wait_for(|d| *d >= seq).await;
@@ -167,7 +197,7 @@ impl Core {
                 Some(q) => Arc::clone(q),
                 None => {
                     let q = Arc::new(BorrowQueue {
-                        state: Mutex::new(BorrowQueueState::default()),
+                        outbox: Mutex::new(Outbox::default()),
                         done: tokio::sync::watch::Sender::new(0),
                     });
                     qs.insert(owner.to_string(), Arc::clone(&q));
@@ -175,19 +205,13 @@ impl Core {
                 }
             }
         };
-        let (seq, start) = {
-            let mut st = q.state.lock().unwrap();
-            st.updates.push_back(pb::BorrowerUpdate { object_id: id, borrower, add });
-            st.last += 1;
-            let start = !st.sending;
-            st.sending = true;
-            (st.last, start)
-        };
+        let (seq, start) =
+            q.outbox.lock().unwrap().push(pb::BorrowerUpdate { object_id: id, borrower, add });
         if start {
             let client = self.worker_client(owner);
-            let me = self.address.clone();
+            let (owner, me) = (owner.to_string(), self.address.clone());
             let sender = Arc::clone(&q);
-            self.rt.spawn(async move { sender.send_all(client, me).await });
+            self.rt.spawn(async move { sender.send_all(client, owner, me).await });
         }
         (q, seq)
     }

@@ -81,6 +81,7 @@ mod generators;
 mod leasing;
 mod lineage;
 mod objects;
+pub mod outbox;
 mod ownership;
 pub mod pipeline;
 pub mod refs;
@@ -230,7 +231,7 @@ pub(crate) struct Core {
     events_sending: tokio::sync::Mutex<()>,
     clients: Mutex<Clients>,
     /// Objects this process borrows (owned elsewhere), by id. Lock order: `borrowed`,
-    /// then `borrow_queues` and a queue's state.
+    /// then `borrow_queues` and a queue's outbox.
     borrowed: Mutex<HashMap<String, Borrow>>,
     /// Threads of this worker blocked in get/wait (AGENT-11): the agent lends the lease's
     /// CPUs back while it is above zero. Changed only under `telling_agent`.

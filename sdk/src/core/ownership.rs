@@ -10,8 +10,9 @@
 //!   deserializes a ref it does not own registers as a borrower with the owner and
 //!   deregisters when its last copy drops; an executor waits for those registrations
 //!   before it replies. Borrower changes for one owner travel in that owner's queue
-//!   (`UpdateBorrowers` batches, one on the wire at a time, applied in order), so a
-//!   release never overtakes the registration before it; the refs of one deserialized
+//!   (`UpdateBorrowers` batches, one on the wire at a time, applied in order; a batch
+//!   whose call went unanswered is sent again, `outbox.rs`), so a release never
+//!   overtakes the registration before it and none is lost to a timeout; the refs of one deserialized
 //!   value (`codec::decode`, Python's `deserialize`) are queued together and waited for
 //!   once. Refs nested in a task's return value are handed over: before replying, the
 //!   executor registers the caller with each owner as borrower `<caller>#ret:<return
