@@ -10,6 +10,13 @@
 //!
 //! One `std::sync::Mutex` guards the state machine and soft state; it is held
 //! only for in-memory work, never across an `.await`.
+//!
+//! HEAD-6 in detail: every head applies every committed command in log order on its Raft
+//! thread, publishing state changes with the same sequence numbers, so a subscriber
+//! resumes on a new leader. A command whose outcome is unknown (leadership lost after
+//! proposing) is answered `UNAVAILABLE`: the client's retry with the same request id
+//! applies it at most once (HEAD-2, whose memory travels in snapshots). Creation (jobs,
+//! actors, named actors, groups) is thereby linearizable and idempotent across failovers.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
