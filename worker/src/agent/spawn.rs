@@ -11,6 +11,10 @@
 //! Python workers run in their runtime environment (AGENT-13): a task's or actor's own
 //! record (`runtime_env/<hash>` in the KV, already merged over the job's by the SDK as
 //! Ray merges them), else the job's, built on their node on first use.
+//!
+//! LOGS-2: worker log files carry Ray's names, `worker-<worker id>-<job
+//! id>-<pid>.{out,err}`; the agent opens them before the pid is known and renames them
+//! once it is.
 
 use std::process::Stdio;
 
