@@ -16,6 +16,10 @@
 //! Slice shapes come from the scheduler's TPU model ([`tpuray_scheduler::tpu`]); nothing
 //! about TPUs is decided here except GKE's names for the generations.
 //! Pure: nothing here touches the network; [`render`] returns the YAML text.
+//!
+//! Built with `k8s-openapi` (feature `v1_34` only) and printed with `serde_yaml_ng`;
+//! GKE's accelerator label values are its only TPU table. The rendered examples in
+//! `deploy/k8s/examples/` are checked by `tests/tests/k8s.rs`.
 
 use std::collections::BTreeMap;
 

@@ -7,6 +7,12 @@
 //! (the client of the head's Jobs REST API is [`job`], also used by the Python package).
 //! Hidden verbs `_head`, `_agent` and `_worker` are the long-running
 //! processes that `start` spawns; they are not for users.
+//!
+//! Modules: `procs.rs` starts and stops processes; `show.rs` prints `status` and `list`
+//! (tables or JSON lists; slices through `tpuray_head::slices`); `timeline.rs` writes
+//! `tpuray timeline` (also called by the Python extension for `tpuray.timeline()`);
+//! `k8s.rs` builds `tpuray k8s manifests`; `job/` is the Jobs REST API client;
+//! `autoscaler/` runs on a thread of the head.
 
 mod args;
 pub mod autoscaler;

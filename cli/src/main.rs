@@ -1,4 +1,9 @@
 //! The native `tpuray` binary: a thin shell over [`tpuray_cli::run`].
+//!
+//! ALLOC-1: this binary and the Python extension (`python-sdk/src/lib.rs`) allocate
+//! through mimalloc (`#[global_allocator]`); with glibc's malloc, allocating and freeing
+//! task specs, events and replies across runtime threads was a fifth of a driver's CPU.
+//! Rust drivers and workers built by users keep the allocator their binary chooses.
 
 /// ALLOC-1: mimalloc instead of glibc's malloc for every process this binary runs (head, node
 /// agents, workers, drivers of `tpuray microbenchmark`): task submission allocates and

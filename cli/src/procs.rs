@@ -2,6 +2,25 @@
 //! agent processes detached (or keeps them in the foreground with `--block`),
 //! waits until each is ready, and records them in the machine-wide registry
 //! so `stop` finds them (REG-1).
+//!
+//! `tpuray start` returns once each process it spawned wrote its ready file (the head:
+//! listening; an agent: registered with the head). A replicated head is three `tpuray
+//! start --head --head-peers h1:p1,h2:p2,h3:p3 --head-id N`; nothing serves before a
+//! majority is up, so each returns once its own head listens and its node agent joins in
+//! the background (recorded in the registry at once, with its address once it joined; it
+//! keeps trying for 10 minutes), and the three may be started one after another.
+//! `--head-only` starts a head without a node agent (a head machine that runs no work, or
+//! a head restarted from its `--head-data-dir`). Logs go to
+//! `<temp-dir>/session_<ms>_<pid>/logs/{head,agent}.{out,err}`.
+//!
+//! REG-2: the registry entry of a head node's agent names its head (`head_of`: the head's
+//! address, or `<peers>#<id>`); starting a head with an agent while that head's agent
+//! still runs is refused, naming it.
+//!
+//! `tpuray stop` signals workers and agents first, then heads, and returns only when all
+//! have exited (SIGKILL after a grace period). `run_head` starts the autoscaler (when
+//! `--autoscaling-config` is given) once the head listens, and stops it, with everything
+//! it started, before the head stops.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -1,5 +1,11 @@
 //! Actors at the head: the placement loop (groups first, then actors), starting and
 //! killing actor workers on agents, and the actor calls of `HeadService`.
+//!
+//! The placement loop runs the scheduler over the live nodes' heartbeat views (a
+//! `ClusterView`, SCHED-17: O(log nodes) per actor instead of a scan of every node), then
+//! calls `StartActorWorker` on the chosen agent. A heartbeat wakes the loop only when
+//! something waits and the node's resources changed, and `CreateActor` wakes it instead
+//! of running a pass itself, so a burst of creations is placed in a few passes.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -30,6 +30,12 @@
 //!
 //! Async: every handler runs on the head's tokio runtime and only awaits gRPC calls; none
 //! blocks a thread.
+//!
+//! Numbers and choices: the script swaps `<main>` every 5 s; per-node calls have a 2 s
+//! deadline; reads of tasks take the newest 20,000 (the pages say so when they hit it).
+//! `/serve` draws the serve controller's status document in the KV. Chosen (DASH-3): a
+//! redirect to the form rather than a 401 page, since browsers log every 4xx page as a
+//! console error.
 
 mod render;
 

@@ -15,6 +15,16 @@
 //!   (`ray/_private/authentication/http_token_authentication.py`).
 //! - HTTP-3: a request the API cannot serve gets a status and a text body that names
 //!   what was wrong (Ray's client shows the body); no request stops the head.
+//!
+//! The port is `--dashboard-port` (default 8265; a free port with a warning when the
+//! default is taken, an error when a given one is) on `--dashboard-host` (default: where
+//! the gRPC server binds, NET-3). The Jobs API routes include `/api/version` (answering
+//! `ray_version` 2.60.0; `/api/ray/version` answers the same for Ray's Serve client),
+//! `/api/packages/gcs/<name>`, `/api/jobs/...` and the WebSocket log tail. HTTP-2 covers
+//! Serve's REST API (`serve_api.rs`, SERVE-API-1..3) too. HTTP-3 examples: unknown fields
+//! of Ray's `JobSubmitRequest`, runtime-environment fields tpuray does not honour,
+//! packages never uploaded; Ray's client's `_ray_commit` key is the one field dropped
+//! without effect. Packages live in the KV in 8 MiB chunks (`tpuray_proto::packages`).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -2,6 +2,19 @@
 //! heartbeat changes (HEAD-13's view, reconciliation due), and which nodes are dead
 //! (HEAD-4). Pure: the caller passes the time and carries out what is decided
 //! (`nodes.rs` commits deaths, starts reconciliations, touches the view).
+//!
+//! HEAD-4: a node without heartbeats for the death timeout is dead, even with its TCP
+//! connection open (a frozen process).
+//!
+//! HEAD-8 in detail: a head that starts serving gives every live node a fresh death clock
+//! (plus 5 s for a node it has not heard from yet, whose heartbeat may still hang on the
+//! old leader), places work only on nodes that reported to it, and reconciles: on each
+//! node's first heartbeat (and every 30 s) it lists the agent's workers, so an actor
+//! recorded alive whose worker is gone restarts (per `max_restarts`) and a worker hosting
+//! an actor no record places there is stopped; and bundles a node's heartbeat shows that
+//! no record holds (a reservation whose outcome was lost, a removal whose release was)
+//! are given back. After every head restarts, surviving actors keep their process and
+//! address.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};

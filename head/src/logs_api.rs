@@ -17,6 +17,14 @@
 //!   (default 1, Ray's `DEFAULT_KEEP_ALIVE_INTERVAL_SEC`) until the client goes away.
 //! - A task's output is the byte range its executor recorded (LOGS-3); an actor
 //!   task's only with `RAY_ENABLE_RECORD_ACTOR_TASK_LOGGING=1` on the worker, as Ray.
+//!
+//! `/api/v0/logs` lists a node's files grouped as Ray's `_categorize_log_files`. The head
+//! resolves an actor by its worker id and node (a dead one by its last node and pid), a
+//! task attempt by the byte range its executor recorded (without
+//! `RAY_ENABLE_RECORD_ACTOR_TASK_LOGGING` an actor task gets Ray's message), and reads
+//! the file in pieces. Ray's own `ray.util.state.get_log` works once given the URL, but
+//! Ray's client looks the URL up in its GCS, which tpuray does not serve, so `ray logs`
+//! itself cannot reach a tpuray cluster.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -17,6 +17,23 @@
 //! Scrapes run on a blocking thread; under the head's lock they read the task tally
 //! ([`TaskTally`], kept as task events arrive: one entry per job and task name) and the
 //! state machine's actors, groups and nodes, never the whole task table.
+//!
+//! METRICS-2 in detail: the memory is `SeenSeries`, at most 10,000 series per family
+//! (ray#50735), and every scrape has the same series (ray#63131). METRICS-3 in detail:
+//! the owner's states are PENDING_NODE_ASSIGNMENT (for SUBMITTED and RETRYING), FINISHED
+//! and FAILED, tallied per job and name as task events arrive, so a scrape never walks
+//! the 100,000-task table, and finished tasks the table forgets stay counted. Each head
+//! exports its own Raft term, commit and applied index and apply lag.
+//!
+//! Service discovery: every head writes `<session>/prom_metrics_service_discovery.json`
+//! (Ray's file and shape, `[{"labels": {"job": "ray"}, "targets": [...]}]`: live nodes'
+//! metrics addresses from the durable node table, every head's dashboard address from
+//! `GetHeadInfo`), atomically, when it changes (checked every 2 s). The autoscaler's
+//! launches and removals by node type (`tpuray_autoscaler_{launches,removals}_total
+//! {NodeType}`) come from its report in the KV.
+//!
+//! Deliberately absent: Ray's autoscaler metrics, GPU and TPU utilisation (libtpu's
+//! runtime metrics), the memory monitor's OOM kills.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};

@@ -7,6 +7,17 @@
 //!   flight gets its bundles returned when the reservation ends. A group whose bundles all
 //!   land on one node is prepared and committed there in one call (`commit` set): one
 //!   agent is all or nothing on its own.
+//!
+//! Groups are placed in the same loop as actors, before them (`place_group`,
+//! `replace_lost_bundles`, and `place_slice_group` for TPU slice groups, whose bundles
+//! are then pinned to their slice and worker id and whose worker-0 bundle also takes the
+//! slice's `TPU-<type>-head`). The groups waiting for placement are indexed beside the
+//! state machine (`pg_waiting`, kept by applied changes and rebuilt from a snapshot), so
+//! a pass does not scan every group ever made, and a pass with nothing waiting builds no
+//! node views. A node's death sends its bundles back to placement (RESCHEDULING); removal
+//! (or the end of a non-detached group's job) marks the group's actors dead and returns
+//! every bundle, which stops what ran inside. `tpuray status` lists waiting groups as
+//! pending or infeasible demand by bundle shape, with the reason.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -7,6 +7,20 @@
 //! callback; peer sends run as tokio tasks, one per peer, on the head's runtime.
 //!
 //! [`StateMachine`]: crate::state::StateMachine
+//!
+//! Commands are log entries (a version byte, then postcard); snapshots are the serialized
+//! `StateMachine` (HEAD-2's dedup memory included); Raft messages travel as bytes over
+//! `HeadPeerService` on the head's own port. One head is a group of one voter on the same
+//! code path (it elects itself at once). Membership is fixed by `--head-peers` (no conf
+//! changes).
+//!
+//! HEAD-7 in detail: the serving leader is a leader that applied every entry before its
+//! own term. Reads stay local to it, so a partitioned old leader serves stale reads until
+//! check-quorum makes it step down (one election timeout).
+//!
+//! The log is durable before the head answers (RAFT-2). It lives in `--head-data-dir`
+//! (default `<session>/head-data-<id>`); a restarted head recovers from it and catches up
+//! from its peers.
 
 use std::collections::HashMap;
 use std::convert::Infallible;

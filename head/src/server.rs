@@ -10,6 +10,22 @@
 //!
 //! One `std::sync::Mutex` guards the state machine and soft state; it is held
 //! only for in-memory work, never across an `.await`.
+//!
+//! HEAD-6 in detail: every head applies every committed command in log order on its Raft
+//! thread, publishing state changes with the same sequence numbers, so a subscriber
+//! resumes on a new leader. A command whose outcome is unknown (leadership lost after
+//! proposing) is answered `UNAVAILABLE`: the client's retry with the same request id
+//! applies it at most once (HEAD-2, whose memory travels in snapshots). Creation (jobs,
+//! actors, named actors, groups) is thereby linearizable and idempotent across failovers.
+//!
+//! Defaults (`HeadConfig`, read from the environment by `cli/src/procs.rs`): heartbeats
+//! every 1 s and a death timeout of 5 s (10 s before issue 21: with CORE-10 the death
+//! notice is what recovery waits for), changed by `TPURAY_HEARTBEAT_INTERVAL_MS` and
+//! `TPURAY_NODE_DEATH_TIMEOUT_MS`; the head tells agents the interval at registration.
+//! Raft ticks every 50 ms (`TPURAY_RAFT_TICK_MS`): elections start after 10 to 20 ticks
+//! without a leader, leaders send heartbeats every 2; pre-vote and check-quorum are on. A
+//! snapshot is taken every 10,000 applied commands (`TPURAY_HEAD_SNAPSHOT_EVERY`),
+//! keeping a tenth as many entries behind it.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;

@@ -9,6 +9,11 @@
 //! SLICE-1: a host's chips add up: every chip index `0..chips` is in exactly one state, and
 //! the chips counted busy, reserved or used never exceed what the head's view says is taken
 //! (plus what worker processes hold), so a drawing never invents a chip or loses one.
+//!
+//! Hosts are in worker-id order. A chip's state, in this order of precedence: held by a
+//! worker process (the agents' `ListWorkers`: `tpu_chips` and the bundle resources naming
+//! its group) at its index; then reserved by a bundle with no process yet; then counted
+//! used by the head; then free, in index order.
 
 use std::collections::{BTreeMap, HashMap};
 

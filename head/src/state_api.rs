@@ -12,6 +12,10 @@
 //! there were (`total`), how many the source kept (`num_after_truncation`: less than
 //! `total` when the head's bounded task table dropped some) and how many matched
 //! (`num_filtered`), with a warning when `limit` cut the matches.
+//!
+//! The filter is `row_matches`, which `tpuray list --filter` shares.
+//! `partial_failure_warning` names the node agents that did not answer (workers and
+//! objects are read from them).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -7,6 +7,14 @@
 //! (`ray/dashboard/modules/job/common.py`, `JobStatus`, `JobInfo.__post_init__`).
 //! The record never stays RUNNING with nothing behind it: the leader fails a job whose
 //! supervisor's node died or whose agent no longer lists it (`jobs.rs`, the sweep).
+//!
+//! HEAD-11 in detail: a refused `StartJobSupervisor` unassigns the job, and it is placed
+//! again. Statuses only move forward (PENDING → RUNNING → STOPPED | SUCCEEDED | FAILED),
+//! and a report from a node the job is not placed on is ignored. A job that ends finishes
+//! the driver jobs its entrypoint registered (`RegisterJob.submission_id`), so their
+//! actors and groups end with it. A job whose agent has not listed it in heartbeats for
+//! 10 s fails, and a stop asked while placed is sent to the agent again every 5 s until
+//! the job ends.
 
 use std::collections::BTreeMap;
 

@@ -13,6 +13,8 @@
 //! executor's RUNNING event to the owner's FINISHED/FAILED event (millisecond clocks; on
 //! different hosts a skew shorter than the span's start is cut to a zero duration). A task
 //! still running when the trace is taken ends at `now_ms` and says `"state": "RUNNING"`.
+//!
+//! The RUNNING event's time is `TaskSummary.started_ms`, kept by `report_task_events`.
 
 use std::collections::{BTreeMap, HashMap};
 

@@ -14,6 +14,16 @@
 //! costs the head a bounded number of entries a second instead of N per heartbeat; a
 //! fresh agent's view fills in over a few heartbeats at large N. Soft state of the
 //! leader, like the views themselves (HEAD-8). No I/O, no clocks.
+//!
+//! The numbers: the budget is 50,000 entries a second for the head, shared by the nodes'
+//! heartbeats, 8 to 10,000 per reply; an agent sends back the (epoch, version) of the
+//! last reply it applied and gets the entries changed since, oldest first, with the
+//! version of the last one sent. A new epoch starts per leadership term and per snapshot
+//! restore, and its log starts with every live node; the last 10,000 removals are kept.
+//! The price: during a join storm of N nodes a fresh agent's view fills in over N /
+//! (budget per reply) heartbeats (at 10,000 nodes, about 1,250 s to see every node,
+//! oldest changes first); spillback meanwhile chooses among the nodes it knows, and node
+//! affinity to a node it does not know yet reads the head (AGENT-12).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::Hash;

@@ -75,6 +75,12 @@
 //! All functions block on the filesystem; none needs a runtime. Locks are
 //! held only for bookkeeping and for copying an object being spilled or
 //! restored, never while waiting on another process.
+//!
+//! [`LocalStore::usage`] reports capacity, bytes in memory, being written, spilled and
+//! pinned, and the largest objects with their owners (for `tpuray memory`). OBJ-7's error
+//! names the requested bytes, the capacity and the bytes pinned, being written and
+//! unspillable. Deliberately absent: a store server (every process of the node works on
+//! the folder directly).
 
 mod ledger;
 mod pool;

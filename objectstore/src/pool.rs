@@ -36,6 +36,14 @@
 //! Pool files are named `<size>.<pid>.<n>`; the pool holds at most
 //! [`POOL_FILES`] files and [`pool_limit`] bytes. Every function here runs
 //! with the ledger lock held by the caller.
+//!
+//! The numbers: a sized writer takes the best fit among pool files of half to twice its
+//! size, and only for objects of at least 1 MiB; the pool is bounded by half the
+//! capacity, at most 8 GiB and 32 files; `tpuray memory` shows pool bytes as reusable.
+//! Cached mappings come from a second, unlocked handle: a mapping keeps its file
+//! description, and with it any `flock`, alive. The owner deletes its own node's copy of
+//! a freed object at once (other nodes' through their agents), so a put loop reuses the
+//! pages.
 
 use std::fs::File;
 use std::io;

@@ -6,6 +6,23 @@
 //! Store calls block on the filesystem (a `get` may restore a spilled object,
 //! megabytes of copying; `usage` scans both folders), so every one runs under
 //! `spawn_blocking`, never on the runtime threads that answer RPCs.
+//!
+//! `Pull` sends 4 MiB chunks through a four-chunk channel; `FreeObjects` deletes copies
+//! for their owner; `GetStoreUsage` answers `tpuray memory` and `tpuray list objects`,
+//! with the bytes this process served (`bytes_served`).
+//!
+//! OBJ-8 (kept by the owner, `sdk/src/core/transfer.rs`; this is the serving side): a
+//! node that needs an object pulls it from any node with a copy. The owner tracks the
+//! copies (a puller that finished reports its copy with `ReportObjectCopy`, and it
+//! becomes a source; a source a puller could not read is reported with the next
+//! `GetObject`, `lost_node_ids`, and dropped) and assigns each puller one source: the
+//! copy with the fewest pulls in flight (at most two per copy), then the one that served
+//! least, then the newest; while every copy is busy the puller's long poll waits, so a
+//! broadcast spreads as a tree instead of all hitting the origin. An assignment not
+//! reported within 120 s is forgotten. A process runs at most four pulls at once, each
+//! holding at most this server's four-chunk channel plus one chunk in flight. Copies the
+//! core worker pulls from another node are secondary; `put`s and task returns are primary
+//! and record the owner's address.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};

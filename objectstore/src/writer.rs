@@ -2,6 +2,10 @@
 //! memory before each write (OBJ-3) and sealed by a hard link (OBJ-1). A
 //! writer that knows its size starts from a recycled file when the pool has
 //! one (OBJ-9) and writes it through a populated mapping.
+//!
+//! OBJ-12: a write of 32 MiB or more into a mapping is split across up to four threads
+//! (no more than the process's CPUs): one thread does not saturate memory bandwidth
+//! (Ray's plasma client copies large buffers in parallel too).
 
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom, Write};

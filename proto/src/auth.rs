@@ -4,6 +4,9 @@
 //!
 //! The token lives in `~/.tpuray/auth_token` (mode 0600), as Ray 2.60 keeps
 //! `~/.ray/auth_token`, or comes from `TPURAY_AUTH_TOKEN`.
+//!
+//! `--auth-mode disabled` on the head opts the whole cluster out: agents and workers
+//! follow the head's mode, learnt at registration. Token auth stays on over TLS (TLS-4).
 
 use std::path::PathBuf;
 use std::sync::Arc;

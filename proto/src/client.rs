@@ -15,6 +15,11 @@
 //!   returned at once, as before replication.
 //!
 //! Every call needs a tokio runtime; building a client does not block.
+//!
+//! CLIENT-1 in numbers: a head is given up as silent after the 1 s + 2 s HTTP/2
+//! keepalive, and a call without a deadline retries for [`FAILOVER_BUDGET`] (30 s).
+//! Callers in `worker/` and `sdk/` pass the whole address list and change nothing else;
+//! agent, worker and object clients keep one plain channel (no retry layer).
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -32,6 +32,13 @@
 //! channel took Rust 1:1 actor calls sync from ~2,750 to ~3,800 per second and Python's
 //! from ~2,400 to ~2,850; the server took ~5-10 us of CPU per call off the worker's
 //! runtime threads.
+//!
+//! NET-2: the `WorkerService` (task pushes, actor calls, owner RPCs) runs on `h2`
+//! directly, client and server; a unary call leaves as HEADERS plus one DATA frame that
+//! ends the stream, in one write. A failed connect is never delivered, so an actor call
+//! is sent again. A request the client resets has its handler dropped; a server told to
+//! stop sends GOAWAY and answers the calls in flight. Head, agent and object-transfer
+//! traffic keeps tonic's channel and server.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -7,6 +7,14 @@
 //!
 //! Nothing here needs a runtime; the `/proc` readers do small blocking reads (call them
 //! off the threads that answer RPCs when the caller has such threads).
+//!
+//! The encoder is tikv's `prometheus` crate without protobuf. Names and labels are Ray's
+//! (`ray_tasks{State,Name,IsRetry,Source,JobId}`, `ray_actors`, `ray_resources`,
+//! `ray_object_store_memory`, `ray_node_*`, `ray_component_*`, `ray_placement_groups`,
+//! user metrics as `ray_<name>`), and `tpuray_*` for what Ray lacks (TPU slices, chips,
+//! gangs, Raft, workers by state); every series carries `SessionName` (`session_<cluster
+//! id>`, as `/api/version`), `Version` and `NodeAddress`. Nothing is kept as counters
+//! that could go stale.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;

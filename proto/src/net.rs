@@ -13,6 +13,19 @@
 //! kernel for a route.
 //!
 //! All functions are blocking system calls that return at once (no I/O).
+//!
+//! The environment variable `TPURAY_NODE_IP_ADDRESS` stands for `--node-ip-address`.
+//! Private clusters (`init()` with no cluster, the microbenchmarks, the demo, the tests)
+//! pass 127.0.0.1.
+//!
+//! A driver attaches to a node whose agent this host's process registry lists
+//! ([`crate::registry`], REG-1; the head node's first when several), never by comparing
+//! the head's address with the nodes', and listens on that node's address. A driver on a
+//! host without a node leases from the head node's agent and keeps its objects in a
+//! private store (`/dev/shm/tpuray-driver-<worker id>`, a quarter of available memory,
+//! removed at `shutdown` or swept once its process is gone) that it serves to other nodes
+//! with the agents' `ObjectTransferService` on its own address; its node id is
+//! `driver-<worker id>`. (Until issue 21, every address defaulted to 127.0.0.1.)
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 

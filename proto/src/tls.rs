@@ -27,6 +27,20 @@
 //!
 //! rustls with the ring provider only (no aws-lc-rs); TLS 1.3 and 1.2.
 //! [`incoming`] and [`accept`] need a tokio runtime; the rest does not block.
+//!
+//! Where each side lives. Servers: tonic's behind [`incoming`], the h2 worker server
+//! ([`crate::h2grpc`]), axum behind [`HttpsListener`]. Clients: tonic's `Endpoint` with
+//! `tls-ring`, the h2 channel, and the CLI's HTTP/WebSocket clients through
+//! [`ClientStream`]. `tpuray start --tls-*` hands the files to the head and agent as
+//! `TPURAY_TLS_*`, which workers inherit; drivers and the CLI read `TPURAY_TLS_*`.
+//! Handshakes run in a task per connection, so a slow one holds up no other.
+//!
+//! TLS-3 in detail: the head reports `tls` in `GetHeadInfo` and `RegisterNode` replies
+//! (checked at registration, as AUTH-1's mode), and a failed connection is diagnosed by
+//! [`diagnose`]: an HTTP/2-preface probe tells a TLS server from a plain one, and a
+//! handshake and first read surface the alert of a server that refused this process's
+//! certificate, which TLS 1.3 delivers after the client's handshake completed. TLS-4:
+//! servers log each refused handshake.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

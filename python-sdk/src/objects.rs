@@ -1,6 +1,12 @@
 //! Object references and values: `RefCore` (a ref as the core holds it), `get`, `put`,
 //! `wait`, `free`, the borrow batch around unpickling, and `ObjectBuffer` (a store object
 //! mapped read-only, read through the buffer protocol without a copy).
+//!
+//! PY-2: blocking calls release the GIL; `get`/`wait` wait in 100 ms slices and check for
+//! signals between them (Ctrl-C interrupts). A `get` waits for the driver's own objects
+//! by parking its thread, not with a runtime timer (which would wake the runtime thread
+//! once more per call). Store objects come back as `ObjectBuffer`s, so arrays are
+//! zero-copy views that pin the object while alive.
 
 use std::time::{Duration, Instant};
 

@@ -1,6 +1,14 @@
 //! The worker side: the `ForeignRuntime` that calls the Python runtime object for each
 //! task, actor constructor and method call, Python generators as streams, async actors'
 //! calls handed to their event loop without the GIL, and `run_worker`.
+//!
+//! A Python worker is `python -m tpuray._worker`: it installs the `ForeignRuntime` (PY-1)
+//! and runs the same `worker::run_worker` loop as a Rust worker. Async actors run
+//! coroutines on one event loop thread; an `async def` call is queued in the extension
+//! without the GIL (by the worker's RPC thread, or by an executor thread when an argument
+//! had to be fetched first), the loop is woken through a pipe (once per batch) and starts
+//! every queued call as a task, which answers when it ends (straight to the RPC's reply),
+//! so calls overlap.
 
 use std::collections::HashSet;
 use std::io::Write;

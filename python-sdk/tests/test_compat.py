@@ -3,7 +3,15 @@
 in ``compat/shim``, and must print exactly what it printed under Ray 2.60 when
 ``scripts/record-compat.sh`` recorded ``compat/NAME.expected``. Only stdout counts,
 cleaned alike on both sides (``compat/clean_output.py``); each script starts its own
-local cluster (``ray.init(num_cpus=...)``) with this test's HOME and registry."""
+local cluster (``ray.init(num_cpus=...)``) with this test's HOME and registry.
+
+The recording script makes its own venv from PyPI (``bench/.ray-venv``) when missing.
+The shim is a ``ray`` package first on ``PYTHONPATH`` whose meta-path finder maps
+``ray.*`` onto the same ``tpuray.*`` module objects; the cleaning drops cluster
+diagnostics and worker log lines. Scripts print only deterministic output (sorted where
+order is free, no ids, times or pids). The collective all-reduce across two real nodes
+is ``test_collective.py``.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,12 @@
 //! no sockets and no threads: the caller ticks it, feeds it messages and sends what
 //! [`Node::handle_ready`] returns, so the same code runs in the head's Raft thread
 //! ([`crate::driver`]) and in the simulated network of the tests.
+//!
+//! The one clock read: [`NodeStatus`] (and the head's `GetReplicaStatus`) reports the
+//! last snapshot's size, the time taking it took (serialising, writing, flushing) and how
+//! many were taken; a statistic, never a decision. The simulated-network harness in
+//! `tests/sim.rs` drives a `Node` directly: dropped, delayed, duplicated and reordered
+//! messages, partitions, crash-restarts.
 
 use std::collections::BTreeMap;
 

@@ -49,6 +49,12 @@
 //! - SCHED-19: work inside a placement-group bundle asks for the bundle's renamed resources
 //!   ([`bundles`]), so it runs only where the bundle is committed and never uses more than
 //!   the bundle reserved.
+//!
+//! Who uses it: node agents advertise TPU hosts from [`tpu`] (the `TPU_*` environment
+//! plus `--resources '{"TPU": N}'`, as on Ray) and hand out chip blocks and GPU ids with
+//! it; the head places actors and placement groups with [`ClusterView`] and
+//! [`placement`]; the SDK rewrites the resources of work inside a bundle with
+//! [`bundles`].
 
 pub mod bundles;
 pub mod cluster;

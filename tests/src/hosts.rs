@@ -28,6 +28,15 @@
 //! then the holders, then the bridge holder, and removes the work dir (after
 //! printing the tail of every `*.out`/`*.err`/`*.log` under each host's `/tmp`
 //! when the thread is panicking).
+//!
+//! `latency` needs `tc netem`, which this machine's kernel lacks (`CONFIG_NET_SCH_NETEM`
+//! is not set), so it refuses saying so. Suites on these hosts: `tests/hosts.rs` (the
+//! harness itself), `tests/multihost.rs` (a Rust job on a worker host, nodes at their
+//! hosts' addresses), `tests/stale_stores.rs` (OBJ-13), `tests/addresses.rs` (NET-3), and
+//! pytest's `test_multihost.py` (drivers on every kind of host, objects in every
+//! direction, tokens, partition, heal, crash, freeze, a partitioned leader head) and
+//! `test_multihost_gang.py` (a v6e-16 gang over four hosts with gloo), through
+//! `src/bin/tpuray-hosts` and `python-sdk/tests/hosts.py`.
 
 use std::collections::HashSet;
 use std::io::Write;

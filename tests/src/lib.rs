@@ -6,6 +6,25 @@
 //! Every wait has a timeout ([`wait_until`], [`eventually`]); a [`Cluster`]
 //! stops and, if need be, SIGKILLs what it started when dropped, and prints
 //! the tail of every process log when the test is failing.
+//!
+//! The suites (`tests/tests/`), each running the real binary: `cluster.rs` (the control
+//! plane); `core.rs` (tasks, actors and failures); `recovery.rs` (lineage reconstruction
+//! after a node is killed, a lost put, a dead owner); `transfer.rs` (a 1 GiB broadcast to
+//! four nodes that pulls from copies, not only the origin); `placement.rs` (placement
+//! groups, TPU slice groups and chip blocks on simulated TPU hosts); these four through
+//! `src/bin/tpuray-test-driver.rs`, a Rust job whose scenarios the tests drive.
+//! `gang.rs`: slice gangs on two simulated v6e-16 slices and a v6e-8 host, every member
+//! variable checked against TPU.md, a host killed mid-run. `dashboard.rs`: the dashboard
+//! on three heads, a follower's pages showing the leader's data, before and after the
+//! leader dies. `ha.rs`: three head replicas, failover with retried request ids, catch-up
+//! from disk, a frozen leader, a partition through loopback proxies, every head restarted
+//! from disk. `chaos.rs`: the chaos suite, the workloads of
+//! `src/bin/tpuray-chaos-driver.rs` under a bounded fault schedule, one short schedule by
+//! default and long ones with `TPURAY_CHAOS=1`. `readme.rs`: the README's shell blocks
+//! and Rust snippets as written. `invariants.rs`: every tag ARCHITECTURE.md names is
+//! written at its code and its test. Each test has its own temp dir, `HOME` (so its own
+//! token), registry folder and free ports, uses short heartbeat timeouts, and prints the
+//! tail of every log when it fails.
 
 pub mod hosts;
 

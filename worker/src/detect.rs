@@ -4,6 +4,11 @@
 //! TPU detection follows TPU.md "Detecting chips on a host" and takes a root path so tests
 //! build a fake `/dev` + `/sys` tree; it fails closed: anything unreadable or foreign counts
 //! zero chips, with a reason saying why.
+//!
+//! TPU chips are counted from `/dev/accel*` or Google VFIO devices under a root path
+//! (`TPURAY_ACCELERATOR_ROOT`, default `/`); NVIDIA GPUs through `nvidia-smi` when
+//! `/dev/nvidia*` exists. Flags and `--resources '{"TPU": N}'` win over detection (a
+//! simulated TPU host, TPU.md).
 
 use std::fs;
 use std::io;

@@ -12,6 +12,12 @@
 //!   the start is refused and the head places the job again later) and given back once.
 //! - Every job known here (running, or ended with the end not yet reported) is listed
 //!   in heartbeats; the head fails a placed job its agent stops listing.
+//!
+//! AGENT-13 in detail: the job's runtime environment (`tpuray_proto::runtime_env`) is
+//! built by `runtime_env/` (one build per environment at a time; a failed or timed-out
+//! build is removed and fails the job with pip's output). The entrypoint gets the
+//! environment as `TPURAY_JOB_RUNTIME_ENV_JSON` (the Python driver makes it its job's
+//! environment). Each report goes out with its own request id until the head has it.
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -3,8 +3,8 @@
 //! processes, grants worker leases with spillback, starts actor workers for
 //! the head, and heartbeats to the head from a thread of its own.
 //!
-//! See `agent/mod.rs` for the invariants (AGENT-1..8) and `tpuray_proto::registry` for the
-//! machine-wide process registry (REG-1).
+//! See `agent/mod.rs` for the invariants (AGENT-1..8, and where the others are kept)
+//! and `tpuray_proto::registry` for the machine-wide process registry (REG-1).
 
 pub mod agent;
 pub mod binaries;

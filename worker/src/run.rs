@@ -1,5 +1,36 @@
 //! Starting a node agent: resources from flags and detection, joining the
 //! head (with retries), the heartbeat thread, serving, and shutdown.
+//!
+//! Resources come from `--num-cpus`, `--num-gpus`, `--resources` JSON (which may not
+//! carry `CPU`, `GPU`, `memory` or `object_store_memory`, as on Ray: those have their own
+//! flags), `--labels`, `--memory` and `--object-store-memory` in bytes. Joining the head
+//! is retried for ~30 s. The agent opens the node's object store with `open_with`
+//! (capacity `--object-store-memory`, default 30% of available memory, the same number it
+//! advertises as `object_store_memory`; spill folder `--spill-dir`, default
+//! `<session>/spill`), serves `ObjectTransferService` over it and removes the folder and
+//! its spill subfolder when it stops. It sweeps stale store folders at start (OBJ-13). It
+//! exits when the head declares its node dead, or after `TPURAY_HEAD_LOST_TIMEOUT_MS` (60
+//! s) without a successful heartbeat.
+//!
+//! AGENT-9 (here and `agent/spawn.rs`): a TPU host labels how its chips were found,
+//! `tpuray.io/tpu-devices` = `accel`, `vfio` or `simulated`.
+//!
+//! AGENT-16 (here, [`serve_agent`], and `agent/lifecycle.rs` `wait_drained`): SIGTERM
+//! drains the node. In order: the agent sets `draining` (leases are refused, heartbeats
+//! stop, `/readyz` on `--metrics-export-port` answers 503), calls the existing
+//! `UnregisterNode` (the head marks the node dead at once, so its owners' pushes fail
+//! with the node-death error and they retry the unfinished tasks elsewhere, as on a node
+//! death, and actors restart elsewhere), waits up to `--drain-grace-period` (default 25
+//! s) until no live worker reports a running task or actor call (the 0.5 s
+//! `ReportMetrics` reports; a leased worker counts as running for the first second), then
+//! stops its workers. A task that finishes on the draining node has already been retried
+//! elsewhere: its result there is dropped, so side effects happen at least once (as with
+//! any retry). `tpuray start --block` gives its agent the grace period plus 10 s before
+//! SIGKILL; `tpuray stop` stops workers first, so its agents drain at once.
+//!
+//! Pod start-up: `POD_IP` is the node address unless `--node-ip-address` is given;
+//! [`with_pod_worker_id`] fills `TPU_WORKER_ID` of a multi-host TPU host from
+//! `JOB_COMPLETION_INDEX`, else the ordinal ending `HOSTNAME`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -19,6 +19,13 @@
 //! heartbeats ran). The last line is
 //! `head_load: nodes N false_deaths D head_cpu_cores C head_rss_mib M harness_cpu_cores H`.
 //! Exits 1 when any node was falsely declared dead.
+//!
+//! Nodes may be TPU hosts of v6e-16 slices, with the resources and labels
+//! `worker/src/run.rs` gives a simulated host. It also measures the longest gap between
+//! one node's heartbeats, and times placement through the head's state-change stream.
+//! Heartbeat connections are shared by a few nodes only when both processes would
+//! otherwise pass the open-file limit (the head holds one connection per node agent).
+//! `tests/smoke.rs` runs 20 nodes for 5 s (no timing asserted).
 
 mod sim;
 

@@ -20,6 +20,13 @@
 //! - AUTOSCALE-6: CPU-only demand never launches a TPU slice while a node type without
 //!   TPUs could hold it (TPU.md's known failure: CPU work filling TPU hosts).
 //! - AUTOSCALE-7: each node type keeps at least `min_workers` instances.
+//!
+//! Details: an instance that did not come up within 10 minutes is removed whole too
+//! (AUTOSCALE-3), and a slice that was whole is replaced by a new slice at once. The
+//! `max_workers` count of AUTOSCALE-5 includes instances still starting; what does not
+//! fit is reported waiting. Under AUTOSCALE-6 a CPU-only `request_resources` is never
+//! fitted onto slice hosts either. A demand's `placement_group_id` (`ResourceDemand`)
+//! keeps a group's demand from being counted twice.
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -19,6 +19,16 @@
 //!
 //! The report goes to the KV ([`STATUS_KEY`]) only when it changes (each put is a
 //! replicated command).
+//!
+//! The provider acts outside any runtime (a provider may block on one of its own). The
+//! report is read by `tpuray status` and the head's `/metrics`. The `kube` client of the
+//! `k8s` provider sits behind the `kubernetes` cargo feature, off by default, and is
+//! untested against a live API server.
+//!
+//! Deliberately absent: autoscaling for replicated heads (`--head-peers` with
+//! `--autoscaling-config` is refused), Ray's `upscaling_speed`, `head_node_type`, docker
+//! and setup commands, cluster-wide `max_workers` (refused as unknown keys), label
+//! selectors of `request_resources` (refused by name).
 
 pub mod config;
 pub mod decide;

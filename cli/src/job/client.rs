@@ -14,6 +14,13 @@
 //! Auth: `Authorization: Bearer <cluster token>` on every request (`TPURAY_AUTH_TOKEN`,
 //! then Ray's `RAY_AUTH_TOKEN`, then `~/.tpuray/auth_token`), unless the caller's headers
 //! carry an `Authorization` header of their own (Ray's rule).
+//!
+//! HTTP is hyper (one HTTP/1.1 connection per call); the log tail is tokio-tungstenite.
+//!
+//! JOBC-2 ([`LogTail`]): a log tail delivers every byte once, in order, and ends only
+//! when the job is terminal; a stream that closes early or breaks is reopened and the
+//! bytes already delivered are skipped (five failed reconnects in a row end it with the
+//! error).
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -22,6 +22,10 @@
 //!   its bytes>.zip` (`.tar.gz`, `.tar.xz`), a wheel under its own file name.
 //!
 //! Everything here is synchronous file I/O.
+//!
+//! JOBC-1: a folder's package URI is Ray's content hash, so Ray's client and ours name
+//! the same folder alike, and its bytes are deterministic: the same tree packs to the
+//! same bytes.
 
 use std::io::{Cursor, Write};
 use std::os::unix::fs::PermissionsExt;

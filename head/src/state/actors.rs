@@ -1,5 +1,10 @@
 //! Actor commands (HEAD-3, ACTOR-1): created (one live actor per name), alive, exited
 //! (restarted while restarts remain, else dead).
+//!
+//! ACTOR-1: any exit not asked for with `kill` counts against `max_restarts`, exit code 0
+//! included; stale reports about an older worker are ignored. Non-detached actors die
+//! with their job. An actor that exits through `exit_actor()` is killed with `no_restart`
+//! and so is recorded dead (intended: no restart).
 
 use super::*;
 

@@ -1,5 +1,11 @@
 //! Placement group commands (HEAD-5, HEAD-9): created, placed bundle by bundle, removed
 //! (its actors die with it); removed groups kept only up to a bound.
+//!
+//! HEAD-9: the state keeps at most 1,000 removed placement groups; applying a removal
+//! beyond that forgets the oldest removed one (by creation time, then id, so every
+//! replica forgets the same), whose id then answers "no placement group". Before, each
+//! group ever made stayed in the state and in every snapshot, and a create/remove loop
+//! slowed down at each snapshot (40 ms per 100 groups at first, 120 ms after 16,000).
 
 use super::*;
 

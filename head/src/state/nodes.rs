@@ -1,5 +1,10 @@
 //! Node commands: a node joins (HEAD-10: one live host per slice and worker id), a node
 //! dies (its actors lose their process, its bundles go back to placement).
+//!
+//! HEAD-10: a node registering as host `TPU_WORKER_ID=w` of slice `s` (its
+//! `tpuray.io/tpu-slice-name` and `tpu-worker-id` labels) is refused while another live
+//! node holds (s, w), naming it: a duplicate would also bring a second `TPU-<type>-head`
+//! (TPU.md's known failures). A restarted host joins once its old node is declared dead.
 
 use super::*;
 

@@ -1,4 +1,12 @@
-"""``@tpuray.remote`` classes (Ray's ``ActorClass`` and ``ActorHandle``)."""
+"""``@tpuray.remote`` classes (Ray's ``ActorClass`` and ``ActorHandle``).
+
+``exit_actor()``: the runtime catches the exit (a ``SystemExit``, or
+``AsyncioActorExit`` in an async actor), runs ``atexit`` handlers, flushes output, then
+kills its own actor with ``no_restart`` through the head, which records it dead
+(intended, ACTOR-1: no restart) before its agent stops the process; the exiting call is
+never answered, so it and the calls queued behind it fail with ``RayActorError``.
+``handle.__ray_terminate__`` is the same exit, queued behind the caller's earlier calls.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,12 @@
 //! Calling a task's function or an actor's method: its arguments resolved (inline, or
 //! fetched, CORE-11), then run by this binary's registry or by the foreign runtime of
 //! its language, a panic caught as the task's failure.
+//!
+//! PY-1: the executor hands every task whose descriptor names `python` to the Python
+//! runtime (a `tpuray::foreign::ForeignRuntime` that `python -m tpuray._worker`
+//! installs), with arguments already resolved to bytes; results come back one value per
+//! return object. A Python worker runs the same `worker::run_worker` loop as a Rust
+//! worker.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;

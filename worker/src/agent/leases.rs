@@ -2,6 +2,12 @@
 //! others, then granted (reusing an idle worker of the same pool key, AGENT-3, or starting
 //! one within the start limit, AGENT-8), spilled, queued as pending demand or answered
 //! infeasible (AGENT-4); returned leases give their resources back once (AGENT-2).
+//!
+//! AGENT-12: a lease request with node affinity to a node missing from the agent's view
+//! of the cluster (it joined after the last heartbeat's view, HEAD-13) reads the live
+//! nodes from the head before deciding, so a soft affinity does not fall back to another
+//! node and a hard one is not refused while the node is there (a soft-affinity task
+//! landed on the head node in the multi-host benchmark).
 
 use std::collections::HashMap;
 use std::sync::Arc;

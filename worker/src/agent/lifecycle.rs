@@ -2,6 +2,10 @@
 //! (AGENT-2) and reports an actor's to the head; idle workers are reaped, orphaned leases
 //! reclaimed (AGENT-5); draining waits for running work (AGENT-16) and shutdown stops
 //! every worker.
+//!
+//! AGENT-16's drain, in order, is described in `run.rs`: refuse leases, `UnregisterNode`,
+//! wait up to `--drain-grace-period` for running work (`Agent::wait_drained`), stop the
+//! workers.
 
 use tonic::Request;
 use tpuray_proto::pb;

@@ -54,6 +54,15 @@
 //!   the resources back and stops every worker that used the group's
 //!   resources. A prepared bundle not committed within
 //!   [`PREPARED_BUNDLE_TTL`] is returned on its own (the head gave up).
+//!
+//! AGENT-6 in detail: returning a bundle SIGKILLs every worker that used it. Each bundle
+//! call answers the amounts of the resources it touched (`NodeResourcesNow.partial`),
+//! which the head puts into its view of the node at once; the whole sets come with
+//! heartbeats.
+//!
+//! AGENT-9..12 and AGENT-16 are stated in the module that keeps each: `spawn.rs`
+//! (AGENT-9), `resources.rs` (AGENT-10, AGENT-11), `leases.rs` (AGENT-12), `lifecycle.rs`
+//! and `run.rs` (AGENT-16); AGENT-13..15 in `jobs.rs` and `runtime_env/`.
 
 mod actors;
 mod error;

@@ -2,6 +2,17 @@
 //! entrypoints take and give back (AGENT-2), CPUs lent while a worker is blocked
 //! (AGENT-11), placement-group bundles (AGENT-6), TPU chips (AGENT-7) and GPUs
 //! (AGENT-10), stopping idle workers that hold the devices a request needs.
+//!
+//! AGENT-10: a worker needing GPUs gets `CUDA_VISIBLE_DEVICES` with its own ids
+//! (`tpuray_scheduler::gpu`: whole GPUs exclusive, lowest first; a fraction shares one
+//! GPU up to its size; GPU-2: more than one must be whole, refused at submission), holds
+//! them until it exits however it exits, and is reused only for work needing the same
+//! amount; idle holders are stopped when a request could not otherwise get its GPUs.
+//!
+//! AGENT-11: a leased worker blocked in `get`/`wait` lends its lease's CPUs back to the
+//! node until it runs again (`NotifyWorkerBlocked`, sent by the SDK when a wait does not
+//! complete at once; Ray does the same), so tasks that wait for other tasks cannot
+//! deadlock a full node.
 
 use tpuray_proto::pb;
 

@@ -2,6 +2,19 @@
 //! interpreter from the job's runtime record, AGENT-8), its environment (runtime env,
 //! AGENT-13/14/15; chips, AGENT-7; GPUs, AGENT-10), its log files (LOGS-2), waiting for it
 //! to register, and pre-starting idle workers.
+//!
+//! AGENT-9: a worker whose runtime environment names `TPU_VISIBLE_CHIPS` (a gang member
+//! planned for one chip) gets exactly that aligned block or a clear error, and the
+//! environment's `TPU_*` variables win over the independent-process defaults of AGENT-7
+//! (process bounds of a gang spread over a host's processes, the gang's ports).
+//!
+//! Python workers run in their runtime environment (AGENT-13): a task's or actor's own
+//! record (`runtime_env/<hash>` in the KV, already merged over the job's by the SDK as
+//! Ray merges them), else the job's, built on their node on first use.
+//!
+//! LOGS-2: worker log files carry Ray's names, `worker-<worker id>-<job
+//! id>-<pid>.{out,err}`; the agent opens them before the pid is known and renames them
+//! once it is.
 
 use std::process::Stdio;
 

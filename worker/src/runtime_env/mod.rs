@@ -35,6 +35,16 @@
 //! (AGENT-15: [`UriCache`], [`EnvUses`]), `package_files.rs` (`working_dir` and
 //! `py_modules` packages fetched and unpacked or installed) and `venv.rs` (pip and uv
 //! virtual environments).
+//!
+//! AGENT-13's packages are `gcs://` URIs in the KV's `packages` namespace. A uv venv uses
+//! Ray's default `uv_pip_install_options` (`--no-cache`).
+//!
+//! AGENT-14's consequences: `setup_timeout_seconds` defaults to 600 (`-1`: none). A
+//! failed setup answers a lease `SetupFailed` with the installer's output (never an RPC
+//! error, which owners retry): the owner fails the tasks waiting for that environment
+//! with `RUNTIME_ENV_SETUP_FAILED` (Python: `RuntimeEnvSetupError` at `get`), an actor
+//! dies with the message (its calls raise `RuntimeEnvSetupError`), a job ends `FAILED`
+//! with `RUNTIME_ENV_SETUP_FAILURE`. The agent itself carries on.
 
 mod cache;
 mod package_files;

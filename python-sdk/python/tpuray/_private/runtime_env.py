@@ -14,6 +14,9 @@ the task's fields replace the job's, ``env_vars`` merged per variable), stored a
 under its hash (namespace ``runtime_env``) and passed with the task; node agents build
 it (packages unpacked, a pip or uv venv, cached per node) and start the workers in it
 (AGENT-13..15). A failed build fails the task with ``RuntimeEnvSetupError``.
+
+The environment's hash is part of the worker pool key (AGENT-3), so workers of different
+environments are never shared.
 """
 
 from __future__ import annotations

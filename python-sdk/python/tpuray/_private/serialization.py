@@ -13,6 +13,9 @@ in pieces that the extension writes straight into the object store, and read bac
 each buffer a read-only view of the bytes it was given (for a store object, of the
 shared-memory mapping itself: no copy, Ray's behaviour). Values without such buffers are
 plain pickle bytes, as before.
+
+Buffers go out of band from 1 KiB up (``OUT_OF_BAND_MIN_BYTES``); the pieces are written
+with ``raw::put_parts``.
 """
 
 from __future__ import annotations

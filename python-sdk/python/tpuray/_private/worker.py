@@ -4,6 +4,16 @@ Everything that moves values (leases, ownership, borrowing, actor ordering, obje
 transfer) happens in the Rust core; this module pickles values, keeps the function
 table, turns errors into Ray's exception classes, and hosts the runtime that a Python
 worker process hands to the core.
+
+Functions and classes are pickled once into the head's KV (namespace ``fn``, keyed by
+content hash); workers load them by key.
+
+Worker output: a worker's ``sys.stdout``/``sys.stderr`` forwarder (``_Forwarder``) sends
+its lines to the job's driver (``ReportLogs``, batches of lines with the task or actor
+name, the pid and the node's address) at each flush, at a task's end and every 100 ms;
+the driver prints them as Ray's does (``sdk/src/logs.rs``, LOGS-1). Only Python-level
+writes travel: output a C extension or a child process writes to the descriptors
+directly, and a Rust worker's output, stay in the worker's log files (``tpuray logs``).
 """
 
 from __future__ import annotations

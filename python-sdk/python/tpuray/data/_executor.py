@@ -6,6 +6,32 @@ consumer, or being produced by a running task, estimated from the operator's out
 counts against ``DataContext.max_bytes_in_flight``; a task is launched only while the total
 stays under the bound (one task may always run, so the pipeline never stalls). The consumer
 drains the last operator first, so a slow consumer holds the upstream operators back.
+
+A dataset only records logical operators; consuming it builds ``PhysicalOp`` objects and
+runs :class:`StreamingExecutor` in the consuming process. Consecutive task operators
+fuse into one task per block (reads included; each returns the block and its
+``BlockMeta``, rows and bytes); a callable class in ``map_batches`` runs on an
+autoscaling actor pool, grown while blocks queue and every actor is busy, up to
+``concurrency``'s max, never so far that the tasks feeding it lose their last CPU;
+``random_shuffle``/``repartition`` are two-phase all-to-all operators (split tasks, then
+one merge task per output block).
+
+The loop: collect finished tasks and move their blocks downstream, yield to the
+consumer, launch (downstream operators first, so draining frees the bytes that hold
+upstream back; at most ``max_tasks_in_flight_per_op``, default twice the cluster's
+CPUs), wait 0.5 s at most on the running tasks' metadata. The executor handles refs and
+metadata only; the consumer fetches the blocks it iterates.
+
+DATA-1: the bytes of the blocks an execution holds (queued between operators, waiting
+for the consumer, the inputs of running tasks plus each running task's expected output,
+the operator's mean so far) stay under ``DataContext.max_bytes_in_flight`` (default a
+quarter of the cluster's object store, at least 64 MiB), except that one task may always
+run so the pipeline never stalls (``StreamingExecutor._schedule``; ``Dataset.stats()``
+reports the peak). A slow consumer therefore holds every upstream operator back.
+
+DATA-2: with ``preserve_order`` (the default) blocks reach the consumer in source order;
+blocks that finish early wait in the executor and count against DATA-1
+(``StreamingExecutor.run``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,14 @@
 """``DataIterator``s of ``Dataset.streaming_split``: one shared streaming execution, run by
 a coordinator actor, handing blocks to ``n`` consumers (e.g. the members of a trainer
-gang), each in its own process."""
+gang), each in its own process.
+
+A ``_SplitCoordinator`` actor (0 CPUs) runs the one execution and deals blocks to the
+``n`` ``DataIterator`` objects in turn (``equal=True``: the same rows each, extras
+dropped); an epoch starts when the first consumer asks, and a consumer asking for epoch
+``e + 1`` waits until every consumer finished ``e``. The iterators pickle into the
+trainer gang's tasks or actors. Absent: locality-aware dealing (``locality_hints`` is
+accepted, not used).
+"""
 
 from __future__ import annotations
 

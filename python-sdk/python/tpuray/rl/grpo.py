@@ -1,6 +1,12 @@
 """GRPO's group-relative advantage and clipped policy-gradient loss (Shao et al. 2024,
 "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
-section 4.1, https://arxiv.org/abs/2402.03300)."""
+section 4.1, https://arxiv.org/abs/2402.03300).
+
+``group_advantages``: score minus the group mean, over the group std plus eps; a group
+of one gets 0. ``grpo_loss``: the clipped surrogate, an optional k3 KL term to a
+reference, and ``num_tokens=`` so that data-parallel members' summed gradients equal the
+whole batch's mean loss. Pure torch/numpy, no cluster calls.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,14 @@ does not block the trainer publishing it) holds the refs of the newest ``keep`` 
 versions of each name; dropping an older version drops the store's refs, and the objects
 are freed once no sampler still holds them (reference counting, as in Ray: the store is a
 borrower of refs owned by the processes that put the shards).
+
+The actor takes 0 CPUs and holds only refs: ``versions[name][version]`` = one ref per
+shard. The publisher (``publish``, whole, or ``publish_shard``, one shard per trainer
+member) puts the shard into its own node's store and owns it. A version is visible to
+``fetch`` once all its shards are in; ``fetch(name, v, wait=s)`` blocks on a condition
+until ``v`` is complete (a sampler asking for the version the trainer is about to
+publish). Weights move between nodes by the object store's pulls, never through the
+store actor or the driver.
 """
 
 from __future__ import annotations

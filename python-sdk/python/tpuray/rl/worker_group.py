@@ -12,6 +12,12 @@ The check reads the node table and the placement group table, then reserves; ano
 driver reserving in between can still make the reservation wait (up to ``timeout``
 seconds, then ``PoolUnsatisfiableError``). Work that holds TPU chips or CPUs outside any
 placement group is not visible to the check.
+
+TPU form: a member death restarts the group, up to ``max_restarts``, and repeats the
+call. CPU form: the placement group is ``SPREAD``, and members get ``MASTER_ADDR``/
+``MASTER_PORT`` (a free port on member 0's node), ``NNODES``, ``NODE_RANK``,
+``WORLD_SIZE``, ``RANK``. ``call`` gathers one result per member; ``call_each`` gives
+each member its own arguments.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ head's KV (namespace ``serve``, key ``status``), printed by ``tpuray serve statu
 
 Sources: https://docs.ray.io/en/latest/serve/ (the API reference and the guides named
 in each module).
+
+Absent: gRPC, ``max_replicas_per_node``, runtime environments in serve configs (see the
+package README's deviations).
 """
 
 from __future__ import annotations

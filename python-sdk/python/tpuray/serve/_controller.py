@@ -27,6 +27,32 @@ SERVE-2: the controller checkpoints its applications, deployments and replica na
 the KV (key ``checkpoint``) whenever they change; it is restarted when its process dies
 (``max_restarts=-1``) and a new incarnation adopts the live RUNNING replicas and the
 proxy, so a controller crash does not interrupt serving.
+
+The controller takes 0 CPUs. A replica left unplaced for 30 s is reported with the
+resources it needs. SERVE-1 is checked by
+``test_a_dead_downstream_replica_never_gets_a_healthy_upstream_replaced``. SERVE-2 in
+detail: the checkpoint holds the pickled class and init arguments, config and target of
+each deployment; a restarted incarnation (``_restore``) adopts the live RUNNING replicas
+by name and the proxy, replaces the rest, and starts its version numbers at a random
+base so no router mistakes an old version for a new one (test
+``test_a_killed_controller_restarts_and_adopts_the_running_replicas``).
+
+In-place updates: a deployment whose pickled class and arguments are unchanged keeps its
+replicas when only ``user_config`` changes; the controller calls each replica's
+``reconfigure`` and reports the deployment UPDATING until every call returned (a failing
+one replaces that replica).
+
+Per-replica placement groups (``placement_group_bundles``/``_strategy``): the replica
+runs in bundle 0 and sees the group as its current one; bundles that name a slice's
+``TPU-<type>-head`` are reserved as a slice group (SCHED-15: the hosts of one intact
+slice or nothing), so each replica's gang is one slice and a further replica waits for
+another (test
+``test_a_replica_gets_a_whole_slice_as_a_gang_and_the_next_waits_for_another``). The
+group is removed with its replica.
+
+SERVE-API-1: the head's Serve REST API (``head/src/serve_api.rs``) stores a declaration
+in the KV (key ``declared``) that this controller polls and applies as ``tpuray serve
+deploy`` would.
 """
 
 from __future__ import annotations

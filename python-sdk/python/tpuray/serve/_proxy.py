@@ -16,6 +16,9 @@ deployment is gone), 411 for a chunked request body, 400 for a bad Content-Lengt
 ``GET /-/routes`` lists the routes, ``GET /-/healthz`` answers ``success``. A bad
 request never takes the proxy down: every handler catches all. The
 ``serve_multiplexed_model_id`` request header sets the request's model id (Ray's).
+
+One proxy per cluster (Ray runs one per node), on the controller's choice of node; its
+routes are long-polled from the controller.
 """
 
 from __future__ import annotations

@@ -26,6 +26,11 @@ Retries: a request whose replica died (``ActorDiedError`` or a crashed worker, n
 exception the user's code raised) is sent again to another replica, at most
 ``_MAX_ATTEMPTS`` times in all, then fails with ``ReplicaDiedError``; a stream is
 retried only before its first item. Replicas are thus at-least-once when one dies.
+
+Past ``max_queued_requests`` waiting requests a call fails with 503
+``BackPressureError``. A ``DeploymentResponse`` passed into another handle call travels
+as the underlying ref, so the core resolves it at the callee (no round trip through the
+caller). ``_MAX_ATTEMPTS`` is three.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ What the replica yields to the proxy (a streaming call): first
 then, while ``more``, ``("body", bytes, more)`` items.
 
 Needs ``starlette`` (``pip install 'tpuray[serve]'``, as Ray's ``ray[serve]``).
+
+SERVE-3: HTTP is ASGI from the proxy on, and a handler that raises is a 500, never a
+hang: the replica always ends the response.
 """
 
 from __future__ import annotations

@@ -1,7 +1,12 @@
 """``tpuray.util``: placement groups, scheduling strategies, metrics, TPU helpers,
 ``ActorPool`` and ``list_named_actors`` (Ray's ``ray.util`` layout). The libraries
 ``queue``, ``multiprocessing`` and ``collective`` are submodules imported on demand, as
-Ray's."""
+Ray's.
+
+``list_named_actors`` filters the head's ``ListActors`` (live named actors; names in the
+job's namespace, or ``{"name", "namespace"}`` dicts). Named actors without a namespace
+live in the job's (workers learn it from ``TPURAY_NAMESPACE``, set from the job record).
+"""
 
 from tpuray.util.actor_pool import ActorPool
 from tpuray.util.placement_group import (

@@ -1,4 +1,7 @@
-"""``ActorPool`` (Ray's ``ray.util.ActorPool``): spread calls over a fixed set of actors."""
+"""``ActorPool`` (Ray's ``ray.util.ActorPool``): spread calls over a fixed set of actors.
+
+As in Ray, an actor whose call died leaves the pool.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ The items live in one async actor (``_QueueActor``, an ``asyncio.Queue``); a
 tasks, actors and the driver share one queue. Every method of the actor is a
 coroutine, so all of them run on the actor's one event loop (``asyncio.Queue`` is
 not thread-safe) and a blocked ``get`` never holds up a ``put``.
+
+Ray's errors: the nowait forms raise a plain ``Empty``/``Full``; timeouts and batches a
+``RayTaskError`` that is also one.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ what tpuray does and refused naming the difference otherwise:
   arithmetic helpers take any value).
 - ``bundle_label_selector``, ``lifetime="detached"`` and subslices
   (``subslice_placement_group``) are refused by name.
+
+:func:`run_on_slice` passes only the keywords it does not know itself to the function.
 """
 
 from __future__ import annotations

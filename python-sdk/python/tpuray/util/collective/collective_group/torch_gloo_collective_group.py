@@ -15,6 +15,9 @@ numpy arrays are used through ``torch.from_numpy`` (results are written into the
 an array that is not writable (a value ``get`` returned from the object store is a
 read-only view of shared memory) is refused with ``ValueError``, since the backend
 would write into it.
+
+COLL-1: the members of a group meet through the cluster's KV as above, never at a fixed
+port.
 """
 
 from __future__ import annotations
