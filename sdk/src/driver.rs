@@ -4,6 +4,13 @@
 //! job, attaches to the node agent of this machine, and serves the owner side
 //! of `WorkerService`.
 //!
+//! In detail: `init` uploads the binary to the head's KV (namespace `binaries`,
+//! sha256-addressed chunks), registers the job with that hash, attaches to this
+//! machine's node agent (the head node's when several share the address) and serves
+//! `WorkerService` as the owner of the objects it creates. In a process started by a
+//! node agent (`TPURAY_WORKER_ID` set) `init` runs the worker loop and never returns:
+//! a Rust job's binary is its own worker.
+//!
 //! Blocking: these functions block the calling thread on the SDK's runtime.
 
 use std::collections::BTreeMap;

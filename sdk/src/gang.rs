@@ -18,6 +18,17 @@
 //! per 64-port block of [`PORT_RANGE`], value the claiming placement group's id) with
 //! add-if-absent writes; a block whose group is gone is taken over, so a driver that died
 //! without releasing leaks nothing for long.
+//!
+//! The reservation's slice group is named `gang:<name>:<gen>` (`tpuray status` draws it
+//! on the slice's hosts). `start_task_gang` returns one *promise* ref per member (an
+//! owned object the core settles later, `Core::promise/fulfil`) and supervises on a
+//! thread: when a member or its host dies (worker died, actor died, object lost) it
+//! cancels the rest, removes the reservation and starts the next generation; a member's
+//! own error ends the gang and settles the unfinished promises with it. `run_on_slice`
+//! (Rust, blocking) and `ActorGang` (one actor per member; `call_all` restarts the gang
+//! and repeats the call) sit on it; Python's `run_on_slice` uses `start_task_gang`
+//! through the binding, and `SliceActorGroup` supervises in Python over
+//! `gang_reserve`/`gang_release`.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

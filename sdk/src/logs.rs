@@ -478,7 +478,8 @@ pub fn flush() {
 /// descriptors' offsets before and after it (a Python worker flushes its streams
 /// when a task ends). Recorded for tasks, and for actor tasks when
 /// `RAY_ENABLE_RECORD_ACTOR_TASK_LOGGING` is true (Ray's default is off: calls of a
-/// concurrent actor interleave).
+/// concurrent actor interleave). The offsets go to the head as a task event without a
+/// state, and the head keeps them in the task's row.
 pub(crate) struct TaskLog {
     info: tpuray_proto::pb::TaskLogInfo,
 }

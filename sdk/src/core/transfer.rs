@@ -3,7 +3,9 @@
 //! [`MAX_PULLS_PER_SOURCE`] pulls from one copy at a time, so later pullers copy from
 //! earlier ones (a tree broadcast) instead of all from the first. Time is passed in;
 //! no locks or I/O: the owner's table keeps one [`Pulls`] per pulled object, and
-//! `sdk/tests/sim.rs` drives it with seeded pulls, completions and node deaths.
+//! `sdk/tests/sim.rs` drives it with seeded pulls, completions and node deaths. OBJ-8
+//! in full (copies reported, sources dropped, the 120 s expiry, the serving side's
+//! chunks) is in `objectstore/src/transfer.rs`'s doc.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

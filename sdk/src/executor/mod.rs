@@ -10,6 +10,20 @@
 //! loop), `invoke.rs` (calling the function: arguments resolved, Rust registry or
 //! foreign runtime), `replies.rs` (results stored and handed over, streamed items,
 //! failures) and `context.rs` (the task running on this thread, and cancellation).
+//!
+//! An actor's constructor runs from the creation task before the worker registers;
+//! when it fails the worker exits with code 3, and the head marks the actor dead
+//! instead of retrying. An async actor's `async def` calls whose arguments came inline
+//! skip the executor threads: the RPC's thread queues them on the foreign runtime's
+//! event loop in sequence order (`ForeignRuntime::start_async_method`), at most
+//! `max_concurrency` at once, and the loop's thread stores the result and answers.
+//! Concurrency groups (Ray's `concurrency_groups`, from the creation task): each group
+//! has its own queue and executor threads (its limit of them) and its own limit on the
+//! event loop; a call goes to the group it names, else its method's (`method_groups`),
+//! else the default group of `max_concurrency`; an unknown group fails the call naming
+//! it. `max_calls` (Ray's): after a task's function ran that many times here, the reply
+//! says `worker_exiting`, what is queued goes back unrun, and the owner returns the
+//! lease with the worker disconnected.
 
 mod actor_calls;
 mod context;
