@@ -35,3 +35,16 @@ fn main() {
     }));
     std::process::exit(tpuray_cli::run(std::env::args().collect()));
 }
+
+#[cfg(test)]
+mod tests {
+    /// ALLOC-1: what this binary allocates comes from mimalloc's heap (with glibc's
+    /// malloc the pointer lies outside every mimalloc region).
+    #[test]
+    fn alloc1_this_binary_allocates_through_mimalloc() {
+        let boxed = Box::new([7u8; 64]);
+        let p = std::ptr::from_ref(&*boxed).cast::<std::ffi::c_void>();
+        // SAFETY: mi_is_in_heap_region only compares the address with mimalloc's regions.
+        assert!(unsafe { libmimalloc_sys::mi_is_in_heap_region(p) }, "not mimalloc's memory");
+    }
+}

@@ -85,3 +85,20 @@ pub fn now_ms() -> u64 {
 pub fn new_request_id() -> String {
     uuid::Uuid::new_v4().to_string()
 }
+
+#[cfg(test)]
+mod tests {
+    /// NET-1: a connection accepted through [`super::incoming`] has `TCP_NODELAY` set
+    /// (without it, a reply written in two pieces waited for the peer's delayed ACK).
+    #[tokio::test]
+    async fn net1_connections_accepted_through_incoming_have_nodelay() {
+        use tokio_stream::StreamExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut accepted = super::incoming(listener);
+        let client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let server_side = accepted.next().await.expect("a connection").unwrap();
+        assert!(server_side.nodelay().unwrap(), "TCP_NODELAY is off on an accepted connection");
+        drop(client);
+    }
+}

@@ -19,16 +19,10 @@ const NO_TEST_YET: &[(&str, &str)] = &[
          starting at any moment, and a waiting lease takes an idle worker when one frees",
     ),
     (
-        "ALLOC-1",
-        "the tpuray binary and the Python extension run on mimalloc (a mimalloc call \
-         answers in-process)",
-    ),
-    (
         "HEAD-5",
         "one agent's PrepareBundles or commit fails partway through a group: the group is \
          not recorded placed, every bundle the attempt reserved is returned, it stays waiting",
     ),
-    ("NET-1", "a connection accepted through tpuray_proto::incoming has TCP_NODELAY set"),
 ];
 
 /// Words of the form of a tag that are not invariants (a hash's name).
