@@ -791,7 +791,20 @@ fn borrowing_schedule(seed: u64, unanswered_batch: Unanswered, trace: bool) -> S
         }
         let (kind, a, b) = ev[rng.below(ev.len() as u64) as usize];
         if trace {
-            eprintln!("step {step}: event {kind} ({a}, {b})");
+            let what = match kind {
+                0 => "the owner makes an object".to_string(),
+                1 => format!("the owner clones a ref to object {a}"),
+                2 => format!("the owner drops a ref to object {a}"),
+                3 => format!("object {a}'s task ends"),
+                5 => format!("the owner passes object {a} into a task on b{b}"),
+                6 => format!("b{a}'s sender sends its next batch"),
+                7 => format!("task {a} runs: its ref is deserialized"),
+                8 => format!("b{b} drops a ref to object {a} it kept"),
+                9 => format!("b{b} passes object {a} into a task on another borrower"),
+                10 => format!("task {a} replies"),
+                _ => format!("the call carrying b{a}'s batch ends"),
+            };
+            eprintln!("step {step}: {what}");
         }
         let id = |o: usize| o.to_string();
         let mut free_now: Vec<(usize, Option<SimObj>)> = Vec::new();
@@ -1235,6 +1248,7 @@ fn seeded_schedules_keep_every_invariant() {
     if let Some(s) = replay_seed() {
         for (name, run) in machines {
             schedules += 1;
+            let _ = writeln!(out, "== {name}, seed {s}");
             if let Err(e) = run(s, true) {
                 failures += 1;
                 let _ = writeln!(out, "sim: {name} seed {s} fails: {e}");

@@ -22,7 +22,10 @@
 //! `src/bin/tpuray-chaos-driver.rs` under a bounded fault schedule, one short schedule by
 //! default and long ones with `TPURAY_CHAOS=1`. `readme.rs`: the README's shell blocks
 //! and Rust snippets as written. `invariants.rs`: every tag ARCHITECTURE.md names is
-//! written at its code and its test. Each test has its own temp dir, `HOME` (so its own
+//! written at its code and its test. Also: `objects.rs` and `stale_stores.rs` (the object
+//! store under real processes), `tls.rs`, `addresses.rs`, `hosts.rs` and `multihost.rs`
+//! (nodes on simulated hosts with addresses of their own), `jobs.rs`, `autoscaler.rs` and
+//! `k8s.rs`; each suite's doc says what it covers. Each test has its own temp dir, `HOME` (so its own
 //! token), registry folder and free ports, uses short heartbeat timeouts, and prints the
 //! tail of every log when it fails.
 
