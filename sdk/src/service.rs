@@ -157,6 +157,9 @@ impl WorkerService for SvcRef {
         req: Request<pb::UpdateBorrowerRequest>,
     ) -> Result<Response<pb::UpdateBorrowerReply>, Status> {
         let req = req.into_inner();
+        if req.add {
+            self.0.core.watch_borrowers();
+        }
         let known =
             self.0.core.serve_update_borrower(&req.object_id, &req.borrower_address, req.add);
         Ok(Response::new(pb::UpdateBorrowerReply { known }))
@@ -167,6 +170,9 @@ impl WorkerService for SvcRef {
         req: Request<pb::UpdateBorrowersRequest>,
     ) -> Result<Response<pb::UpdateBorrowersReply>, Status> {
         let req = req.into_inner();
+        if req.updates.iter().any(|u| u.add) {
+            self.0.core.watch_borrowers();
+        }
         self.0.core.serve_update_borrowers(&req.borrower_address, &req.updates);
         Ok(Response::new(pb::UpdateBorrowersReply {}))
     }

@@ -705,8 +705,9 @@ struct Carry {
 /// owner's refs and pins and every borrower's, the ground truth kept here); at the end,
 /// with every ref dropped, nothing is left in the table (no leak).
 ///
-/// Not modelled: a borrower that dies without releasing (the owner does not drop a dead
-/// borrower's registrations yet; ARCHITECTURE.md lists it under CORE-2's "not yet").
+/// Not modelled: a borrower that dies without releasing (the owner's check drops its
+/// registrations, `OwnerTable::drop_process`, unit-tested in `refs.rs` and end to end in
+/// `tests/tests/core.rs`).
 fn ownership_schedule(seed: u64, trace: bool) -> SimResult {
     borrowing_schedule(seed, Unanswered::Resent, trace)
 }

@@ -374,6 +374,21 @@ fn objects_borrowed_by_an_actor_outlive_the_owners_refs() {
     assert_eq!(out.line("RESULT "), "RESULT kept=2 total=2001000", "{out}");
 }
 
+/// CORE-2: an object that only a killed actor's process borrowed is freed: the owner
+/// finds the borrowing process gone (its connection refused) and drops what it held.
+#[test]
+fn objects_borrowed_only_by_a_killed_actor_are_freed() {
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let out = start_driver(&c, "borrower-dies", &[]).finish(RUN);
+    out.assert_success();
+    assert_eq!(
+        out.line("RESULT "),
+        "RESULT kept=1 held_while_borrowed=true freed_after_kill=true",
+        "{out}"
+    );
+}
+
 /// AGENT-5: a driver killed while its task runs never returns its lease;
 /// the node agent notices the holder is gone and gets the CPU back.
 #[test]

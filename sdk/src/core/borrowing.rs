@@ -106,6 +106,13 @@ pub(super) const MAX_BORROWER_UPDATES_PER_CALL: usize = 50_000;
 /// How long one `UpdateBorrowers` call may take before it counts as unanswered.
 const UPDATE_BORROWERS_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How often an owner checks that the processes borrowing its objects still run (CORE-2).
+const BORROWER_CHECK_INTERVAL: Duration = Duration::from_secs(2);
+
+/// How long that check's call may take; a process that does not answer in time counts
+/// as alive (only a refused connection counts as gone).
+const BORROWER_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How an `UpdateBorrowers` call that got no answer ended, for [`Outbox::failed`]: a
 /// refused connection (the owner's process is gone) or the owner's own error status is
 /// [`outbox::Failure::Refused`]; a timeout, a connect that timed out or a connection
@@ -220,6 +227,61 @@ impl Core {
     /// for [`all_confirmed`].
     pub(crate) fn queue_borrower(&self, owner: &str, id: &str, borrower: &str) -> BorrowWait {
         BorrowWait(self.queue_borrow_update(owner, id.to_string(), borrower.to_string(), true))
+    }
+
+    /// CORE-2: starts (once per process) the owner's check of its borrowing processes:
+    /// every [`BORROWER_CHECK_INTERVAL`] each process that borrows an object here is
+    /// asked `GetWorkerInfo`, and one whose connection is refused (its process is gone:
+    /// killed, crashed, its node's agent stopped it) loses every registration it held,
+    /// as if it had released them, so what only it held is freed. A process that does
+    /// not answer (a partitioned or frozen node) keeps its registrations. Ray's owner
+    /// learns the same from its `WaitForRefRemoved` long poll failing
+    /// (`reference_count.cc`).
+    pub(crate) fn watch_borrowers(self: &Arc<Self>) {
+        if self.watching_borrowers.load(Ordering::Relaxed)
+            || self.watching_borrowers.swap(true, Ordering::SeqCst)
+        {
+            return;
+        }
+        let core = Arc::clone(self);
+        self.rt.spawn(async move {
+            loop {
+                tokio::time::sleep(BORROWER_CHECK_INTERVAL).await;
+                let processes = core.objects.lock().unwrap().borrowing_processes();
+                let mut checks = tokio::task::JoinSet::new();
+                for p in processes.into_iter().filter(|p| *p != core.address) {
+                    let client = core.worker_client(&p);
+                    checks.spawn(async move {
+                        let gone = match client {
+                            Ok(mut c) => {
+                                let mut req = Request::new(pb::GetWorkerInfoRequest {});
+                                req.set_timeout(BORROWER_CHECK_TIMEOUT);
+                                c.get_worker_info(req).await.err().is_some_and(|e| {
+                                    failure_of(&e) == outbox::Failure::Refused
+                                        && e.code() == tonic::Code::Unavailable
+                                })
+                            }
+                            Err(_) => false,
+                        };
+                        (p, gone)
+                    });
+                }
+                while let Some(Ok((p, gone))) = checks.join_next().await {
+                    if !gone {
+                        continue;
+                    }
+                    let freed = core.objects.lock().unwrap().drop_process(&p);
+                    tracing::info!(
+                        borrower = %p,
+                        freed = freed.len(),
+                        "a process borrowing objects here is gone; its borrows are dropped"
+                    );
+                    for (id, o) in freed {
+                        core.on_freed(&id, o);
+                    }
+                }
+            }
+        });
     }
 
     /// Owner side of `UpdateBorrower`; false when the object is gone.

@@ -251,6 +251,8 @@ pub(crate) struct Core {
     pub(crate) deaths: crate::node_watch::NodeDeaths,
     /// Whether [`Core::watch_nodes`] runs.
     watching_nodes: AtomicBool,
+    /// The check of borrowing processes runs (CORE-2, [`Core::watch_borrowers`]).
+    watching_borrowers: AtomicBool,
     /// Ends [`Core::watch_nodes`] (a driver's `shutdown`): its stream would hold the
     /// head's graceful stop until `tpuray stop` gives up (10 s for a local cluster).
     stop_watching: Notify,
@@ -365,6 +367,7 @@ impl Core {
             borrow_queues: Mutex::new(HashMap::new()),
             deaths: crate::node_watch::NodeDeaths::default(),
             watching_nodes: AtomicBool::new(false),
+            watching_borrowers: AtomicBool::new(false),
             stop_watching: Notify::new(),
         }
     }

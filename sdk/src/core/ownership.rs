@@ -20,8 +20,12 @@
 //!   return object lives, refs read out of it need no registration of their own (it
 //!   *covers* them, as Ray's contained-in borrows); when the last covering object goes
 //!   and refs remain, the process registers itself first, in the same queue, and only
-//!   then releases `#ret`. Not yet: generator items carrying refs, and borrowers that
-//!   die without deregistering (leaked).
+//!   then releases `#ret`. A borrowing process that dies without deregistering is found
+//!   by the owner's check (`Core::watch_borrowers`, every 2 s once anything is
+//!   borrowed: its connection refused) and loses every registration it held. Not yet:
+//!   generator items carrying refs, and borrowers on a node that stops answering
+//!   without refusing (a partition, a frozen host): theirs are kept, and leak if the
+//!   process never comes back.
 
 use super::*;
 

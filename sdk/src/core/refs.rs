@@ -48,12 +48,21 @@ impl<T> std::ops::DerefMut for Counted<T> {
 /// pointer each, not a whole entry (issue 34's 1,000,000 queued tasks).
 pub struct OwnerTable<T> {
     entries: HashMap<String, Box<Counted<T>>>,
+    /// Registrations held per borrowing process (its address: a borrower key up to its
+    /// `#`), so the processes to check are known without walking every entry.
+    by_process: HashMap<String, usize>,
 }
 
 impl<T> Default for OwnerTable<T> {
     fn default() -> Self {
-        Self { entries: HashMap::new() }
+        Self { entries: HashMap::new(), by_process: HashMap::new() }
     }
+}
+
+/// The process a borrower key names: the key up to its `#` (`<address>` for the process
+/// itself, `<address>#ret:<object>` for a return value handed to it).
+pub fn borrower_process(key: &str) -> &str {
+    key.split_once('#').map_or(key, |(address, _)| address)
 }
 
 impl<T: Settled> OwnerTable<T> {
@@ -111,14 +120,51 @@ impl<T: Settled> OwnerTable<T> {
         if add {
             if o.borrowers.insert(borrower.to_string()) {
                 o.refs += 1;
+                *self.by_process.entry(borrower_process(borrower).to_string()).or_default() += 1;
             }
             (true, None)
         } else if o.borrowers.remove(borrower) {
             o.refs = o.refs.saturating_sub(1);
+            self.forget_registration(borrower);
             (true, self.free_if_unused(id))
         } else {
             (true, None)
         }
+    }
+
+    fn forget_registration(&mut self, borrower: &str) {
+        let process = borrower_process(borrower);
+        if let Some(n) = self.by_process.get_mut(process) {
+            *n -= 1;
+            if *n == 0 {
+                self.by_process.remove(process);
+            }
+        }
+    }
+
+    /// The processes that borrow at least one object here (their addresses).
+    pub fn borrowing_processes(&self) -> Vec<String> {
+        self.by_process.keys().cloned().collect()
+    }
+
+    /// The process at `address` is gone (CORE-2): every registration it held (as itself
+    /// or through a return value handed to it) is dropped, as if released. Returns the
+    /// objects to free, with their ids.
+    pub fn drop_process(&mut self, address: &str) -> Vec<(String, T)> {
+        if self.by_process.remove(address).is_none() {
+            return Vec::new();
+        }
+        let mut unused = Vec::new();
+        for (id, o) in &mut self.entries {
+            let before = o.borrowers.len();
+            o.borrowers.retain(|b| borrower_process(b) != address);
+            let dropped = before - o.borrowers.len();
+            if dropped > 0 {
+                o.refs = o.refs.saturating_sub(dropped);
+                unused.push(id.clone());
+            }
+        }
+        unused.into_iter().filter_map(|id| self.free_if_unused(&id).map(|v| (id, v))).collect()
     }
 
     /// Changes `id`'s value with `f` (its task ended: a value, an error); the object to
@@ -149,6 +195,29 @@ mod tests {
         fn settled(&self) -> bool {
             self.0
         }
+    }
+
+    #[test]
+    fn core2_a_gone_borrowing_process_loses_every_registration_it_held() {
+        let mut t = OwnerTable::default();
+        t.register("a".into(), V(true));
+        t.register("b".into(), V(true));
+        t.update_borrower("a", "w1:1", true);
+        t.update_borrower("a", "w2:2", true);
+        t.update_borrower("b", "w1:1#ret:r", true);
+        assert!(t.release_local("a").is_none() && t.release_local("b").is_none());
+        let mut ps = t.borrowing_processes();
+        ps.sort();
+        assert_eq!(ps, ["w1:1", "w2:2"]);
+        // w1 is gone: "b" (held only through w1's return value) is freed; "a" stays for w2.
+        let freed: Vec<String> = t.drop_process("w1:1").into_iter().map(|(id, _)| id).collect();
+        assert_eq!(freed, ["b"]);
+        assert_eq!(t.borrowing_processes(), ["w2:2"]);
+        assert!(t.drop_process("w1:1").is_empty());
+        // A release that arrives late changes nothing.
+        assert_eq!(t.update_borrower("a", "w1:1", false), (true, None));
+        assert_eq!(t.update_borrower("a", "w2:2", false).1, Some(V(true)));
+        assert!(t.borrowing_processes().is_empty() && t.is_empty());
     }
 
     #[test]

@@ -134,6 +134,7 @@ impl Executor {
                 continue;
             }
             if r.owner() == core.address {
+                core.watch_borrowers();
                 core.serve_update_borrower(r.id(), &key, true);
             } else {
                 waits.push(core.queue_borrower(r.owner(), r.id(), &key));

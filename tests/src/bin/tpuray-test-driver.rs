@@ -889,6 +889,27 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
                 Err(e) => print_error(&e, Instant::now()),
             }
         }
+        // CORE-2: an object only a killed actor borrowed is freed: the owner finds the
+        // borrowing process gone and drops its registration.
+        "borrower-dies" => {
+            let keeper = Keeper::remote()?;
+            let big = tpuray::put(&tpuray::Blob(vec![9u8; 2_000_000]))?;
+            let id = big.id().to_string();
+            let store = tpuray_objectstore::LocalStore::default_dir(
+                &tpuray::node_id()?,
+                &std::env::temp_dir(),
+            );
+            let n = tpuray::get(&keeper.keep(vec![big]))?;
+            std::thread::sleep(Duration::from_millis(500));
+            let held = store.join(&id).exists();
+            tpuray::kill_actor(&keeper.handle().actor_id, true)?;
+            let t = Instant::now();
+            while store.join(&id).exists() && t.elapsed() < Duration::from_secs(60) {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let freed = !store.join(&id).exists();
+            say(&format!("RESULT kept={n} held_while_borrowed={held} freed_after_kill={freed}"));
+        }
         // retry_exceptions: a task failing twice succeeds on its third
         // attempt with max_retries 2; without retry_exceptions the first
         // failure is final.
