@@ -107,7 +107,7 @@ pub(super) const MAX_BORROWER_UPDATES_PER_CALL: usize = 50_000;
 const UPDATE_BORROWERS_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How often an owner checks that the processes borrowing its objects still run (CORE-2).
-const BORROWER_CHECK_INTERVAL: Duration = Duration::from_secs(2);
+const BORROWER_CHECK_INTERVAL: Duration = Duration::from_secs(5);
 
 /// How long that check's call may take; a process that does not answer in time counts
 /// as alive (only a refused connection counts as gone).

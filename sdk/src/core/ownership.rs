@@ -21,7 +21,7 @@
 //!   *covers* them, as Ray's contained-in borrows); when the last covering object goes
 //!   and refs remain, the process registers itself first, in the same queue, and only
 //!   then releases `#ret`. A borrowing process that dies without deregistering is found
-//!   by the owner's check (`Core::watch_borrowers`, every 2 s once anything is
+//!   by the owner's check (`Core::watch_borrowers`, every 5 s once anything is
 //!   borrowed: its connection refused) and loses every registration it held. Not yet:
 //!   generator items carrying refs, and borrowers on a node that stops answering
 //!   without refusing (a partition, a frozen host): theirs are kept, and leak if the
