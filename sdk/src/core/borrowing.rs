@@ -238,9 +238,7 @@ impl Core {
     /// learns the same from its `WaitForRefRemoved` long poll failing
     /// (`reference_count.cc`).
     pub(crate) fn watch_borrowers(self: &Arc<Self>) {
-        if self.watching_borrowers.load(Ordering::Relaxed)
-            || self.watching_borrowers.swap(true, Ordering::SeqCst)
-        {
+        if !first_time(&self.watching_borrowers) {
             return;
         }
         let core = Arc::clone(self);

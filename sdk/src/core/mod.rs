@@ -290,6 +290,12 @@ macro_rules! cached_client {
     };
 }
 
+/// Sets `flag`; true only for the first caller. A plain load first, so the many later
+/// calls (one per submission, say) never write the shared cache line.
+pub(super) fn first_time(flag: &AtomicBool) -> bool {
+    !(flag.load(Ordering::Relaxed) || flag.swap(true, Ordering::SeqCst))
+}
+
 /// The error of a call to a node the head declared dead (CORE-10).
 fn node_died(node_id: &str) -> tonic::Status {
     tonic::Status::unavailable(format!("node {node_id} died (the head declared it dead)"))
@@ -379,10 +385,8 @@ impl Core {
     /// copies were there are made again from lineage. Resumes after the last change
     /// seen when the stream breaks (a head failover).
     pub(crate) fn watch_nodes(self: &Arc<Self>) {
-        // Called on every submission: a plain load first, the swap only once.
-        if self.watching_nodes.load(Ordering::Relaxed)
-            || self.watching_nodes.swap(true, Ordering::SeqCst)
-        {
+        // Called on every submission.
+        if !first_time(&self.watching_nodes) {
             return;
         }
         let core = Arc::clone(self);
