@@ -314,17 +314,6 @@ def test_placement_group_reserves_bundles_and_runs_tasks_inside():
         placement_group([{"CPU": 1}], strategy="NOPE")
 
 
-def test_placement_group_creation_in_the_background_is_seen_by_the_next_call():
-    # PG-1: placement_group() returns before the head answers; every later call of this
-    # process waits for that answer, so the table and a task scheduled into the group at
-    # once already find the group.
-    pg = placement_group([{"CPU": 1}])
-    assert placement_group_table(pg)["state"] in ("PENDING", "CREATED")
-    s = PlacementGroupSchedulingStrategy(pg, 0)
-    assert ray.get(double.options(scheduling_strategy=s).remote(2), timeout=30) == 4
-    remove_placement_group(pg)
-
-
 def test_placement_group_removal_in_the_background_is_seen_by_the_next_call():
     # PG-2: an unnamed group's removal returns once queued; the next call of this process
     # waits for it, so what ran inside is stopped and nothing more is placed there.
