@@ -106,6 +106,14 @@ pub(super) const MAX_BORROWER_UPDATES_PER_CALL: usize = 50_000;
 /// How long one `UpdateBorrowers` call may take before it counts as unanswered.
 const UPDATE_BORROWERS_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Whether a call failed because the peer refused the connection: nothing listens at
+/// its address, so its process is gone (a connect that timed out says nothing).
+fn is_refused_connect(e: &tonic::Status) -> bool {
+    e.code() == tonic::Code::Unavailable
+        && e.message().starts_with("tcp connect error")
+        && e.message().contains("refused")
+}
+
 /// How often an owner checks that the processes borrowing its objects still run (CORE-2).
 const BORROWER_CHECK_INTERVAL: Duration = Duration::from_secs(5);
 
@@ -120,11 +128,8 @@ const BORROWER_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 /// unknown, [`outbox::Failure::NoAnswer`].
 fn failure_of(e: &tonic::Status) -> outbox::Failure {
     use tonic::Code;
-    let refused_connect = e.code() == Code::Unavailable
-        && e.message().starts_with("tcp connect error")
-        && e.message().contains("refused");
     match e.code() {
-        _ if refused_connect => outbox::Failure::Refused,
+        _ if is_refused_connect(e) => outbox::Failure::Refused,
         Code::Unavailable | Code::Unknown | Code::DeadlineExceeded | Code::Cancelled => {
             outbox::Failure::NoAnswer
         }
@@ -254,10 +259,10 @@ impl Core {
                             Ok(mut c) => {
                                 let mut req = Request::new(pb::GetWorkerInfoRequest {});
                                 req.set_timeout(BORROWER_CHECK_TIMEOUT);
-                                c.get_worker_info(req).await.err().is_some_and(|e| {
-                                    failure_of(&e) == outbox::Failure::Refused
-                                        && e.code() == tonic::Code::Unavailable
-                                })
+                                c.get_worker_info(req)
+                                    .await
+                                    .err()
+                                    .is_some_and(|e| is_refused_connect(&e))
                             }
                             Err(_) => false,
                         };
