@@ -534,8 +534,6 @@ pub enum ServeError {
     Config(String),
     #[error("head log in {dir}: {detail}")]
     Storage { dir: String, detail: String },
-    #[error("head server: {0}")]
-    Server(#[from] tonic::transport::Error),
 }
 
 /// Checks the replica settings: `replica_id` names an entry of `peers`.
@@ -737,27 +735,13 @@ pub async fn serve(
         crate::metrics::spawn_discovery_writer(Arc::clone(&head), dir.clone());
     }
     ready(Ready { address: addr, dashboard_url });
-    let router =
-        tonic::transport::Server::builder().tcp_nodelay(true).add_service(svc).add_service(peer);
-    let served = match tls {
-        None => {
-            router
-                .serve_with_incoming_shutdown(tpuray_proto::incoming(listener), stopped(stop_rx))
-                .await
-        }
-        Some(t) => {
-            router
-                .serve_with_incoming_shutdown(
-                    tpuray_proto::tls::incoming(listener, t, "head"),
-                    stopped(stop_rx),
-                )
-                .await
-        }
-    };
+    // NET-2: the head's services on h2 directly, as a worker's (issue 34: the per-call
+    // cost of tonic's server was most of a heartbeat's CPU after the kernel's).
+    let routes = tonic::service::Routes::new(svc).add_service(peer);
+    tpuray_proto::h2grpc::serve("head", listener, routes, stopped(stop_rx)).await;
     if let Some(t) = http_task {
         let _ = t.await;
     }
     let _ = tokio::task::spawn_blocking(move || replica.stop()).await;
-    served?;
     Ok(())
 }

@@ -46,6 +46,11 @@ use crate::pb::worker_service_client::WorkerServiceClient;
 /// catching up) sets, naming the leader's address ("" while unknown).
 pub const LEADER_HEADER: &str = "tpuray-leader";
 
+/// Keepalive of a head channel (CLIENT-1): a PING after 1 s without an answer, and the
+/// head given up when it does not answer that PING within 2 s.
+const HEAD_KEEPALIVE: crate::h2grpc::Keepalive =
+    crate::h2grpc::Keepalive { interval: Duration::from_secs(1), timeout: Duration::from_secs(2) };
+
 /// How long a call to a replicated head without its own deadline keeps trying heads.
 pub const FAILOVER_BUDGET: Duration = Duration::from_secs(30);
 
@@ -225,7 +230,7 @@ struct HeadGroup {
     key: String,
     addrs: Vec<String>,
     auth: Option<http::HeaderValue>,
-    channels: Mutex<HashMap<String, Channel>>,
+    channels: Mutex<HashMap<String, H2Channel>>,
 }
 
 /// The last leader seen per address list, shared by every client of the process, so a
@@ -271,17 +276,15 @@ impl HeadGroup {
         self.addrs[i % self.addrs.len()].clone()
     }
 
-    fn channel(&self, addr: &str) -> Result<Channel, BoxError> {
+    fn channel(&self, addr: &str) -> Result<H2Channel, BoxError> {
         let mut chans = lock(&self.channels);
         if let Some(c) = chans.get(addr) {
             return Ok(c.clone());
         }
         // Short keepalives: a frozen head is given up within seconds (CLIENT-1).
-        let c = endpoint(addr)?
-            .http2_keep_alive_interval(Duration::from_secs(1))
-            .keep_alive_timeout(Duration::from_secs(2))
-            .keep_alive_while_idle(true)
-            .connect_lazy();
+        let tls = crate::tls::current().map_err(ClientError::Tls)?;
+        let c = H2Channel::with_keepalive(addr, tls.map(|t| &**t), HEAD_KEEPALIVE)
+            .map_err(|e| ClientError::BadAddress { addr: addr.to_string(), detail: e })?;
         chans.insert(addr.to_string(), c.clone());
         Ok(c)
     }
@@ -327,12 +330,7 @@ impl HeadGroup {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let req = Self::request(&parts, &body, left, &self.auth);
-            let mut ch = self.channel(&target)?;
-            let result = async {
-                std::future::poll_fn(|cx| ch.poll_ready(cx)).await?;
-                ch.call(req).await
-            }
-            .await;
+            let result = self.channel(&target)?.call(req).await;
             let next = match result {
                 Ok(resp) => {
                     let Some(hint) = resp.headers().get(LEADER_HEADER) else {
@@ -360,7 +358,7 @@ impl HeadGroup {
                         self.set_leader(&self.next_after(&target));
                     }
                     if !many || Instant::now() >= deadline {
-                        return Err(e.into());
+                        return Err(e);
                     }
                     self.next_after(&target)
                 }

@@ -233,7 +233,7 @@ pub(crate) async fn serve(
         auth_required && token.is_some(),
     );
     let server = tonic::service::interceptor::InterceptedService::new(server, auth);
-    tpuray_proto::h2grpc::serve(listener, server, shutdown).await
+    tpuray_proto::h2grpc::serve("worker", listener, server, shutdown).await
 }
 
 /// The replies of one `PushTasks` call as a stream of messages: each message carries the
