@@ -147,9 +147,13 @@ def test_ctrl_c_interrupts_a_driver_blocked_in_get(tmp_path, env):
             print("INTERRUPTED", flush=True)
         ray.shutdown()
     """))
+    # A shell starts a background job with SIGINT ignored, and children inherit that (a
+    # test run started with `&` would fail here): the driver gets SIGINT's default, as in
+    # a terminal, where Python installs its KeyboardInterrupt handler.
     p = subprocess.Popen(
         [sys.executable, str(script)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert p.stdout.readline().strip() == "BLOCKED"
