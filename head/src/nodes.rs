@@ -13,9 +13,7 @@ use tpuray_proto::{check_protocol_version, now_ms, pb};
 use tpuray_scheduler::{Labels, NodeView, ResourceSet};
 
 use crate::convert::node_to_proto;
-use crate::state::{
-    ActorStatus, Command, CommandKind, NodeRecord, NodeStatus as NodeLife, Outcome,
-};
+use crate::state::{Command, CommandKind, NodeRecord, NodeStatus as NodeLife, Outcome};
 use crate::view::ViewUpdate;
 
 use crate::liveness::{self, Heard, NodeSoft, RECONCILE_EVERY, Report};
@@ -91,19 +89,7 @@ impl Head {
         if !self.is_leader() {
             return;
         }
-        let alive_here = |inner: &Inner| -> HashMap<ActorId, WorkerId> {
-            inner
-                .sm
-                .actors
-                .values()
-                .filter_map(|a| match &a.status {
-                    ActorStatus::Alive { node_id: n, worker_id, .. } if *n == node_id => {
-                        Some((a.actor_id.clone(), worker_id.clone()))
-                    }
-                    _ => None,
-                })
-                .collect()
-        };
+        let alive_here = |inner: &Inner| inner.sm.alive_actors_on(&node_id);
         // Recorded before asking: a worker recorded alive now existed when the agent answers.
         let before = alive_here(&self.lock());
         let listed = async {

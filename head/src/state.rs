@@ -415,6 +415,13 @@ pub struct StateMachine {
     pub submissions: BTreeMap<String, crate::submissions::SubmissionRecord>,
     applied: HashMap<String, Outcome>,
     applied_order: VecDeque<String>,
+    /// Alive actors by node (actor → its worker), derived from `actors`: kept by the
+    /// commands that change an actor's status and rebuilt by `restore`, not snapshotted.
+    /// A node agent's reconcile reads its node's actors here instead of scanning every
+    /// actor (issue 34: at 10,000 nodes and 20,000 actors the scan was a quarter of the
+    /// head's CPU).
+    #[serde(skip)]
+    alive_on: HashMap<NodeId, HashMap<ActorId, WorkerId>>,
     /// Index of the last applied command.
     pub applied_index: u64,
 }
@@ -438,13 +445,42 @@ impl StateMachine {
     pub fn restore(b: &[u8]) -> Result<(Self, u64), String> {
         match b.split_first() {
             Some((&FORMAT, rest)) => {
-                let (extra, sm): (u64, StateMachine) =
+                let (extra, mut sm): (u64, StateMachine) =
                     postcard::from_bytes(rest).map_err(|e| e.to_string())?;
+                for a in sm.actors.values() {
+                    if let ActorStatus::Alive { node_id, worker_id, .. } = &a.status {
+                        let on = sm.alive_on.entry(node_id.clone()).or_default();
+                        on.insert(a.actor_id.clone(), worker_id.clone());
+                    }
+                }
                 Ok((sm, extra))
             }
             Some((v, _)) => Err(format!("snapshot format {v} (this head reads {FORMAT})")),
             None => Err("empty snapshot".into()),
         }
+    }
+
+    /// The actors recorded alive on `node` (actor → its worker).
+    pub fn alive_actors_on(&self, node: &NodeId) -> HashMap<ActorId, WorkerId> {
+        self.alive_on.get(node).cloned().unwrap_or_default()
+    }
+
+    /// Sets an actor's status, keeping `alive_on` in step.
+    fn set_actor_status(&mut self, actor_id: &ActorId, status: ActorStatus) {
+        let Some(actor) = self.actors.get_mut(actor_id) else { return };
+        if let ActorStatus::Alive { node_id, .. } = &actor.status
+            && let Some(on) = self.alive_on.get_mut(node_id)
+        {
+            on.remove(actor_id);
+            if on.is_empty() {
+                self.alive_on.remove(node_id);
+            }
+        }
+        if let ActorStatus::Alive { node_id, worker_id, .. } = &status {
+            let on = self.alive_on.entry(node_id.clone()).or_default();
+            on.insert(actor_id.clone(), worker_id.clone());
+        }
+        actor.status = status;
     }
 
     /// Applies one command; returns its outcome and what changed. A request

@@ -50,7 +50,7 @@ impl StateMachine {
             return Outcome::Rejected(Rejection::Invalid(format!("actor {actor_id} is dead")));
         }
         actor.last_placement = Some((node_id.clone(), pid));
-        actor.status = ActorStatus::Alive { node_id, worker_id, address, pid };
+        self.set_actor_status(&actor_id, ActorStatus::Alive { node_id, worker_id, address, pid });
         changed.push(Changed::Actor(actor_id.clone()));
         Outcome::Actor(actor_id)
     }
@@ -95,7 +95,7 @@ impl StateMachine {
         }
         if !intended && actor.restarts_left() {
             actor.num_restarts += 1;
-            actor.status = ActorStatus::Restarting { cause };
+            self.set_actor_status(actor_id, ActorStatus::Restarting { cause });
         } else {
             let cause = if intended || actor.max_restarts == 0 {
                 cause
@@ -105,10 +105,10 @@ impl StateMachine {
                     actor.num_restarts, actor.max_restarts
                 )
             };
-            actor.status = ActorStatus::Dead { cause };
             if !actor.name.is_empty() {
                 self.named_actors.remove(&(actor.namespace.clone(), actor.name.clone()));
             }
+            self.set_actor_status(actor_id, ActorStatus::Dead { cause });
         }
         changed.push(Changed::Actor(actor_id.clone()));
     }

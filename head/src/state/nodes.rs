@@ -64,14 +64,8 @@ impl StateMachine {
             node.status = NodeStatus::Dead { reason: reason.clone() };
             changed.push(Changed::Node(node_id.clone()));
             // Actors on the node lost their process with it.
-            let on_node: Vec<ActorId> = self
-                .actors
-                .values()
-                .filter(
-                    |a| matches!(&a.status, ActorStatus::Alive { node_id: n, .. } if *n == node_id),
-                )
-                .map(|a| a.actor_id.clone())
-                .collect();
+            let mut on_node: Vec<ActorId> = self.alive_actors_on(&node_id).into_keys().collect();
+            on_node.sort(); // in the order the scan of `actors` gave before the index
             for actor_id in on_node {
                 self.actor_exited(
                     &actor_id,

@@ -95,6 +95,54 @@ fn actor_restarts_on_node_death_until_max_restarts_then_dies() {
     assert!(rec.is_dead(), "{:?}", rec.status);
 }
 
+/// The alive-actors-by-node index follows every status change (alive, moved by a
+/// restart, a node's death, an exit) and is rebuilt from a snapshot.
+#[test]
+fn alive_actors_by_node_follow_each_change_and_survive_a_snapshot() {
+    let mut sm = StateMachine::new();
+    let (n1, n2) = (NodeId::random(), NodeId::random());
+    for n in [&n1, &n2] {
+        sm.apply(cmd(CommandKind::RegisterNode(node(n))));
+    }
+    let (a, b) = (actor("", 5), actor("", 0));
+    let (ia, ib) = (a.actor_id.clone(), b.actor_id.clone());
+    for x in [a, b] {
+        sm.apply(cmd(CommandKind::CreateActor { actor: x, get_if_exists: false }));
+    }
+    let alive = |sm: &mut StateMachine, id: &ActorId, n: &NodeId| {
+        let w = WorkerId::random();
+        sm.apply(cmd(CommandKind::ActorAlive {
+            actor_id: id.clone(),
+            node_id: n.clone(),
+            worker_id: w.clone(),
+            address: "a".into(),
+            pid: 1,
+        }));
+        w
+    };
+    let wa = alive(&mut sm, &ia, &n1);
+    let wb = alive(&mut sm, &ib, &n1);
+    assert_eq!(sm.alive_actors_on(&n1), HashMap::from([(ia.clone(), wa), (ib.clone(), wb)]));
+    // a restart: away from n1 while restarting, then alive on n2
+    sm.apply(cmd(CommandKind::ActorWorkerExited {
+        actor_id: ia.clone(),
+        worker_id: None,
+        intended: false,
+        cause: "crashed".into(),
+    }));
+    assert_eq!(sm.alive_actors_on(&n1).len(), 1);
+    let wa2 = alive(&mut sm, &ia, &n2);
+    assert_eq!(sm.alive_actors_on(&n2), HashMap::from([(ia.clone(), wa2.clone())]));
+    let (back, _) = StateMachine::restore(&sm.snapshot(0)).unwrap();
+    assert_eq!(back.alive_actors_on(&n2), sm.alive_actors_on(&n2));
+    assert_eq!(back.alive_actors_on(&n1), sm.alive_actors_on(&n1));
+    // n1's death ends b (no restarts left); a on n2 stays
+    sm.apply(cmd(CommandKind::MarkNodeDead { node_id: n1.clone(), reason: "gone".into() }));
+    assert!(sm.actors[&ib].is_dead());
+    assert!(sm.alive_actors_on(&n1).is_empty());
+    assert_eq!(sm.alive_actors_on(&n2), HashMap::from([(ia.clone(), wa2)]));
+}
+
 /// ACTOR-1: an exit code 0 not asked for counts as a restart; an intended exit ends the
 /// actor (and frees its name, HEAD-3).
 #[test]
