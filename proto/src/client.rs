@@ -380,6 +380,18 @@ pub fn head(
     addr: &str,
     token: Option<&str>,
 ) -> Result<HeadServiceClient<AuthChannel>, ClientError> {
+    Ok(HeadServiceClient::new(head_channel(addr, token)?)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(usize::MAX))
+}
+
+/// The channel under [`head`]'s client, for a caller that encodes or decodes a head call
+/// its own way (`head_load` counts its simulated agents' view entries without decoding
+/// them).
+///
+/// # Errors
+/// [`ClientError::BadAddress`] when an address is not a valid `HOST:PORT`.
+pub fn head_channel(addr: &str, token: Option<&str>) -> Result<AuthChannel, ClientError> {
     let addrs: Vec<String> =
         addr.split(',').map(str::trim).filter(|a| !a.is_empty()).map(String::from).collect();
     if addrs.is_empty() {
@@ -394,9 +406,7 @@ pub fn head(
         auth: auth_header(token),
         channels: Mutex::new(HashMap::new()),
     };
-    Ok(HeadServiceClient::new(AuthChannel(Route::Heads(Arc::new(group))))
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(usize::MAX))
+    Ok(AuthChannel(Route::Heads(Arc::new(group))))
 }
 
 /// A client of one head replica only, never redirected (for per-replica status and

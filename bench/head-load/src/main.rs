@@ -512,7 +512,7 @@ async fn run(args: Args, per_conn: usize, nofile: u64) -> anyhow::Result<()> {
         args.nodes.div_ceil(per_conn)
     );
     println!(
-        "head_load: simulated, not real: actors are records (a stand-in answers StartActorWorker; no worker process runs), leases are records, and the cluster view in heartbeat replies is decoded but not kept"
+        "head_load: simulated, not real: actors are records (a stand-in answers StartActorWorker; no worker process runs), leases are records, and the cluster view's entries in heartbeat replies are counted but not parsed"
     );
     let rss0 = rss_mib(&head_pid_s)?;
 
@@ -540,14 +540,21 @@ async fn run(args: Args, per_conn: usize, nofile: u64) -> anyhow::Result<()> {
 
     // Register; each node's heartbeat loop starts as soon as it is registered (as the
     // real agent's heartbeat thread does), at a random point of its first interval.
-    let clients: Vec<HeadClient> = (0..args.nodes.div_ceil(per_conn))
-        .map(|_| tpuray_proto::client::head(&address, None))
+    // Per connection: the head client the node registers with, and the heartbeat client
+    // on the same connection.
+    let clients: Vec<(HeadClient, sim::HeartbeatClient)> = (0..args.nodes.div_ceil(per_conn))
+        .map(|_| {
+            let ch = tpuray_proto::client::head_channel(&address, None)?;
+            let head = HeadClient::new(ch.clone())
+                .max_decoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES);
+            Ok::<_, tpuray_proto::client::ClientError>((head, sim::HeartbeatClient::new(ch)))
+        })
         .collect::<Result<_, _>>()?;
     let t_reg = Instant::now();
     let reg_meter = CpuMeter::start(&head_pid_s)?;
     let (registered, reg_err) = create_all(args.nodes, args.register_concurrency, |i| {
         let sim = Arc::clone(&sim);
-        let mut c = clients[i / per_conn].clone();
+        let (mut c, hb) = clients[i / per_conn].clone();
         async move {
             let mut req = Request::new(pb::RegisterNodeRequest {
                 request_id: tpuray_proto::new_request_id(),
@@ -557,7 +564,7 @@ async fn run(args: Args, per_conn: usize, nofile: u64) -> anyhow::Result<()> {
             req.set_timeout(Duration::from_secs(60));
             c.register_node(req).await?;
             let first = interval.mul_f64(rand::random::<f64>());
-            tokio::spawn(sim::heartbeat_loop(Arc::clone(&sim), i, c, interval, first));
+            tokio::spawn(sim::heartbeat_loop(Arc::clone(&sim), i, hb, interval, first));
             Ok(())
         }
     })
