@@ -35,14 +35,8 @@ impl Head {
             // Nothing waits: skip building the views (they hold every node's resources,
             // and a pass runs after every group and bundle change).
             let groups_wait = inner.pg_waiting.iter().any(|id| !inner.pg_placing.contains(id));
-            let actors_wait = || {
-                inner.sm.actors.values().any(|a| {
-                    matches!(
-                        a.status,
-                        ActorStatus::PendingCreation | ActorStatus::Restarting { .. }
-                    ) && !inner.placing.contains(&a.actor_id)
-                })
-            };
+            let actors_wait =
+                || inner.sm.waiting_actors().any(|a| !inner.placing.contains(&a.actor_id));
             if !groups_wait && !actors_wait() {
                 return;
             }
@@ -53,14 +47,8 @@ impl Head {
             let mut views = tpuray_scheduler::ClusterView::new(views);
             let waiting: Vec<ActorRecord> = inner
                 .sm
-                .actors
-                .values()
-                .filter(|a| {
-                    matches!(
-                        a.status,
-                        ActorStatus::PendingCreation | ActorStatus::Restarting { .. }
-                    ) && !inner.placing.contains(&a.actor_id)
-                })
+                .waiting_actors()
+                .filter(|a| !inner.placing.contains(&a.actor_id))
                 .cloned()
                 .collect();
             for a in waiting {

@@ -8,7 +8,7 @@
 //! Commands carry the client's request id; a retried request id is answered
 //! with the first outcome and changes nothing (HEAD-2).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 use tpuray_proto::ids::{ActorId, JobId, NodeId, PlacementGroupId, WorkerId};
@@ -218,6 +218,10 @@ impl ActorRecord {
     pub fn is_dead(&self) -> bool {
         matches!(self.status, ActorStatus::Dead { .. })
     }
+    /// Whether it waits for a node: pending creation or restarting.
+    pub fn wants_placement(&self) -> bool {
+        matches!(self.status, ActorStatus::PendingCreation | ActorStatus::Restarting { .. })
+    }
     /// The scheduling strategy, node ids as strings.
     pub fn strategy(&self) -> tpuray_scheduler::Strategy<String> {
         match (&self.affinity, self.spread) {
@@ -422,6 +426,10 @@ pub struct StateMachine {
     /// head's CPU).
     #[serde(skip)]
     alive_on: HashMap<NodeId, HashMap<ActorId, WorkerId>>,
+    /// The actors waiting for a node (pending creation or restarting), derived and kept
+    /// like `alive_on`: a placement pass reads these instead of scanning every actor.
+    #[serde(skip)]
+    waiting_actors: BTreeSet<ActorId>,
     /// Index of the last applied command.
     pub applied_index: u64,
 }
@@ -452,6 +460,9 @@ impl StateMachine {
                         let on = sm.alive_on.entry(node_id.clone()).or_default();
                         on.insert(a.actor_id.clone(), worker_id.clone());
                     }
+                    if a.wants_placement() {
+                        sm.waiting_actors.insert(a.actor_id.clone());
+                    }
                 }
                 Ok((sm, extra))
             }
@@ -465,9 +476,19 @@ impl StateMachine {
         self.alive_on.get(node).cloned().unwrap_or_default()
     }
 
-    /// Sets an actor's status, keeping `alive_on` in step.
+    /// The actors waiting for a node (pending creation or restarting), in id order.
+    pub fn waiting_actors(&self) -> impl Iterator<Item = &ActorRecord> {
+        self.waiting_actors.iter().filter_map(|id| self.actors.get(id))
+    }
+
+    /// Sets an actor's status, keeping `alive_on` and `waiting_actors` in step.
     fn set_actor_status(&mut self, actor_id: &ActorId, status: ActorStatus) {
         let Some(actor) = self.actors.get_mut(actor_id) else { return };
+        if matches!(status, ActorStatus::PendingCreation | ActorStatus::Restarting { .. }) {
+            self.waiting_actors.insert(actor_id.clone());
+        } else {
+            self.waiting_actors.remove(actor_id);
+        }
         if let ActorStatus::Alive { node_id, .. } = &actor.status
             && let Some(on) = self.alive_on.get_mut(node_id)
         {

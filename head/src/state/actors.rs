@@ -29,6 +29,9 @@ impl StateMachine {
             self.named_actors.insert(key, actor.actor_id.clone());
         }
         let id = actor.actor_id.clone();
+        if actor.wants_placement() {
+            self.waiting_actors.insert(id.clone());
+        }
         self.actors.insert(id.clone(), actor);
         changed.push(Changed::Actor(id.clone()));
         Outcome::Actor(id)

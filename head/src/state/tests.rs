@@ -95,8 +95,8 @@ fn actor_restarts_on_node_death_until_max_restarts_then_dies() {
     assert!(rec.is_dead(), "{:?}", rec.status);
 }
 
-/// The alive-actors-by-node index follows every status change (alive, moved by a
-/// restart, a node's death, an exit) and is rebuilt from a snapshot.
+/// The alive-actors-by-node and waiting-actors indexes follow every status change
+/// (alive, moved by a restart, a node's death, an exit) and are rebuilt from a snapshot.
 #[test]
 fn alive_actors_by_node_follow_each_change_and_survive_a_snapshot() {
     let mut sm = StateMachine::new();
@@ -120,8 +120,15 @@ fn alive_actors_by_node_follow_each_change_and_survive_a_snapshot() {
         }));
         w
     };
+    let waiting = |sm: &StateMachine| {
+        sm.waiting_actors().map(|a| a.actor_id.clone()).collect::<Vec<ActorId>>()
+    };
+    let mut both: Vec<ActorId> = vec![ia.clone(), ib.clone()];
+    both.sort();
+    assert_eq!(waiting(&sm), both);
     let wa = alive(&mut sm, &ia, &n1);
     let wb = alive(&mut sm, &ib, &n1);
+    assert_eq!(waiting(&sm), Vec::<ActorId>::new());
     assert_eq!(sm.alive_actors_on(&n1), HashMap::from([(ia.clone(), wa), (ib.clone(), wb)]));
     // a restart: away from n1 while restarting, then alive on n2
     sm.apply(cmd(CommandKind::ActorWorkerExited {
@@ -131,6 +138,9 @@ fn alive_actors_by_node_follow_each_change_and_survive_a_snapshot() {
         cause: "crashed".into(),
     }));
     assert_eq!(sm.alive_actors_on(&n1).len(), 1);
+    assert_eq!(waiting(&sm), vec![ia.clone()]);
+    let restored = StateMachine::restore(&sm.snapshot(0)).unwrap().0;
+    assert_eq!(waiting(&restored), vec![ia.clone()]);
     let wa2 = alive(&mut sm, &ia, &n2);
     assert_eq!(sm.alive_actors_on(&n2), HashMap::from([(ia.clone(), wa2.clone())]));
     let (back, _) = StateMachine::restore(&sm.snapshot(0)).unwrap();
