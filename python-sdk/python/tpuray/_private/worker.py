@@ -19,21 +19,23 @@ directly, and a Rust worker's output, stay in the worker's log files (``tpuray l
 from __future__ import annotations
 
 import atexit
-import hashlib
+# hashlib, socket, subprocess and tempfile are imported where a driver uses them: a
+# worker process imports this module at start, once per actor (issue 34's actors per
+# second), and never needs them.
 import contextvars
 import inspect
 import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import traceback
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpuray import _tpuray, exceptions
+
+if TYPE_CHECKING:
+    import subprocess
 from tpuray._private.serialization import (
     ObjectRef,
     ObjectRefGenerator,
@@ -77,12 +79,16 @@ _async_call: contextvars.ContextVar[dict[str, Any] | None] = contextvars.Context
 
 
 def _free_port() -> int:
+    import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def _tpuray_cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    import subprocess
+
     return subprocess.run(
         [sys.executable, "-m", "tpuray", *args],
         env=env,
@@ -99,6 +105,8 @@ def _start_local_cluster(
     ``ray.init()`` without an address). ``extra_args``: more ``tpuray start`` flags
     (from ``init``'s ``labels``, ``dashboard_port``, ``_temp_dir`` ...); a
     ``--temp-dir`` or ``--node-ip-address`` among them replaces the default."""
+    import tempfile
+
     tmp = tempfile.mkdtemp(prefix="tpuray-local-")
     env = dict(os.environ)
     env["TPURAY_REGISTRY_DIR"] = os.path.join(tmp, "registry")
@@ -147,6 +155,8 @@ def _fate_share(env: dict, tmp: str):
     ``ray.init()`` share the driver's fate (``ray._private.services``, ``fate_share``): a
     driver that dies without ``shutdown()`` (killed, crashed, ``os._exit``) leaves no head
     or node agent running. Returns ``(watchdog process, write end of its pipe)``."""
+    import subprocess
+
     r, w = os.pipe()  # both ends non-inheritable (PEP 446): no other child holds ``w``
     try:
         proc = subprocess.Popen(
@@ -390,6 +400,8 @@ def _current_cluster_address() -> str | None:
         return None
     if not addr:
         return None
+    import socket
+
     host, _, port = addr.rpartition(":")
     try:
         with socket.create_connection((host or "127.0.0.1", int(port)), timeout=1):
@@ -701,6 +713,8 @@ _exported_modules: dict[str, str] = {}
 def export(obj) -> str:
     """Pickles a function or class once, stores it in the head's KV under its content hash
     and returns that key (what workers look it up by)."""
+    import hashlib
+
     data = serialize(obj)[0]
     key = hashlib.sha256(data).hexdigest()
     if key not in state.exported:
