@@ -644,3 +644,19 @@ def test_a_freed_object_raises_object_freed_error_at_get_inline_stored_or_task_m
         free([ray.put(2)], local_only=True)
     with pytest.raises(TypeError):
         free([1])
+
+
+def test_alloc2_workers_start_without_mimallocs_huge_pages_unless_asked():
+    """ALLOC-2: a worker process gets MIMALLOC_ALLOW_THP=0 (a 2 MiB page zeroed at each
+    of a starting worker's first allocations cost a fifth of its start-up CPU); a runtime
+    environment's env_vars still set it."""
+
+    @ray.remote
+    def thp():
+        import os
+
+        return os.environ.get("MIMALLOC_ALLOW_THP")
+
+    assert ray.get(thp.remote()) == "0"
+    asked = thp.options(runtime_env={"env_vars": {"MIMALLOC_ALLOW_THP": "1"}})
+    assert ray.get(asked.remote()) == "1"
