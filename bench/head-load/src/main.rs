@@ -5,6 +5,7 @@
 //! ```text
 //! cargo build --release -p tpuray-cli -p tpuray-head-load
 //! target/release/head_load --nodes 1000 --seconds 30 [--actors 20000] [--pgs 1000] [--slices 100]
+//!     [--tasks 15000 --task-seconds 10 --task-window 30]
 //! ```
 //!
 //! It starts a head (`tpuray start --head --head-only`, the `tpuray` binary next to its
@@ -14,7 +15,11 @@
 //! running for the whole run, then: measures S seconds of heartbeats alone (head CPU and
 //! RSS, the harness's own CPU, client-side heartbeat latency), creates the actors,
 //! placement groups and TPU slice groups asked for and times until the head records all
-//! of them placed, times `tpuray status` and `tpuray list`, reads the head's Raft snapshot
+//! of them placed, keeps `--tasks` 1-CPU tasks running at once for `--task-window` seconds
+//! (lease records on random nodes, each replaced on another node when it ends, so the
+//! head sees a busy cluster's availability changing; tasks never reach the head) while
+//! measuring the head's CPU and the heartbeats' latency, times `tpuray status` and
+//! `tpuray list`, reads the head's Raft snapshot
 //! figures, and counts false node deaths (nodes the head declared dead while their
 //! heartbeats ran). The last line is
 //! `head_load: nodes N false_deaths D head_cpu_cores C head_rss_mib M harness_cpu_cores H`.
@@ -67,6 +72,18 @@ struct Args {
     /// are then simulated TPU hosts of K slices.
     #[arg(long, default_value_t = 0)]
     slices: usize,
+    /// Tasks running at once for `--task-window` seconds after placement (1 CPU each, a
+    /// lease record on a random node, held for 0.5-1.5 x `--task-seconds` and then given
+    /// back and replaced on another node): the head sees them only as availability in
+    /// heartbeats.
+    #[arg(long, default_value_t = 0)]
+    tasks: usize,
+    /// Mean seconds one `--tasks` task runs.
+    #[arg(long, default_value_t = 10.0)]
+    task_seconds: f64,
+    /// Seconds the `--tasks` phase lasts.
+    #[arg(long, default_value_t = 30)]
+    task_window: u64,
     /// CPUs each simulated node advertises.
     #[arg(long, default_value_t = 4.0)]
     cpus_per_node: f64,
@@ -375,6 +392,79 @@ async fn count_placed(
         }
     }
     seen.len()
+}
+
+/// What [`run_tasks`] saw.
+struct TaskRun {
+    /// Running once the first `tasks` had started, and how long that took.
+    running: usize,
+    ramp_s: f64,
+    /// The fewest running at any moment after that.
+    min_running: usize,
+    /// Tasks started during the window (the first ones not counted).
+    started: usize,
+    /// Starts whose first node had no free CPU (another was tried).
+    retries: usize,
+}
+
+/// `--tasks`: `tasks` tasks of 1 CPU running at once on random simulated nodes for
+/// `window`, each held 0.5-1.5 x `mean` and then replaced by a new one on another random
+/// node, so the nodes' availability changes as a busy cluster's does. Every lease is given
+/// back at the end.
+async fn run_tasks(sim: &Arc<Sim>, tasks: usize, mean: Duration, window: Duration) -> TaskRun {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let mut cpu = ResourceSet::new();
+    cpu.set("CPU", Amount::whole(1));
+    let n = sim.nodes.len();
+    let mut retries = 0;
+    // One start: a random node with a free CPU (up to 4 x nodes tries).
+    let start = |retries: &mut usize| -> Option<(usize, String)> {
+        for k in 0..4 * n {
+            let i = rand::random::<u64>() as usize % n;
+            if let Some(l) = sim.take_lease(i, &cpu) {
+                return Some((i, l));
+            }
+            if k == 0 {
+                *retries += 1;
+            }
+        }
+        None
+    };
+    let hold = || mean.mul_f64(0.5 + rand::random::<f64>());
+    let t0 = Instant::now();
+    let mut running: BinaryHeap<Reverse<(Instant, usize, String)>> = BinaryHeap::new();
+    for _ in 0..tasks {
+        match start(&mut retries) {
+            Some((i, l)) => running.push(Reverse((Instant::now() + hold(), i, l))),
+            None => break,
+        }
+    }
+    let (first, ramp_s) = (running.len(), t0.elapsed().as_secs_f64());
+    let (mut min_running, mut started) = (first, 0);
+    let end = Instant::now() + window;
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    while Instant::now() < end {
+        tick.tick().await;
+        let now = Instant::now();
+        let mut ended = 0;
+        while running.peek().is_some_and(|Reverse((t, _, _))| *t <= now) {
+            let Reverse((_, i, l)) = running.pop().expect("peeked");
+            sim.return_lease(i, &l);
+            ended += 1;
+        }
+        for _ in 0..ended {
+            if let Some((i, l)) = start(&mut retries) {
+                running.push(Reverse((now + hold(), i, l)));
+                started += 1;
+            }
+        }
+        min_running = min_running.min(running.len());
+    }
+    for Reverse((_, i, l)) in running.drain() {
+        sim.return_lease(i, &l);
+    }
+    TaskRun { running: first, ramp_s, min_running, started, retries }
 }
 
 /// The head's current change sequence number (the stream's backlog's last entry).
@@ -783,6 +873,34 @@ async fn run(args: Args, per_conn: usize, nofile: u64) -> anyhow::Result<()> {
             "head_load: slice groups ({SLICE_TYPE} {SLICE_TOPOLOGY}, {SLICE_HOSTS} hosts each): {ok} of {} submitted{}, {created} CREATED after {placed_s:.1} s",
             args.slices,
             err.map(|e| format!(" (first error: {e})")).unwrap_or_default(),
+        );
+    }
+
+    if args.tasks > 0 {
+        let _ = sim.hb.take();
+        let (hb_sent0, err0) =
+            (sim.hb.sent.load(Ordering::Relaxed), sim.hb.errors.load(Ordering::Relaxed));
+        let meter = CpuMeter::start(&head_pid_s)?;
+        let mean = Duration::from_secs_f64(args.task_seconds.max(0.01));
+        let t = run_tasks(&sim, args.tasks, mean, Duration::from_secs(args.task_window)).await;
+        let (hc, sc, wall) = meter.read()?;
+        let (mut lat, max_gap_us) = sim.hb.take();
+        lat.sort_unstable();
+        let hbs = sim.hb.sent.load(Ordering::Relaxed) - hb_sent0;
+        println!(
+            "head_load: tasks (1 CPU each, lease records, {:.1} s on average): {} running at once after {:.1} s, at least {} running through the next {wall:.0} s ({:.0} started/s, {} starts found no free CPU at first try); heartbeats {:.0}/s, latency ms p50 {:.2} p99 {:.2} max {:.2}, longest gap {:.2} s, {} failed; head {hc:.2} cores, harness {sc:.2} cores",
+            mean.as_secs_f64(),
+            t.running,
+            t.ramp_s,
+            t.min_running,
+            t.started as f64 / wall,
+            t.retries,
+            hbs as f64 / wall,
+            percentile(&lat, 0.5),
+            percentile(&lat, 0.99),
+            percentile(&lat, 1.0),
+            max_gap_us as f64 / 1e6,
+            sim.hb.errors.load(Ordering::Relaxed) - err0,
         );
     }
 

@@ -134,6 +134,34 @@ impl Sim {
         })
     }
 
+    /// `--tasks`: takes a lease of `want` on node `i` as the lease handler does (a record;
+    /// no worker, and no RPC: a lease is the agent's own decision and never reaches the
+    /// head, which sees the node's availability in its next heartbeat). `None` when the
+    /// node lacks it now or the head declared it dead.
+    pub fn take_lease(&self, i: usize, want: &ResourceSet) -> Option<String> {
+        let n = &self.nodes[i];
+        if n.declared_dead.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut st = n.state.lock().unwrap();
+        if !st.available.is_superset_of(want) {
+            return None;
+        }
+        st.available.saturating_sub(want);
+        let lease_id = tpuray_proto::new_request_id();
+        st.leases.insert(lease_id.clone(), want.clone());
+        self.leases.fetch_add(1, Ordering::Relaxed);
+        Some(lease_id)
+    }
+
+    /// Gives back a lease [`Sim::take_lease`] took on node `i`.
+    pub fn return_lease(&self, i: usize, lease_id: &str) {
+        let mut st = self.nodes[i].state.lock().unwrap();
+        if let Some(r) = st.leases.remove(lease_id) {
+            st.available.add(&r);
+        }
+    }
+
     /// The node the request was sent to (by the address the head dialled).
     fn node<T>(&self, req: &Request<T>) -> Result<&SimNode, Status> {
         let ip = req
