@@ -202,10 +202,18 @@ impl H2Channel {
                 transport_status(e)
             })?;
         // NET-2: HEADERS plus one DATA frame that ends the stream, written together.
-        if !data.is_empty() {
-            stream.send_data(data, true).map_err(transport_status)?;
-        }
-        let (parts, recv) = response.await.map_err(transport_status)?.into_parts();
+        // A server may answer from the headers alone (a refused token) and reset the
+        // stream before the DATA frame leaves: then the answer, when one came, is the
+        // call's, not the failed send.
+        let unsent = match data.is_empty() {
+            true => None,
+            false => stream.send_data(data, true).err(),
+        };
+        let answered = response.await;
+        let (parts, recv) = match (answered, unsent) {
+            (Ok(r), _) => r.into_parts(),
+            (Err(_), Some(e)) | (Err(e), None) => return Err(transport_status(e)),
+        };
         conn.heard.store(since_start(), Ordering::Relaxed);
         Ok(http::Response::from_parts(parts, Body::new(RecvBody { recv, data_done: false })))
     }
