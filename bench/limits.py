@@ -172,7 +172,7 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         print(json.dumps(_child(sys.argv[2], sys.argv[3], float(sys.argv[4]))), flush=True)
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default="tpuray,ray", help="comma-separated: tpuray, ray")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))

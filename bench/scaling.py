@@ -255,7 +255,7 @@ def main() -> int:
         for p in _draw(json.loads((out / "scaling.json").read_text()), out, sys.argv[3].split(",")):
             print(f"drawn: {p}")
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default="tpuray,ray", help="comma-separated: tpuray, ray")
     ap.add_argument("--quick", action="store_true", help="fewer, smaller points")

@@ -529,6 +529,16 @@ fn main() -> anyhow::Result<()> {
         );
     }
     ensure!(args.nodes >= 1, "--nodes must be at least 1");
+    ensure!(args.seconds >= 1, "--seconds must be at least 1 (the steady heartbeat phase)");
+    let cpus = args.nodes as f64 * args.cpus_per_node;
+    ensure!(
+        args.tasks as f64 <= cpus,
+        "--tasks {} needs {} CPUs but the {} nodes have {cpus} (--cpus-per-node {})",
+        args.tasks,
+        args.tasks,
+        args.nodes,
+        args.cpus_per_node
+    );
     ensure!(args.nodes <= sim::MAX_NODES, "--nodes must be at most {}", sim::MAX_NODES);
     ensure!(
         args.slices * SLICE_HOSTS <= args.nodes,
@@ -888,9 +898,10 @@ async fn run(args: Args, per_conn: usize, nofile: u64) -> anyhow::Result<()> {
         lat.sort_unstable();
         let hbs = sim.hb.sent.load(Ordering::Relaxed) - hb_sent0;
         println!(
-            "head_load: tasks (1 CPU each, lease records, {:.1} s on average): {} running at once after {:.1} s, at least {} running through the next {wall:.0} s ({:.0} started/s, {} starts found no free CPU at first try); heartbeats {:.0}/s, latency ms p50 {:.2} p99 {:.2} max {:.2}, longest gap {:.2} s, {} failed; head {hc:.2} cores, harness {sc:.2} cores",
+            "head_load: tasks (1 CPU each, lease records, {:.1} s on average): {} of {} running at once after {:.1} s, at least {} running through the next {wall:.0} s ({:.0} started/s, {} starts found no free CPU at first try); heartbeats {:.0}/s, latency ms p50 {:.2} p99 {:.2} max {:.2}, longest gap {:.2} s, {} failed; head {hc:.2} cores, harness {sc:.2} cores",
             mean.as_secs_f64(),
             t.running,
+            args.tasks,
             t.ramp_s,
             t.min_running,
             t.started as f64 / wall,
@@ -913,8 +924,13 @@ async fn run(args: Args, per_conn: usize, nofile: u64) -> anyhow::Result<()> {
     ] {
         let (ms, bytes) = time_cli(&bin, env_dir.as_deref(), &address, cmd);
         println!(
-            "head_load: `tpuray {}`: {ms:.0} ms (median of 3), {bytes} bytes of output",
-            cmd.join(" ")
+            "head_load: `tpuray {}`: {ms:.0} ms (median of 3), {bytes} bytes of output{}",
+            cmd.join(" "),
+            if cmd[0] == "list" {
+                " (its first 100 rows, `tpuray list`'s default --limit)"
+            } else {
+                ""
+            }
         );
     }
 
