@@ -86,6 +86,13 @@ pub enum ActorStatus {
     Dead { cause: String },
 }
 
+impl ActorStatus {
+    /// Whether an actor in this status waits for a node: pending creation or restarting.
+    pub fn waits_for_node(&self) -> bool {
+        matches!(self, ActorStatus::PendingCreation | ActorStatus::Restarting { .. })
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ActorRecord {
     pub actor_id: ActorId,
@@ -220,7 +227,7 @@ impl ActorRecord {
     }
     /// Whether it waits for a node: pending creation or restarting.
     pub fn wants_placement(&self) -> bool {
-        matches!(self.status, ActorStatus::PendingCreation | ActorStatus::Restarting { .. })
+        self.status.waits_for_node()
     }
     /// The scheduling strategy, node ids as strings.
     pub fn strategy(&self) -> tpuray_scheduler::Strategy<String> {
@@ -484,7 +491,7 @@ impl StateMachine {
     /// Sets an actor's status, keeping `alive_on` and `waiting_actors` in step.
     fn set_actor_status(&mut self, actor_id: &ActorId, status: ActorStatus) {
         let Some(actor) = self.actors.get_mut(actor_id) else { return };
-        if matches!(status, ActorStatus::PendingCreation | ActorStatus::Restarting { .. }) {
+        if status.waits_for_node() {
             self.waiting_actors.insert(actor_id.clone());
         } else {
             self.waiting_actors.remove(actor_id);
