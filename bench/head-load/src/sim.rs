@@ -77,6 +77,13 @@ pub struct NodeState {
     pub leases: HashMap<String, ResourceSet>,
 }
 
+/// Ends a lease on a node (its resources available again); an unknown id changes nothing.
+fn give_back(st: &mut NodeState, lease_id: &str) {
+    if let Some(r) = st.leases.remove(lease_id) {
+        st.available.add(&r);
+    }
+}
+
 /// Heartbeat figures, shared by every node's loop.
 #[derive(Default)]
 pub struct HbStats {
@@ -144,22 +151,21 @@ impl Sim {
             return None;
         }
         let mut st = n.state.lock().unwrap();
-        if !st.available.is_superset_of(want) {
-            return None;
-        }
-        st.available.saturating_sub(want);
-        let lease_id = tpuray_proto::new_request_id();
-        st.leases.insert(lease_id.clone(), want.clone());
-        self.leases.fetch_add(1, Ordering::Relaxed);
-        Some(lease_id)
+        st.available.is_superset_of(want).then(|| self.grant(&mut st, want.clone()))
     }
 
     /// Gives back a lease [`Sim::take_lease`] took on node `i`.
     pub fn return_lease(&self, i: usize, lease_id: &str) {
-        let mut st = self.nodes[i].state.lock().unwrap();
-        if let Some(r) = st.leases.remove(lease_id) {
-            st.available.add(&r);
-        }
+        give_back(&mut self.nodes[i].state.lock().unwrap(), lease_id);
+    }
+
+    /// Records a lease of `want` on a node whose state `st` has it available; its id.
+    fn grant(&self, st: &mut NodeState, want: ResourceSet) -> String {
+        st.available.saturating_sub(&want);
+        let lease_id = tpuray_proto::new_request_id();
+        st.leases.insert(lease_id.clone(), want);
+        self.leases.fetch_add(1, Ordering::Relaxed);
+        lease_id
     }
 
     /// The node the request was sent to (by the address the head dialled).
@@ -269,12 +275,8 @@ impl NodeAgentService for SimSvc {
         } else if !st.available.is_superset_of(&want) {
             Outcome::Busy(Busy { reason: format!("{want} is not available now") })
         } else {
-            st.available.saturating_sub(&want);
-            let lease_id = tpuray_proto::new_request_id();
-            st.leases.insert(lease_id.clone(), want);
-            self.0.leases.fetch_add(1, Ordering::Relaxed);
             Outcome::Granted(Granted {
-                lease_id,
+                lease_id: self.0.grant(&mut st, want),
                 // A stand-in: no worker process is behind this lease.
                 worker_id: format!("head-load-standin-{}", tpuray_proto::new_request_id()),
                 worker_address: n.address.clone(),
@@ -290,11 +292,7 @@ impl NodeAgentService for SimSvc {
         req: Request<pb::ReturnWorkerLeaseRequest>,
     ) -> Result<Response<pb::ReturnWorkerLeaseReply>, Status> {
         let n = self.0.node(&req)?;
-        let req = req.into_inner();
-        let mut st = n.state.lock().unwrap();
-        if let Some(r) = st.leases.remove(&req.lease_id) {
-            st.available.add(&r);
-        }
+        give_back(&mut n.state.lock().unwrap(), &req.into_inner().lease_id);
         Ok(Response::new(pb::ReturnWorkerLeaseReply {}))
     }
 
