@@ -439,6 +439,36 @@ pub async fn serve<S, RB>(
     RB: http_body::Body<Data = Bytes> + Send + 'static,
     RB::Error: Into<BoxError>,
 {
+    serve_diverting(name, listener, svc, shutdown, None).await
+}
+
+/// Another protocol on the same port as a gRPC server: a plain-TCP connection whose first
+/// byte is `first_byte` is handed to `take` instead of served as HTTP/2 (whose
+/// connections open with the preface's `P`). Only without TLS: with TLS every
+/// connection is a TLS handshake and nothing is diverted.
+#[derive(Clone)]
+pub struct Divert {
+    pub first_byte: u8,
+    pub take: Arc<dyn Fn(tokio::net::TcpStream) + Send + Sync>,
+}
+
+/// [`serve`], with connections that open with `divert`'s first byte handed to it.
+pub async fn serve_diverting<S, RB>(
+    name: &'static str,
+    listener: tokio::net::TcpListener,
+    svc: S,
+    shutdown: impl Future<Output = ()>,
+    divert: Option<Divert>,
+) where
+    S: tower_service::Service<http::Request<Body>, Response = http::Response<RB>>
+        + Clone
+        + Send
+        + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+    RB: http_body::Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut connections = tokio::task::JoinSet::new();
     tokio::pin!(shutdown);
@@ -457,11 +487,22 @@ pub async fn serve<S, RB>(
             accepted = listener.accept() => match accepted {
                 Ok((tcp, peer)) => {
                     let _ = tcp.set_nodelay(true);
-                    match &tls {
-                        None => {
+                    match (&tls, &divert) {
+                        (None, None) => {
                             connections.spawn(serve_connection(tcp, svc.clone(), stop_rx.clone()));
                         }
-                        Some(acceptor) => {
+                        (None, Some(divert)) => {
+                            let (svc, stop, divert) = (svc.clone(), stop_rx.clone(), divert.clone());
+                            connections.spawn(async move {
+                                let mut first = [0u8; 1];
+                                match tokio::time::timeout(HANDSHAKE_TIMEOUT, tcp.peek(&mut first)).await {
+                                    Ok(Ok(1)) if first[0] == divert.first_byte => (divert.take)(tcp),
+                                    Ok(Ok(1)) => serve_connection(tcp, svc, stop).await,
+                                    _ => {}
+                                }
+                            });
+                        }
+                        (Some(acceptor), _) => {
                             let acceptor = acceptor.clone();
                             let (svc, stop) = (svc.clone(), stop_rx.clone());
                             connections.spawn(async move {

@@ -28,6 +28,7 @@
 pub mod actor;
 pub mod codec;
 pub mod core;
+mod direct;
 pub mod driver;
 pub mod error;
 mod executor;

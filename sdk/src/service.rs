@@ -24,7 +24,7 @@ pub(crate) struct Svc {
 }
 
 /// A pushed task's spec names as many return ids as it declares returns.
-fn check_spec(spec: &pb::TaskSpec) -> Result<(), Status> {
+pub(crate) fn check_spec(spec: &pb::TaskSpec) -> Result<(), Status> {
     if spec.return_ids.len() != spec.num_returns as usize {
         return Err(Status::invalid_argument(format!(
             "task {} declares {} returns but names {} return ids",
@@ -225,15 +225,23 @@ pub(crate) async fn serve(
     auth_required: bool,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) {
-    let server = pb::worker_service_server::WorkerServiceServer::new(SvcRef(svc))
+    let server = pb::worker_service_server::WorkerServiceServer::new(SvcRef(Arc::clone(&svc)))
         .max_decoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(tpuray_proto::MAX_MESSAGE_BYTES);
     let auth = tpuray_proto::auth::ServerAuth::new(
         token.as_deref().unwrap_or(""),
         auth_required && token.is_some(),
     );
+    let direct = crate::direct::DirectServer::new(Arc::clone(&svc), auth.clone());
     let server = tonic::service::interceptor::InterceptedService::new(server, auth);
-    tpuray_proto::h2grpc::serve("worker", listener, server, shutdown).await
+    // CORE-15: direct actor-call connections share the port.
+    let take = Arc::clone(&direct);
+    let divert = tpuray_proto::h2grpc::Divert {
+        first_byte: crate::direct::FIRST_BYTE,
+        take: Arc::new(move |tcp| take.take(tcp)),
+    };
+    tpuray_proto::h2grpc::serve_diverting("worker", listener, server, shutdown, Some(divert)).await;
+    direct.stop().await;
 }
 
 /// The replies of one `PushTasks` call as a stream of messages: each message carries the

@@ -539,3 +539,142 @@ fn object_put_inside_another_lives_with_it() {
     out.assert_success();
     assert_eq!(out.line("RESULT "), "RESULT size=300000", "{out}");
 }
+
+/// One direct-call frame (CORE-15's wire format, written out here from its doc): length,
+/// call id, kind, body.
+fn direct_frame(id: u64, kind: u8, body: &[u8]) -> Vec<u8> {
+    let mut f = ((9 + body.len()) as u32).to_le_bytes().to_vec();
+    f.extend_from_slice(&id.to_le_bytes());
+    f.push(kind);
+    f.extend_from_slice(body);
+    f
+}
+
+/// Reads one frame: (call id, kind, body); `None` at end of stream.
+fn read_direct_frame(s: &mut std::net::TcpStream) -> Option<(u64, u8, Vec<u8>)> {
+    use std::io::Read;
+    let mut head = [0u8; 13];
+    s.read_exact(&mut head).ok()?;
+    let len = u32::from_le_bytes(head[0..4].try_into().unwrap()) as usize;
+    let mut body = vec![0u8; len - 9];
+    s.read_exact(&mut body).ok()?;
+    Some((u64::from_le_bytes(head[4..12].try_into().unwrap()), head[12], body))
+}
+
+/// True once the peer closed the connection (a read returns 0 or fails).
+fn closed_by_peer(s: &mut std::net::TcpStream) -> bool {
+    use std::io::Read;
+    let mut b = [0u8; 64];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) | Err(_) => return true,
+            Ok(_) => continue,
+        }
+    }
+}
+
+/// A direct connection opened with `token`: the worker's one-byte answer.
+fn open_direct(addr: &str, token: &str) -> (std::net::TcpStream, u8) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to the actor's worker");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut opening = b"\0TPRYDC1".to_vec();
+    opening.extend_from_slice(&(token.len() as u16).to_le_bytes());
+    opening.extend_from_slice(token.as_bytes());
+    s.write_all(&opening).unwrap();
+    let mut answer = [9u8; 1];
+    s.read_exact(&mut answer).expect("the worker answers the opening");
+    (s, answer[0])
+}
+
+/// CORE-15: actor calls keep their order across gRPC and the direct connection, and with
+/// direct calls turned off; bad direct-call input (a wrong opening, a wrong token, a body
+/// that does not decode, a task that is no actor call, an oversized frame) is refused or
+/// drops that one connection, naming what is wrong, and the worker goes on serving.
+#[test]
+fn core_15_direct_calls_keep_order_and_bad_input_never_breaks_the_worker() {
+    use std::io::Write;
+    let mut c = Cluster::new();
+    c.start_head(&["--num-cpus", "2"]);
+    let go = c.dir().join("go");
+    let driver = start_driver(&c, "direct", &[&go.display().to_string()]);
+    wait_until(RUN, "the driver's first 100 calls", || {
+        driver.stdout().iter().any(|l| l.starts_with("ACTOR "))
+    });
+    let line = driver.stdout().into_iter().find(|l| l.starts_with("ACTOR ")).unwrap();
+    let actor_id = line.trim_start_matches("ACTOR ").to_string();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let actor = rt
+        .block_on(c.head_client().get_actor(tpuray_proto::pb::GetActorRequest {
+            actor_id: actor_id.clone(),
+            ..Default::default()
+        }))
+        .expect("GetActor")
+        .into_inner()
+        .actor
+        .expect("the actor");
+    let addr = actor.worker_address.clone();
+    let token = c.token();
+
+    // A connection whose first byte is 0 but whose opening is not the magic: dropped.
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(b"\0NOTMAGIC-and-more").unwrap();
+    assert!(closed_by_peer(&mut s), "a wrong opening is dropped");
+    // A wrong token: refused (0), then closed.
+    let (mut s, answer) = open_direct(&addr, "not-the-token");
+    assert_eq!(answer, 0, "a wrong cluster token is refused");
+    assert!(closed_by_peer(&mut s));
+    // The right token: accepted; bad frames are refused one by one, naming the problem.
+    let (mut s, answer) = open_direct(&addr, &token);
+    assert_eq!(answer, 1, "the cluster token is accepted");
+    s.write_all(&direct_frame(7, 0, b"\xff\xff\xff not a task spec")).unwrap();
+    let (id, kind, body) = read_direct_frame(&mut s).expect("a refusal");
+    assert_eq!((id, kind), (7, 1), "refused, for call 7");
+    assert_eq!(
+        u32::from_le_bytes(body[0..4].try_into().unwrap()),
+        tonic::Code::InvalidArgument as u32
+    );
+    let msg = String::from_utf8_lossy(&body[4..]).to_string();
+    assert!(msg.contains("task spec"), "names what did not decode: {msg}");
+    let task =
+        tpuray_proto::pb::TaskSpec { task_id: "not-an-actor-call".into(), ..Default::default() };
+    s.write_all(&direct_frame(8, 0, &prost::Message::encode_to_vec(&task))).unwrap();
+    let (id, kind, body) = read_direct_frame(&mut s).expect("a refusal");
+    assert_eq!((id, kind), (8, 1));
+    let msg = String::from_utf8_lossy(&body[4..]).to_string();
+    assert!(msg.contains("not-an-actor-call") && msg.contains("not an actor call"), "{msg}");
+    // A frame claiming 4 GiB: the connection is dropped.
+    s.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    s.write_all(&[0u8; 9]).unwrap();
+    assert!(closed_by_peer(&mut s), "an oversized frame drops the connection");
+    // The worker still answers gRPC, and the driver's calls go on.
+    let info = rt
+        .block_on(async {
+            tpuray_proto::client::worker(&addr, Some(&token))
+                .unwrap()
+                .get_worker_info(tpuray_proto::pb::GetWorkerInfoRequest {})
+                .await
+        })
+        .expect("the worker still serves gRPC")
+        .into_inner();
+    assert_eq!(info.actor_id, actor_id);
+    std::fs::write(&go, "").unwrap();
+    let out = driver.finish(RUN);
+    out.assert_success();
+    assert_eq!(out.line("AFTER "), "AFTER 150", "{out}");
+
+    // With direct calls turned off in the driver, the same over gRPC alone.
+    let go = c.dir().join("go-grpc");
+    std::fs::write(&go, "").unwrap();
+    let out = start_driver_with(
+        &c,
+        &driver_bin(),
+        "direct",
+        &[&go.display().to_string()],
+        &[("TPURAY_DIRECT_CALLS", "0")],
+    )
+    .finish(RUN);
+    out.assert_success();
+    assert_eq!(out.line("AFTER "), "AFTER 150", "{out}");
+}

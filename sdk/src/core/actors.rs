@@ -18,14 +18,71 @@ use super::*;
 /// `timeout_ms_task_wait_for_death_info` the same way.
 pub(super) const ACTOR_DEATH_INFO_WAIT: Duration = Duration::from_secs(5);
 
+/// A call, its pinned arguments, delivery attempts so far, retries left after the actor
+/// dies mid-call or the method raises, and whether the method's exceptions are retried:
+/// what the ordered sender sends again ([`ActorConn::retry_tx`]).
+pub(super) type Resend = (pb::TaskSpec, Vec<RawRef>, u32, i32, bool);
+
 /// Per-actor caller state: the ordered sender (CORE-4).
 pub(super) struct ActorConn {
     /// (call, its arguments being resolved, retries left, retry on the method's own
     /// exceptions).
     pub(super) tx: tokio::sync::mpsc::UnboundedSender<(pb::TaskSpec, ResolvedArgs, i32, bool)>,
+    /// Calls that never reached the actor (connection refused: it died or moved), or are
+    /// retried, go back to the sender here and out again before newer calls.
+    pub(super) retry_tx: tokio::sync::mpsc::UnboundedSender<Resend>,
     /// Task ids of this process's calls to the actor that are not finished (CORE-13:
     /// what `max_pending_calls` bounds).
     pub(super) pending: Mutex<std::collections::HashSet<String>>,
+    /// What the sender knows, shared with callers that send on their own thread.
+    pub(super) state: Mutex<SenderState>,
+}
+
+/// The ordered sender's state (CORE-4). A caller's thread sends a call itself over the
+/// direct connection (CORE-15) only while `backlog` is 0: every call before it has its
+/// sequence number, so the actor's per-caller order is the submission order either way.
+#[derive(Default)]
+pub(super) struct SenderState {
+    /// The actor's (worker address, incarnation, node id), once known; cleared when a
+    /// call is lost.
+    pub(super) current: Option<(String, u32, String)>,
+    /// The incarnation `seq` counts in (numbers restart at 0 with each).
+    pub(super) incarnation: Option<u32>,
+    pub(super) seq: u64,
+    /// Calls handed to the sender task (new or to resend) and not numbered yet.
+    pub(super) backlog: usize,
+    /// The direct connection to `current`'s address, when open.
+    pub(super) direct: Option<Arc<crate::direct::DirectConn>>,
+    /// The address a direct connection is being opened to.
+    pub(super) connecting: Option<String>,
+}
+
+/// One call in flight: what deciding its outcome needs ([`Core::settle_actor_call`]).
+pub(super) struct InFlight {
+    pub(super) conn: Arc<ActorConn>,
+    pub(super) actor_id: String,
+    pub(super) spec: pb::TaskSpec,
+    pub(super) pins: Vec<RawRef>,
+    pub(super) attempts: u32,
+    pub(super) retries: i32,
+    pub(super) retry_exceptions: bool,
+    /// The incarnation it was sent to.
+    pub(super) inc: u32,
+}
+
+impl ActorConn {
+    /// Queues a call for the sender to send again.
+    fn resend(&self, r: Resend) {
+        self.state.lock().unwrap().backlog += 1;
+        let _ = self.retry_tx.send(r);
+    }
+
+    /// Closes the direct connection, if any (its calls in flight fail as lost).
+    pub(super) fn close_direct(&self) {
+        if let Some(d) = self.state.lock().unwrap().direct.take() {
+            d.close(None);
+        }
+    }
 }
 
 /// True when a call failed before reaching the server (nothing ran).
@@ -218,21 +275,79 @@ impl Core {
         });
         conn.pending.lock().unwrap().insert(spec.task_id.clone());
         self.register_submitted(&spec);
+        let retries = call.max_task_retries.unwrap_or(handle.max_task_retries);
         // Resolve arguments at once, in parallel with earlier calls; the
         // sender awaits them in submission order.
         let (tx, rx) = tokio::sync::oneshot::channel();
         match Self::resolve_args_now(args) {
-            Ok(resolved) => {
-                let _ = tx.send(Ok(resolved));
+            Ok((args, pins)) => {
+                let mut st = conn.state.lock().unwrap();
+                let direct = st.direct.clone().filter(|d| d.alive());
+                match (st.current.clone(), direct) {
+                    // CORE-15: nothing queued before it, the actor's address known and a
+                    // direct connection to it open: sent from this thread.
+                    (Some((address, inc, node_id)), Some(d))
+                        if st.backlog == 0
+                            && st.incarnation == Some(inc)
+                            && d.address == address
+                            && !self.deaths.is_dead(&node_id) =>
+                    {
+                        spec.sequence_no = st.seq;
+                        st.seq += 1;
+                        let mut sent = spec.clone();
+                        sent.args = args;
+                        let frame = crate::direct::encode_call(&sent);
+                        self.running.lock().unwrap().insert(
+                            spec.task_id.clone(),
+                            Running { worker_address: address, cancelled: false, actor: true },
+                        );
+                        let call = InFlight {
+                            conn: Arc::clone(&conn),
+                            actor_id: handle.actor_id.clone(),
+                            spec: sent,
+                            pins,
+                            attempts: 0,
+                            retries,
+                            retry_exceptions: call.retry_exceptions,
+                            inc,
+                        };
+                        let core = Arc::clone(self);
+                        // Written under the state's lock: calls leave in their order.
+                        let sent = d.call(
+                            frame,
+                            Box::new(move |result| core.settle_actor_call(call, result)),
+                        );
+                        drop(st);
+                        match sent {
+                            crate::direct::Sent::Yes => {}
+                            // Numbered already: the same call over gRPC, so the actor
+                            // sees no gap in this caller's sequence.
+                            crate::direct::Sent::Not(done, frame) => {
+                                let core = Arc::clone(self);
+                                let address = d.address.clone();
+                                let spec = crate::direct::decode_call(&frame);
+                                self.rt.spawn(async move {
+                                    done(core.push_over_grpc(&spec, &address, &node_id).await)
+                                });
+                            }
+                            crate::direct::Sent::Lost(done, status) => done(Err(status)),
+                        }
+                        return Ok(spec);
+                    }
+                    _ => {
+                        st.backlog += 1;
+                        let _ = tx.send(Ok((args, pins)));
+                    }
+                }
             }
             Err(args) => {
+                conn.state.lock().unwrap().backlog += 1;
                 let core = Arc::clone(self);
                 self.rt.spawn(async move {
                     let _ = tx.send(core.resolve_args(args, &display).await);
                 });
             }
         }
-        let retries = call.max_task_retries.unwrap_or(handle.max_task_retries);
         let _ = conn.tx.send((spec.clone(), rx, retries, call.retry_exceptions));
         Ok(spec)
     }
@@ -243,12 +358,76 @@ impl Core {
             return Arc::clone(c);
         }
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let conn = Arc::new(ActorConn { tx, pending: Mutex::new(Default::default()) });
+        let (retry_tx, retry_rx) = tokio::sync::mpsc::unbounded_channel();
+        let conn = Arc::new(ActorConn {
+            tx,
+            retry_tx,
+            pending: Mutex::new(Default::default()),
+            state: Mutex::new(SenderState::default()),
+        });
         actors.insert(actor_id.to_string(), Arc::clone(&conn));
         let core = Arc::clone(self);
         let id = actor_id.to_string();
-        self.rt.spawn(async move { core.actor_sender(id, rx).await });
+        let sender = Arc::clone(&conn);
+        self.rt.spawn(async move { core.actor_sender(id, sender, rx, retry_rx).await });
         conn
+    }
+
+    /// Opens a direct connection (CORE-15) to the actor's worker at `address` on
+    /// `node_id` in the background, unless one is open or opening; its calls fail as
+    /// lost when the head declares the node dead (CORE-10). A worker that refuses it, or
+    /// cannot be reached, leaves the calls on gRPC.
+    fn open_direct(self: &Arc<Self>, conn: &Arc<ActorConn>, address: &str, node_id: &str) {
+        if !crate::direct::enabled() {
+            return;
+        }
+        {
+            let mut st = conn.state.lock().unwrap();
+            let open = st.direct.as_ref().is_some_and(|d| d.alive() && d.address == address);
+            if open || st.connecting.as_deref() == Some(address) {
+                return;
+            }
+            st.connecting = Some(address.to_string());
+        }
+        let (core, conn) = (Arc::clone(self), Arc::clone(conn));
+        let (address, node_id) = (address.to_string(), node_id.to_string());
+        let rt = self.rt.clone();
+        self.rt.spawn(async move {
+            let (a, token) = (address.clone(), core.token.clone());
+            let opened = tokio::task::spawn_blocking(move || {
+                crate::direct::DirectConn::connect(&a, token.as_deref(), rt)
+            })
+            .await;
+            let d = {
+                let mut st = conn.state.lock().unwrap();
+                st.connecting = None;
+                match opened {
+                    Ok(Ok(d)) => {
+                        let wanted = st.current.as_ref().is_some_and(|c| c.0 == address);
+                        if let Some(old) = st.direct.take() {
+                            old.close(None);
+                        }
+                        if !wanted {
+                            d.close(None);
+                            return;
+                        }
+                        st.direct = Some(Arc::clone(&d));
+                        d
+                    }
+                    _ => return,
+                }
+            };
+            // CORE-10: calls on a node the head declares dead are lost with it.
+            while d.alive() {
+                tokio::select! {
+                    () = core.deaths.died(&node_id) => {
+                        d.close(Some(node_died(&node_id)));
+                        break;
+                    }
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+        });
     }
 
     /// Waits until the actor is ALIVE on a node not known dead (CORE-10): (worker
@@ -360,49 +539,50 @@ impl Core {
     pub(super) async fn actor_sender(
         self: Arc<Self>,
         actor_id: String,
+        conn: Arc<ActorConn>,
         mut rx: tokio::sync::mpsc::UnboundedReceiver<(pb::TaskSpec, ResolvedArgs, i32, bool)>,
+        mut retry_rx: tokio::sync::mpsc::UnboundedReceiver<Resend>,
     ) {
         self.watch_nodes();
-        let current: Arc<Mutex<Option<(String, u32, String)>>> = Arc::new(Mutex::new(None));
-        // Calls that never reached the actor (connection refused: it died or
-        // moved) come back here and go out again, before newer calls.
-        // (call, pinned args, delivery attempts, retries left after the actor dies
-        // mid-call or the method raises, retry on the method's exceptions)
-        let (retry_tx, mut retry_rx) =
-            tokio::sync::mpsc::unbounded_channel::<(pb::TaskSpec, Vec<RawRef>, u32, i32, bool)>();
-        let mut incarnation: Option<u32> = None;
-        let mut seq = 0u64;
         loop {
             let (mut spec, pins, attempts, retries, retry_exceptions) = tokio::select! {
                 biased;
                 Some(r) = retry_rx.recv() => r,
                 next = rx.recv() => {
-                    let Some((mut spec, resolved, retries, retry_exceptions)) = next else { return };
+                    let Some((mut spec, resolved, retries, retry_exceptions)) = next else {
+                        conn.close_direct();
+                        return;
+                    };
                     match resolved.await {
                         Ok(Ok((args, pins))) => {
                             spec.args = args;
                             (spec, pins, 0, retries, retry_exceptions)
                         }
                         Ok(Err(e)) => {
+                            conn.state.lock().unwrap().backlog -= 1;
                             self.finish_failed(&spec, e);
                             continue;
                         }
-                        Err(_) => continue,
+                        Err(_) => {
+                            conn.state.lock().unwrap().backlog -= 1;
+                            continue;
+                        }
                     }
                 }
             };
             if attempts > 0 {
                 tokio::time::sleep(Duration::from_millis(100 * u64::from(attempts.min(5)))).await;
             }
-            let known = current.lock().unwrap().clone();
+            let known = conn.state.lock().unwrap().current.clone();
             let (address, inc, node_id) = match known {
                 Some(a) => a,
                 None => match self.wait_actor_alive(&actor_id).await {
                     Ok(a) => {
-                        *current.lock().unwrap() = Some(a.clone());
+                        conn.state.lock().unwrap().current = Some(a.clone());
                         a
                     }
                     Err(cause) => {
+                        conn.state.lock().unwrap().backlog -= 1;
                         let e =
                             err(Kind::ActorDied, format!("the actor is dead: {cause}"), &spec.name);
                         self.finish_failed(&spec, e);
@@ -410,101 +590,138 @@ impl Core {
                     }
                 },
             };
-            if incarnation != Some(inc) {
-                incarnation = Some(inc);
-                seq = 0;
+            {
+                let mut st = conn.state.lock().unwrap();
+                if st.incarnation != Some(inc) {
+                    st.incarnation = Some(inc);
+                    st.seq = 0;
+                }
+                spec.sequence_no = st.seq;
+                st.seq += 1;
+                st.backlog -= 1;
             }
-            spec.sequence_no = seq;
-            seq += 1;
+            self.open_direct(&conn, &address, &node_id);
             let core = Arc::clone(&self);
-            let current = Arc::clone(&current);
-            let retry_tx = retry_tx.clone();
-            let actor_id = actor_id.clone();
             self.running.lock().unwrap().insert(
                 spec.task_id.clone(),
                 Running { worker_address: address.clone(), cancelled: false, actor: true },
             );
+            let call = InFlight {
+                conn: Arc::clone(&conn),
+                actor_id: actor_id.clone(),
+                spec,
+                pins,
+                attempts,
+                retries,
+                retry_exceptions,
+                inc,
+            };
             self.rt.spawn(async move {
-                let result = match core.worker_client(&address) {
-                    // CORE-10: never sent to a dead node: resent to the restart.
-                    Ok(_) if core.deaths.is_dead(&node_id) => Err(tonic::Status::unavailable(
-                        format!("not sent: {}; tcp connect error", node_died(&node_id).message()),
-                    )),
-                    Ok(mut c) => {
-                        let push = c.push_task(pb::PushTaskRequest { spec: Some(spec.clone()) });
-                        // Lost with its node mid-call: as a lost connection.
-                        core.unless_node_dies(&node_id, push).await
-                    }
-                    Err(e) => Err(tonic::Status::internal(e.to_string())),
-                };
-                let cancelled =
-                    core.running.lock().unwrap().remove(&spec.task_id).is_some_and(|r| r.cancelled);
-                let attempt = retry::Attempt {
-                    work: retry::Work::ActorCall,
-                    retries_left: retries,
-                    retry_exceptions,
-                    cancelled,
-                    undelivered: attempts,
-                };
-                let outcome = match &result {
-                    Ok(reply) => match &reply.get_ref().error {
-                        Some(e) => retry::Outcome::Raised {
-                            application: e.kind == Kind::Application as i32,
-                            no_retry: e.no_retry,
-                        },
-                        None => retry::Outcome::Returned,
-                    },
-                    Err(status) => retry::Outcome::Lost { reached: !is_connect_error(status) },
-                };
-                if result.is_err() {
-                    *current.lock().unwrap() = None;
-                }
-                match (retry::decide(&attempt, outcome), result) {
-                    // CORE-12: a call cancelled while it ran is not retried, and its
-                    // get fails with Cancelled (Ray's TaskCancelledError).
-                    (retry::Decision::FailCancelled, _) => {
-                        core.finish_failed(&spec, err(Kind::Cancelled, "cancelled", &spec.name));
-                    }
-                    (retry::Decision::Finish, Ok(reply)) => {
-                        core.finish_ok(&spec, reply.into_inner())
-                    }
-                    // Never reached the actor (it died or moved): sent again, before newer
-                    // calls, once its next address is known.
-                    (retry::Decision::Resend, _) => {
-                        let _ =
-                            retry_tx.send((spec, pins, attempts + 1, retries, retry_exceptions));
-                    }
-                    // The method raised with retry_exceptions (Ray's, per method or per
-                    // call), or the actor died mid-call: Ray's max_task_retries sends it
-                    // again to the restarted actor (which fails it if the actor stays dead).
-                    (retry::Decision::Retry { retries_left }, result) => {
-                        spec.attempt += 1;
-                        let backoff = u32::from(result.is_err());
-                        let _ =
-                            retry_tx.send((spec, pins, backoff, retries_left, retry_exceptions));
-                    }
-                    (retry::Decision::Fail, Ok(reply)) => {
-                        let e = reply.into_inner().error.unwrap_or_default();
-                        core.finish_failed(&spec, e);
-                    }
-                    (retry::Decision::Fail, Err(status)) => {
-                        let e = core.lost_call_error(&actor_id, inc, &status, &spec.name).await;
-                        core.finish_failed(&spec, e);
-                    }
-                    (decision, _) => {
-                        // decide() gives actor calls none of these (a Finish comes only
-                        // with a reply, a Requeue only for tasks): fail loudly.
-                        let e = err(
-                            Kind::WorkerDied,
-                            format!(
-                                "internal error: retry decision {decision:?} for an actor call"
-                            ),
-                            &spec.name,
-                        );
-                        core.finish_failed(&spec, e);
-                    }
-                }
+                let result = core.push_over_grpc(&call.spec, &address, &node_id).await;
+                core.settle_actor_call(call, result);
             });
+        }
+    }
+
+    /// Sends an actor call over gRPC to the actor's worker at `address` on `node_id`.
+    async fn push_over_grpc(
+        &self,
+        spec: &pb::TaskSpec,
+        address: &str,
+        node_id: &str,
+    ) -> Result<pb::PushTaskReply, tonic::Status> {
+        match self.worker_client(address) {
+            // CORE-10: never sent to a dead node: resent to the restart.
+            Ok(_) if self.deaths.is_dead(node_id) => Err(tonic::Status::unavailable(format!(
+                "not sent: {}; tcp connect error",
+                node_died(node_id).message()
+            ))),
+            Ok(mut c) => {
+                let push = c.push_task(pb::PushTaskRequest { spec: Some(spec.clone()) });
+                // Lost with its node mid-call: as a lost connection.
+                self.unless_node_dies(node_id, push).await.map(|r| r.into_inner())
+            }
+            Err(e) => Err(tonic::Status::internal(e.to_string())),
+        }
+    }
+
+    /// Decides what an actor call's reply or failure becomes (CORE-4/5/12), from the
+    /// task that sent it over gRPC or a direct connection's reader thread (CORE-15): its
+    /// result recorded, the call sent again, or failed.
+    pub(super) fn settle_actor_call(
+        self: &Arc<Self>,
+        call: InFlight,
+        result: Result<pb::PushTaskReply, tonic::Status>,
+    ) {
+        let InFlight { conn, actor_id, mut spec, pins, attempts, retries, retry_exceptions, inc } =
+            call;
+        let cancelled =
+            self.running.lock().unwrap().remove(&spec.task_id).is_some_and(|r| r.cancelled);
+        let attempt = retry::Attempt {
+            work: retry::Work::ActorCall,
+            retries_left: retries,
+            retry_exceptions,
+            cancelled,
+            undelivered: attempts,
+        };
+        let outcome = match &result {
+            Ok(reply) => match &reply.error {
+                Some(e) => retry::Outcome::Raised {
+                    application: e.kind == Kind::Application as i32,
+                    no_retry: e.no_retry,
+                },
+                None => retry::Outcome::Returned,
+            },
+            Err(status) => retry::Outcome::Lost { reached: !is_connect_error(status) },
+        };
+        if result.is_err() {
+            let mut st = conn.state.lock().unwrap();
+            st.current = None;
+            if let Some(d) = st.direct.take() {
+                d.close(None);
+            }
+        }
+        match (retry::decide(&attempt, outcome), result) {
+            // CORE-12: a call cancelled while it ran is not retried, and its
+            // get fails with Cancelled (Ray's TaskCancelledError).
+            (retry::Decision::FailCancelled, _) => {
+                self.finish_failed(&spec, err(Kind::Cancelled, "cancelled", &spec.name));
+            }
+            (retry::Decision::Finish, Ok(reply)) => self.finish_ok(&spec, reply),
+            // Never reached the actor (it died or moved): sent again, before newer
+            // calls, once its next address is known.
+            (retry::Decision::Resend, _) => {
+                conn.resend((spec, pins, attempts + 1, retries, retry_exceptions));
+            }
+            // The method raised with retry_exceptions (Ray's, per method or per
+            // call), or the actor died mid-call: Ray's max_task_retries sends it
+            // again to the restarted actor (which fails it if the actor stays dead).
+            (retry::Decision::Retry { retries_left }, result) => {
+                spec.attempt += 1;
+                let backoff = u32::from(result.is_err());
+                conn.resend((spec, pins, backoff, retries_left, retry_exceptions));
+            }
+            (retry::Decision::Fail, Ok(reply)) => {
+                let e = reply.error.unwrap_or_default();
+                self.finish_failed(&spec, e);
+            }
+            (retry::Decision::Fail, Err(status)) => {
+                let core = Arc::clone(self);
+                self.rt.spawn(async move {
+                    let e = core.lost_call_error(&actor_id, inc, &status, &spec.name).await;
+                    core.finish_failed(&spec, e);
+                });
+            }
+            (decision, _) => {
+                // decide() gives actor calls none of these (a Finish comes only
+                // with a reply, a Requeue only for tasks): fail loudly.
+                let e = err(
+                    Kind::WorkerDied,
+                    format!("internal error: retry decision {decision:?} for an actor call"),
+                    &spec.name,
+                );
+                self.finish_failed(&spec, e);
+            }
         }
     }
 }

@@ -419,7 +419,9 @@ impl Core {
         std::mem::take(&mut *self.classes.lock().unwrap());
         self.last_class.lock().unwrap().take();
         std::mem::take(&mut *self.generators.lock().unwrap());
-        std::mem::take(&mut *self.actors.lock().unwrap());
+        for conn in std::mem::take(&mut *self.actors.lock().unwrap()).into_values() {
+            conn.close_direct();
+        }
         std::mem::take(&mut *self.running.lock().unwrap());
         std::mem::take(&mut *self.events.lock().unwrap());
         *self.clients.lock().unwrap() = Clients::default();

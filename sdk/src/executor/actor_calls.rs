@@ -13,7 +13,7 @@ use tpuray_proto::pb::task_error::Kind;
 use super::context::task_cancelled;
 use super::invoke::{foreign_of, task_info};
 use super::replies::{failure, stopped};
-use super::{Executor, Job, QUEUED};
+use super::{Executor, Job, QUEUED, Replier};
 use crate::codec::Encoded;
 use crate::error::TaskFailure;
 use crate::foreign::ForeignRuntime;
@@ -50,44 +50,48 @@ impl Executor {
             return self.enqueue_task(spec).reply().await;
         }
         let (tx, rx) = oneshot::channel();
-        let job = Job { spec, reply: tx, state: Arc::new(AtomicU8::new(QUEUED)) };
+        self.push_call(spec, Replier::Rpc(tx));
+        rx.await.unwrap_or_else(|_| stopped())
+    }
+
+    /// Accepts an actor call (`spec.actor_id` set): released in its caller's sequence
+    /// order (CORE-4) to its concurrency group, and answered through `reply` from the
+    /// thread that finishes it.
+    pub(crate) fn push_call(self: &Arc<Self>, spec: pb::TaskSpec, reply: Replier) {
+        let job = Job { spec, reply, state: Arc::new(AtomicU8::new(QUEUED)) };
         let Some(actor) = &self.actor else {
-            return failure(
+            let failed = failure(
                 &job.spec,
                 &self.core,
                 TaskFailure::new(Kind::ActorDied, "this worker hosts no actor"),
             );
+            job.reply.send(failed);
+            return;
         };
         self.running.lock().unwrap().insert(job.spec.task_id.clone(), ());
         // CORE-4: release each caller's calls in sequence order.
-        {
-            let mut callers = actor.callers.lock().unwrap();
-            let q = callers.entry(job.spec.caller_id.clone()).or_default();
-            q.arrive(job.spec.sequence_no, job);
-            while let Some(j) = q.release() {
-                let group = match self.group_of(&j.spec) {
-                    Ok(g) => g,
-                    Err(message) => {
-                        let reply = failure(
-                            &j.spec,
-                            &self.core,
-                            TaskFailure::new(Kind::Application, message),
-                        );
-                        self.running.lock().unwrap().remove(&j.spec.task_id);
-                        let _ = j.reply.send(reply);
-                        continue;
-                    }
-                };
-                match loop_runtime(&j.spec) {
-                    Some(rt) => self.start_on_loop(rt, j, group),
-                    None => {
-                        let tx = self.groups.get(&group).map_or(&self.tx, |(_, tx)| tx);
-                        let _ = tx.send(j);
-                    }
+        let mut callers = actor.callers.lock().unwrap();
+        let q = callers.entry(job.spec.caller_id.clone()).or_default();
+        q.arrive(job.spec.sequence_no, job);
+        while let Some(j) = q.release() {
+            let group = match self.group_of(&j.spec) {
+                Ok(g) => g,
+                Err(message) => {
+                    let reply =
+                        failure(&j.spec, &self.core, TaskFailure::new(Kind::Application, message));
+                    self.running.lock().unwrap().remove(&j.spec.task_id);
+                    j.reply.send(reply);
+                    continue;
+                }
+            };
+            match loop_runtime(&j.spec) {
+                Some(rt) => self.start_on_loop(rt, j, group),
+                None => {
+                    let tx = self.groups.get(&group).map_or(&self.tx, |(_, tx)| tx);
+                    let _ = tx.send(j);
                 }
             }
         }
-        rx.await.unwrap_or_else(|_| stopped())
     }
 
     /// The concurrency group a call runs in: the one it names, else its method's, else
@@ -141,7 +145,7 @@ impl Executor {
         if task_cancelled(&spec.task_id) {
             // Cancelled while it waited for a place (CORE-12): it never runs.
             let failed = TaskFailure::new(Kind::Cancelled, "cancelled before it ran");
-            let _ = reply.send(self.finish(&spec, Err(failed)));
+            reply.send(self.finish(&spec, Err(failed)));
             if let Some(j) = self.next_on_loop(&group) {
                 self.launch_on_loop(rt, j, group);
             }
@@ -156,7 +160,7 @@ impl Executor {
             &info,
             args,
             Box::new(move |result| {
-                let _ = reply.send(ex.finish(&spec, result.map(Encoded::Foreign)));
+                reply.send(ex.finish(&spec, result.map(Encoded::Foreign)));
                 if let Some(j) = ex.next_on_loop(&group) {
                     ex.launch_on_loop(rt, j, group);
                 }

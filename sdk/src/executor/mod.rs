@@ -31,6 +31,8 @@ mod invoke;
 mod replies;
 mod threads;
 
+pub(crate) use replies::stopped;
+
 pub(crate) use context::{
     current_capture_group, current_placement_group, current_task_cancelled, current_task_id,
     task_cancelled,
@@ -54,10 +56,29 @@ use crate::core::actor_order::{CallerQueue, Places};
 
 struct Job {
     spec: pb::TaskSpec,
-    reply: oneshot::Sender<pb::PushTaskReply>,
+    reply: Replier,
     /// [`QUEUED`], [`STARTED`] or [`HANDED_BACK`]: a task (not an actor call) queued
     /// behind another is handed back unrun when that one blocks or runs long (CORE-9).
     state: Arc<AtomicU8>,
+}
+
+/// Where a call's reply goes: the RPC handler awaiting it, or (an actor call that came
+/// on a direct connection, `crate::direct`) a writer the finishing thread answers on
+/// itself.
+pub(crate) enum Replier {
+    Rpc(oneshot::Sender<pb::PushTaskReply>),
+    Direct(Box<dyn FnOnce(pb::PushTaskReply) + Send>),
+}
+
+impl Replier {
+    fn send(self, reply: pb::PushTaskReply) {
+        match self {
+            Replier::Rpc(tx) => {
+                let _ = tx.send(reply);
+            }
+            Replier::Direct(answer) => answer(reply),
+        }
+    }
 }
 
 const QUEUED: u8 = 0;

@@ -32,7 +32,7 @@ pub(super) fn failure(spec: &pb::TaskSpec, core: &Core, f: TaskFailure) -> pb::P
 }
 
 /// The reply of a call whose executor stopped before it answered.
-pub(super) fn stopped() -> pb::PushTaskReply {
+pub(crate) fn stopped() -> pb::PushTaskReply {
     pb::PushTaskReply {
         error: Some(pb::TaskError {
             kind: Kind::WorkerDied as i32,

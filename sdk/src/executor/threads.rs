@@ -13,7 +13,7 @@ use tpuray_proto::pb::task_error::Kind;
 use super::context::{Current, CurrentTask, task_cancelled};
 use super::invoke::task_info;
 use super::replies::stopped;
-use super::{Executor, HANDED_BACK, Job, QUEUED, STARTED};
+use super::{Executor, HANDED_BACK, Job, QUEUED, Replier, STARTED};
 use crate::core::Core;
 use crate::error::TaskFailure;
 
@@ -88,8 +88,7 @@ pub(super) fn spawn_threads(
                             )
                             .is_ok()
                         {
-                            let _ = job
-                                .reply
+                            job.reply
                                 .send(pb::PushTaskReply { not_run: true, ..Default::default() });
                         }
                         ex.running.lock().unwrap().remove(&job.spec.task_id);
@@ -104,7 +103,7 @@ pub(super) fn spawn_threads(
                         continue; // handed back unrun (CORE-9)
                     }
                     let reply = ex.run(&job.spec);
-                    let _ = job.reply.send(reply);
+                    job.reply.send(reply);
                 }
             })
             .expect("spawn executor thread");
@@ -118,7 +117,7 @@ impl Executor {
         let (tx, rx) = oneshot::channel();
         let state = Arc::new(AtomicU8::new(QUEUED));
         self.running.lock().unwrap().insert(spec.task_id.clone(), ());
-        let _ = self.tx.send(Job { spec, reply: tx, state: Arc::clone(&state) });
+        let _ = self.tx.send(Job { spec, reply: Replier::Rpc(tx), state: Arc::clone(&state) });
         QueuedTask { core: Arc::clone(&self.core), rx, state }
     }
 

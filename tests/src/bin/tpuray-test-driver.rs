@@ -702,6 +702,29 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
                 Err(e) => print_error(&e, t),
             }
         }
+        // CORE-15: calls in order whichever way they leave (the first over gRPC while the
+        // direct connection opens, then direct), pipelined and one at a time; then, once
+        // the test has sent the worker bad direct-call input (`go` file), more calls.
+        "direct" => {
+            let go = arg(args, 0, "go file")?;
+            let j = Journal::options(ActorOptions { num_cpus: Some(0.0), ..Default::default() })
+                .remote()?;
+            for x in 1..=20u64 {
+                tpuray::get_timeout(&j.append(x), Duration::from_secs(30))?;
+            }
+            let refs: Vec<_> = (21..=100u64).map(|x| j.append(x)).collect();
+            let lens = tpuray::get_all(&refs)?;
+            anyhow::ensure!(lens == (21..=100usize).collect::<Vec<_>>(), "lengths {lens:?}");
+            let entries = tpuray::get_timeout(&j.entries(), Duration::from_secs(30))?;
+            anyhow::ensure!(entries == (1..=100u64).collect::<Vec<_>>(), "order {entries:?}");
+            say(&format!("ACTOR {}", j.handle().actor_id));
+            wait_for_file(Path::new(&go), Duration::from_secs(60))?;
+            let refs: Vec<_> = (101..=150u64).map(|x| j.append(x)).collect();
+            tpuray::get_all(&refs)?;
+            let entries = tpuray::get_timeout(&j.entries(), Duration::from_secs(30))?;
+            anyhow::ensure!(entries == (1..=150u64).collect::<Vec<_>>(), "order {entries:?}");
+            say(&format!("AFTER {}", entries.len()));
+        }
         // Cancels a running task, then runs another.
         "cancel" => {
             let pid_file = arg(args, 0, "pid file")?;
