@@ -270,12 +270,6 @@ impl DirectServer {
         let spec = pb::TaskSpec::decode(body)
             .map_err(|e| Status::invalid_argument(format!("a direct call's task spec: {e}")))?;
         crate::service::check_spec(&spec)?;
-        if spec.actor_id.is_empty() {
-            return Err(Status::invalid_argument(format!(
-                "task {} is not an actor call; direct connections carry actor calls only",
-                spec.task_id
-            )));
-        }
         let ex = self.svc.executor.get().ok_or_else(|| {
             Status::failed_precondition("this process is a driver and does not execute tasks")
         })?;
@@ -286,7 +280,12 @@ impl DirectServer {
             in_flight: Arc::clone(&self.in_flight),
             answered: false,
         };
-        ex.push_call(spec, Replier::Direct(Box::new(move |reply| answer.send(reply))));
+        let reply = Replier::Direct(Box::new(move |reply| answer.send(reply)));
+        if spec.actor_id.is_empty() {
+            ex.enqueue_task_to(spec, reply);
+        } else {
+            ex.push_call(spec, reply);
+        }
         Ok(())
     }
 }

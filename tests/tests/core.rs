@@ -589,8 +589,9 @@ fn open_direct(addr: &str, token: &str) -> (std::net::TcpStream, u8) {
 
 /// CORE-15: actor calls keep their order across gRPC and the direct connection, and with
 /// direct calls turned off; bad direct-call input (a wrong opening, a wrong token, a body
-/// that does not decode, a task that is no actor call, an oversized frame) is refused or
+/// that does not decode, a task whose return ids do not match, an oversized frame) is refused or
 /// drops that one connection, naming what is wrong, and the worker goes on serving.
+/// (Tasks go direct too; the suites' task tests run over it.)
 #[test]
 fn core_15_direct_calls_keep_order_and_bad_input_never_breaks_the_worker() {
     use std::io::Write;
@@ -637,13 +638,16 @@ fn core_15_direct_calls_keep_order_and_bad_input_never_breaks_the_worker() {
     );
     let msg = String::from_utf8_lossy(&body[4..]).to_string();
     assert!(msg.contains("task spec"), "names what did not decode: {msg}");
-    let task =
-        tpuray_proto::pb::TaskSpec { task_id: "not-an-actor-call".into(), ..Default::default() };
+    let task = tpuray_proto::pb::TaskSpec {
+        task_id: "two-ids-for-no-returns".into(),
+        return_ids: vec!["a".into(), "b".into()],
+        ..Default::default()
+    };
     s.write_all(&direct_frame(8, 0, &prost::Message::encode_to_vec(&task))).unwrap();
     let (id, kind, body) = read_direct_frame(&mut s).expect("a refusal");
     assert_eq!((id, kind), (8, 1));
     let msg = String::from_utf8_lossy(&body[4..]).to_string();
-    assert!(msg.contains("not-an-actor-call") && msg.contains("not an actor call"), "{msg}");
+    assert!(msg.contains("two-ids-for-no-returns") && msg.contains("0 returns"), "{msg}");
     // A frame claiming 4 GiB: the connection is dropped.
     s.write_all(&u32::MAX.to_le_bytes()).unwrap();
     s.write_all(&[0u8; 9]).unwrap();

@@ -1,7 +1,8 @@
 //! `core_bench`: throughput and latency of the Rust SDK's core paths against
 //! a running cluster (`tpuray start --head` first). Prints one line per case
 //! in `tpuray microbenchmark`'s format: `<name> per second <mean> +- <sd>`
-//! over ROUNDS rounds (default 3), plus the time to the first task.
+//! over ROUNDS rounds (default 3), plus the time to the first task. `ONLY=<text>` runs
+//! only the cases whose name contains it (`bench/sync_profile.sh` profiles one so).
 //!
 //!   cargo build --release -p tpuray-examples
 //!   target/release/core_bench [HEAD_ADDRESS]
@@ -35,6 +36,9 @@ fn rate(
     per_round: usize,
     mut f: impl FnMut() -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
+    if std::env::var("ONLY").is_ok_and(|only| !name.contains(&only)) {
+        return Ok(());
+    }
     let mut rates = Vec::new();
     for _ in 0..rounds {
         let t = Instant::now();

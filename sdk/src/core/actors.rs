@@ -53,8 +53,6 @@ pub(super) struct SenderState {
     pub(super) backlog: usize,
     /// The direct connection to `current`'s address, when open.
     pub(super) direct: Option<Arc<crate::direct::DirectConn>>,
-    /// The address a direct connection is being opened to.
-    pub(super) connecting: Option<String>,
 }
 
 /// One call in flight: what deciding its outcome needs ([`Core::settle_actor_call`]).
@@ -373,50 +371,44 @@ impl Core {
         conn
     }
 
-    /// Opens a direct connection (CORE-15) to the actor's worker at `address` on
-    /// `node_id` in the background, unless one is open or opening; its calls fail as
-    /// lost when the head declares the node dead (CORE-10). A worker that refuses it, or
-    /// cannot be reached, leaves the calls on gRPC.
-    fn open_direct(self: &Arc<Self>, conn: &Arc<ActorConn>, address: &str, node_id: &str) {
+    /// The open direct connection (CORE-15) to the worker at `address` on `node_id`, or
+    /// `None` while there is none: then one is opened in the background (one attempt per
+    /// address at a time) and handed to `opened`. Its calls fail as lost when the head
+    /// declares the node dead (CORE-10). A worker that refuses it, or cannot be reached,
+    /// leaves the calls on gRPC (asked again on a later call).
+    pub(super) fn direct_to(
+        self: &Arc<Self>,
+        address: &str,
+        node_id: &str,
+        opened: impl FnOnce(Arc<crate::direct::DirectConn>) + Send + 'static,
+    ) -> Option<Arc<crate::direct::DirectConn>> {
         if !crate::direct::enabled() {
-            return;
+            return None;
         }
         {
-            let mut st = conn.state.lock().unwrap();
-            let open = st.direct.as_ref().is_some_and(|d| d.alive() && d.address == address);
-            if open || st.connecting.as_deref() == Some(address) {
-                return;
+            let mut direct = self.direct.lock().unwrap();
+            match direct.get(address) {
+                Some(Some(d)) if d.alive() => return Some(Arc::clone(d)),
+                Some(None) => return None,
+                _ => {}
             }
-            st.connecting = Some(address.to_string());
+            direct.insert(address.to_string(), None);
         }
-        let (core, conn) = (Arc::clone(self), Arc::clone(conn));
+        let core = Arc::clone(self);
         let (address, node_id) = (address.to_string(), node_id.to_string());
         let rt = self.rt.clone();
         self.rt.spawn(async move {
             let (a, token) = (address.clone(), core.token.clone());
-            let opened = tokio::task::spawn_blocking(move || {
+            let d = tokio::task::spawn_blocking(move || {
                 crate::direct::DirectConn::connect(&a, token.as_deref(), rt)
             })
             .await;
-            let d = {
-                let mut st = conn.state.lock().unwrap();
-                st.connecting = None;
-                match opened {
-                    Ok(Ok(d)) => {
-                        let wanted = st.current.as_ref().is_some_and(|c| c.0 == address);
-                        if let Some(old) = st.direct.take() {
-                            old.close(None);
-                        }
-                        if !wanted {
-                            d.close(None);
-                            return;
-                        }
-                        st.direct = Some(Arc::clone(&d));
-                        d
-                    }
-                    _ => return,
-                }
+            let Ok(Ok(d)) = d else {
+                core.direct.lock().unwrap().remove(&address);
+                return;
             };
+            core.direct.lock().unwrap().insert(address.clone(), Some(Arc::clone(&d)));
+            opened(Arc::clone(&d));
             // CORE-10: calls on a node the head declares dead are lost with it.
             while d.alive() {
                 tokio::select! {
@@ -427,7 +419,38 @@ impl Core {
                     () = tokio::time::sleep(Duration::from_secs(1)) => {}
                 }
             }
+            let mut direct = core.direct.lock().unwrap();
+            if direct.get(&address).is_some_and(|e| e.as_ref().is_some_and(|e| Arc::ptr_eq(e, &d)))
+            {
+                direct.remove(&address);
+            }
         });
+        None
+    }
+
+    /// Gives the actor's sender the direct connection to `address` once there is one.
+    fn open_direct(self: &Arc<Self>, conn: &Arc<ActorConn>, address: &str, node_id: &str) {
+        {
+            let st = conn.state.lock().unwrap();
+            if st.direct.as_ref().is_some_and(|d| d.alive() && d.address == address) {
+                return;
+            }
+        }
+        // Set now when open; when being opened, set once open (unless the actor moved).
+        let later = Arc::clone(conn);
+        let wanted = address.to_string();
+        let opened = move |d: Arc<crate::direct::DirectConn>| {
+            let mut st = later.state.lock().unwrap();
+            if st.current.as_ref().is_some_and(|c| c.0 == wanted) {
+                st.direct = Some(d);
+            }
+        };
+        if let Some(d) = self.direct_to(address, node_id, opened) {
+            let mut st = conn.state.lock().unwrap();
+            if st.current.as_ref().is_some_and(|c| c.0 == address) {
+                st.direct = Some(d);
+            }
+        }
     }
 
     /// Waits until the actor is ALIVE on a node not known dead (CORE-10): (worker

@@ -169,6 +169,49 @@ pub(super) async fn push_batch(
 }
 
 impl Core {
+    /// Pushes a batch of one task on the direct connection (CORE-15) to the leased
+    /// worker when one is open, its answer going to `done` as [`push_batch`]'s do; else
+    /// (a larger batch, or no connection yet: one is opened for later) hands the batch
+    /// back for gRPC.
+    fn push_direct(
+        self: &Arc<Self>,
+        g: &pb::request_worker_lease_reply::Granted,
+        mut batch: Vec<Queued>,
+        done: &tokio::sync::mpsc::UnboundedSender<Pushed>,
+    ) -> Option<Vec<Queued>> {
+        if batch.len() != 1 {
+            return Some(batch);
+        }
+        let Some(d) = self.direct_to(&g.worker_address, &g.node_id, |_| {}) else {
+            return Some(batch);
+        };
+        let q = batch.pop().expect("one task");
+        let frame = crate::direct::encode_call(&q.spec);
+        let slot = Arc::new(Mutex::new(Some(q)));
+        let (answer, tx, t) = (Arc::clone(&slot), done.clone(), Instant::now());
+        let sent = d.call(
+            frame,
+            Box::new(move |result| {
+                if let Some(q) = answer.lock().unwrap().take() {
+                    let _ = tx.send((q, result, t.elapsed()));
+                }
+            }),
+        );
+        match sent {
+            crate::direct::Sent::Yes => None,
+            crate::direct::Sent::Lost(done, status) => {
+                done(Err(status));
+                None
+            }
+            // The connection closed first: unsent, so over gRPC after all.
+            crate::direct::Sent::Not(unsent, _) => {
+                drop(unsent);
+                let q = slot.lock().unwrap().take().expect("an unsent task is still here");
+                Some(vec![q])
+            }
+        }
+    }
+
     pub(super) fn ensure_leases(self: &Arc<Self>, class: &Arc<Class>) {
         self.watch_nodes();
         let queued = class.queue.lock().unwrap().len();
@@ -463,6 +506,11 @@ impl Core {
                 }
                 tasks_in_flight += batch.len();
                 class.in_flight.fetch_add(batch.len(), Ordering::SeqCst);
+                // CORE-15: one task at a time goes on the direct connection once open.
+                let batch = match self.push_direct(g, batch, &done_tx) {
+                    Some(batch) => batch,
+                    None => continue,
+                };
                 self.rt.spawn(push_batch(
                     Arc::clone(self),
                     g.node_id.clone(),

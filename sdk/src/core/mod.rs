@@ -220,6 +220,8 @@ pub(crate) struct Core {
     last_class: Mutex<Option<(TaskOptions, Arc<Class>)>>,
     generators: Mutex<HashMap<String, GenState>>,
     actors: Mutex<HashMap<String, Arc<ActorConn>>>,
+    /// Direct connections (CORE-15) to workers, by address: open, or being opened (None).
+    direct: Mutex<HashMap<String, Option<Arc<crate::direct::DirectConn>>>>,
     running: Mutex<HashMap<String, Running>>,
     /// The tasks and actor calls each task running here submitted (parent task id ->
     /// child task ids), for `cancel(recursive=True)`; forgotten when the parent ends.
@@ -360,6 +362,7 @@ impl Core {
             last_class: Mutex::new(None),
             generators: Mutex::new(HashMap::new()),
             actors: Mutex::new(HashMap::new()),
+            direct: Mutex::new(HashMap::new()),
             running: Mutex::new(HashMap::new()),
             children: Mutex::new(HashMap::new()),
             events: Mutex::new(Vec::new()),
@@ -419,8 +422,9 @@ impl Core {
         std::mem::take(&mut *self.classes.lock().unwrap());
         self.last_class.lock().unwrap().take();
         std::mem::take(&mut *self.generators.lock().unwrap());
-        for conn in std::mem::take(&mut *self.actors.lock().unwrap()).into_values() {
-            conn.close_direct();
+        std::mem::take(&mut *self.actors.lock().unwrap());
+        for d in std::mem::take(&mut *self.direct.lock().unwrap()).into_values().flatten() {
+            d.close(None);
         }
         std::mem::take(&mut *self.running.lock().unwrap());
         std::mem::take(&mut *self.events.lock().unwrap());

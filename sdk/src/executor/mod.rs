@@ -68,6 +68,9 @@ struct Job {
 pub(crate) enum Replier {
     Rpc(oneshot::Sender<pb::PushTaskReply>),
     Direct(Box<dyn FnOnce(pb::PushTaskReply) + Send>),
+    /// Whichever comes first answers: the executor thread, or the CORE-9 hand-back of a
+    /// task queued behind another ([`Executor::enqueue_task_to`]).
+    Either(Arc<Mutex<Option<Replier>>>),
 }
 
 impl Replier {
@@ -77,6 +80,12 @@ impl Replier {
                 let _ = tx.send(reply);
             }
             Replier::Direct(answer) => answer(reply),
+            Replier::Either(slot) => {
+                let first = slot.lock().unwrap().take();
+                if let Some(r) = first {
+                    r.send(reply);
+                }
+            }
         }
     }
 }

@@ -121,6 +121,46 @@ impl Executor {
         QueuedTask { core: Arc::clone(&self.core), rx, state }
     }
 
+    /// Queues a task (not an actor call) as [`Executor::enqueue_task`] does, with its
+    /// reply going to `reply` from the executor thread that ran it (a direct connection,
+    /// CORE-15). Queued behind another task, it is handed back unrun (`not_run`) when that
+    /// one blocks or after 50 ms, as there (CORE-9): a runtime task watches it until then.
+    pub(crate) fn enqueue_task_to(&self, spec: pb::TaskSpec, reply: Replier) {
+        let state = Arc::new(AtomicU8::new(QUEUED));
+        let idle = {
+            let mut running = self.running.lock().unwrap();
+            let idle = running.is_empty();
+            running.insert(spec.task_id.clone(), ());
+            idle
+        };
+        if idle {
+            // Nothing in front of it: it starts at once, and nothing can hand it back.
+            let _ = self.tx.send(Job { spec, reply, state });
+            return;
+        }
+        let slot = Arc::new(Mutex::new(Some(reply)));
+        let watched = (Arc::clone(&self.core), Arc::clone(&slot), Arc::clone(&state));
+        let _ = self.tx.send(Job { spec, reply: Replier::Either(slot), state });
+        self.core.rt.spawn(async move {
+            let (core, slot, state) = watched;
+            let blocked = core.blocked_now.notified();
+            tokio::pin!(blocked);
+            blocked.as_mut().enable();
+            tokio::select! {
+                () = &mut blocked => {}
+                () = tokio::time::sleep(QUEUED_MAX) => {}
+                () = async {}, if core.is_blocked() => {}
+            }
+            if state
+                .compare_exchange(QUEUED, HANDED_BACK, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                Replier::Either(slot)
+                    .send(pb::PushTaskReply { not_run: true, ..Default::default() });
+            }
+        });
+    }
+
     fn run(&self, spec: &pb::TaskSpec) -> pb::PushTaskReply {
         // Clients made here (generator reports, nested calls) need the runtime.
         let _guard = self.core.rt.enter();
