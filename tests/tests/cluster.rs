@@ -925,3 +925,49 @@ async fn agent_14_a_lease_whose_environment_cannot_be_built_is_answered_setup_fa
         granted(lease(&c, &head.address, lease_request("job-env", &[("CPU", 1.0)])).await, "plain");
     return_lease(&c, &head.address, &g.lease_id).await;
 }
+
+/// AGENT-2: two requests to start the same actor's worker that overlap (the head asked
+/// again while the first start ran) start one worker and get the same answer; before,
+/// each started its own, and the head recorded one while callers reached the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_requests_to_start_one_actor_start_one_worker() {
+    let mut c = Cluster::new();
+    let head = c.start_head(&["--num-cpus", "1"]);
+    let mut h = c.head_client();
+    let job = h
+        .register_job(pb::RegisterJobRequest {
+            request_id: tpuray_proto::new_request_id(),
+            protocol_version: tpuray_proto::PROTOCOL_VERSION,
+            entrypoint: "overlapping_starts".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("RegisterJob")
+        .into_inner()
+        .job
+        .expect("job");
+    let start = || {
+        let mut a = c.agent_client(&head.address);
+        let req = pb::StartActorWorkerRequest {
+            request_id: tpuray_proto::new_request_id(),
+            actor_id: "0123456789abcdef0123456789abcdef".into(),
+            job_id: job.job_id.clone(),
+            class_name: "Overlapping".into(),
+            ..Default::default()
+        };
+        async move { a.start_actor_worker(req).await.map(|r| r.into_inner()) }
+    };
+    let (first, second) = tokio::join!(start(), start());
+    let (first, second) = (first.expect("first start"), second.expect("second start"));
+    assert_eq!(first.worker_id, second.worker_id, "one worker: {first:?} {second:?}");
+    let workers = c
+        .agent_client(&head.address)
+        .list_workers(pb::ListWorkersRequest {})
+        .await
+        .expect("ListWorkers")
+        .into_inner()
+        .workers;
+    let hosting: Vec<_> =
+        workers.iter().filter(|w| w.actor_id == "0123456789abcdef0123456789abcdef").collect();
+    assert_eq!(hosting.len(), 1, "one worker hosts the actor: {workers:#?}");
+}
