@@ -667,6 +667,7 @@ fn core_15_direct_calls_keep_order_and_bad_input_never_breaks_the_worker() {
     let out = driver.finish(RUN);
     out.assert_success();
     assert_eq!(out.line("AFTER "), "AFTER 150", "{out}");
+    assert_eq!(out.line("TASKS "), "TASKS 230", "{out}");
 
     // With direct calls turned off in the driver, the same over gRPC alone.
     let go = c.dir().join("go-grpc");
@@ -681,4 +682,5 @@ fn core_15_direct_calls_keep_order_and_bad_input_never_breaks_the_worker() {
     .finish(RUN);
     out.assert_success();
     assert_eq!(out.line("AFTER "), "AFTER 150", "{out}");
+    assert_eq!(out.line("TASKS "), "TASKS 230", "{out}");
 }

@@ -724,6 +724,15 @@ fn run(scenario: &str, args: &[String]) -> anyhow::Result<()> {
             let entries = tpuray::get_timeout(&j.entries(), Duration::from_secs(30))?;
             anyhow::ensure!(entries == (1..=150u64).collect::<Vec<_>>(), "order {entries:?}");
             say(&format!("AFTER {}", entries.len()));
+            // Tasks, one at a time (direct once the lease's connection is open) and
+            // pipelined (batches over gRPC).
+            for ms in 0..30u64 {
+                anyhow::ensure!(tpuray::get(&sleep_ms::remote(ms % 3))? == ms % 3);
+            }
+            let refs: Vec<_> = (0..200u64).map(|ms| sleep_ms::remote(ms % 2)).collect();
+            let got = tpuray::get_all(&refs)?;
+            anyhow::ensure!(got == (0..200u64).map(|ms| ms % 2).collect::<Vec<_>>(), "{got:?}");
+            say("TASKS 230");
         }
         // Cancels a running task, then runs another.
         "cancel" => {
