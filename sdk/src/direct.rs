@@ -1,6 +1,6 @@
-//! Direct actor calls (CORE-15): a plain TCP connection from a caller process to an actor's
-//! worker that carries actor calls and their replies as length-prefixed protobuf frames,
-//! written and read by the threads that make and finish the calls.
+//! Direct calls (CORE-15): a plain TCP connection from a caller process to a worker that
+//! carries actor calls and single task pushes, and their replies, as length-prefixed
+//! protobuf frames written and read by the threads that make and finish the calls.
 //!
 //! Over the gRPC channel (`h2grpc`), a sync actor call crosses six threads: the caller
 //! hands it to the actor's sender task, that to the HTTP/2 connection task, which writes;
@@ -8,23 +8,26 @@
 //! which hands the reply back to the runtime to write; and the reply's way back in the
 //! caller crosses the connection task and the call's task before the caller wakes. On
 //! this 2-core VM each hand-off costs about half a raw loopback round trip. Here the
-//! caller's own thread writes the call (when the actor's sender has nothing queued, see
-//! `core::actors`), one reader thread per connection on each side reads, and the
+//! caller's own thread writes an actor call (when the actor's sender has nothing queued,
+//! see `core::actors`), one reader thread per connection on each side reads, and the
 //! executor thread (or an async actor's event loop) writes the reply itself: two
-//! hand-offs a side fewer.
+//! hand-offs a side fewer. A leased worker's tasks go on it one at a time from the
+//! lease's task (`core::leasing`; batches stay on `PushTasks`), the worker answering from
+//! the executor thread and handing a queued task back unrun as over gRPC (CORE-9).
 //!
 //! The connection shares the worker's gRPC port: its first byte, [`FIRST_BYTE`], is never
 //! the first byte of HTTP/2's preface (`P`), and the worker's server hands it here
 //! ([`tpuray_proto::h2grpc::Divert`]). Never with TLS (TLS-2): the server diverts nothing
-//! and callers do not connect, so calls stay on the TLS gRPC channel. `TPURAY_DIRECT_CALLS=0`
-//! in a caller's environment keeps its calls on gRPC too (for comparisons).
+//! and callers do not connect, so calls stay on the TLS gRPC channel.
+//! `TPURAY_DIRECT_CALLS=0` in a caller's environment keeps its calls on gRPC too (for
+//! comparisons).
 //!
 //! Wire format, little-endian:
 //! - opening, caller to worker: [`MAGIC`] (8 bytes), the cluster token's length (u16) and
 //!   bytes (length 0: none); the worker answers one byte, 1 accepted or 0 refused (a
 //!   missing or wrong token where auth is required, as `ServerAuth` decides, or
-//!   [`MAX_CONNECTIONS`] open already), then closes a refused connection. A caller refused keeps gRPC, whose calls then fail with the
-//!   named UNAUTHENTICATED error.
+//!   [`MAX_CONNECTIONS`] open already), then closes a refused connection. A refused
+//!   caller keeps gRPC, whose calls then fail with the named UNAUTHENTICATED error.
 //! - a frame: its length (u32, what follows), the call id (u64, the caller's), a kind
 //!   (u8), the body. Caller to worker: kind 0, an encoded `TaskSpec`. Worker to caller:
 //!   kind 0, an encoded `PushTaskReply`; kind 1, a refusal: a gRPC code (u32) and a UTF-8
