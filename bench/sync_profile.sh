@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Where a sync call's time goes (issue 35): the Rust SDK's sync task and sync actor call
-# (`core_bench`, ROUNDS x 500 tasks or 1,000 calls) against a local one-node cluster,
+# (`core_bench`, ROUNDS (default 40) x 500 tasks or 1,000 calls) against a local one-node cluster,
 # over gRPC alone (TPURAY_DIRECT_CALLS=0) and with direct calls (CORE-15): the whole
 # machine's busy CPU time and context switches per call (/proc/stat before and after,
 # less what a run without calls costs), and `perf record -a -g` (CPU samples by process,
@@ -16,7 +16,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release
 OUT=${1:-$(mktemp -d /tmp/sync-profile.XXXXXX)}
-ROUNDS=${ROUNDS:-10}
+ROUNDS=${ROUNDS:-40}
 # Busy CPU seconds and context switches of the whole machine so far.
 counters() {
     python3 -c '
@@ -55,7 +55,7 @@ for mode in grpc direct; do
 done
 printf '%-26s %-7s %10s %12s %14s\n' case path calls/s "CPU us/call" "switches/call"
 for case in "single client tasks sync:500" "1:1 actor calls sync:1000"; do
-    name=${case%%:*}; per=${case##*:}
+    name=${case%:*}; per=${case##*:}
     for mode in grpc direct; do
         direct=1; [ "$mode" = grpc ] && direct=0
         tag="${name// /-}.$mode"
