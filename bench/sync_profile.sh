@@ -10,8 +10,10 @@
 #   bench/sync_profile.sh [OUT_DIR]       # default: a new folder under /tmp
 #
 # Needs perf (Debian: linux-perf) and root or kernel.perf_event_paranoid <= 0. Run on a
-# quiet machine: every process's CPU counts. Prints a table of µs of CPU and context
-# switches per call, and keeps each `perf report` in OUT_DIR.
+# quiet machine: every process's CPU counts (it warns when the load average says
+# otherwise). Prints a table of µs of CPU and context switches per call, and keeps each
+# `perf report` in OUT_DIR. Its cluster (4 CPUs) is its own: registry, sessions and token
+# under OUT_DIR. calls/s is core_bench's, not the microbenchmark's (another harness).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release
@@ -43,7 +45,14 @@ command -v perf >/dev/null || { echo "sync_profile.sh: perf is not installed (ap
 for b in tpuray core_bench; do
     [ -x "$BIN/$b" ] || { echo "sync_profile.sh: $BIN/$b is missing: cargo build --release -p tpuray-cli -p tpuray-examples" >&2; exit 2; }
 done
-export HOME="$OUT/home" && mkdir -p "$HOME"
+# A cluster of its own: its registry (what `tpuray stop` stops), session files and token
+# all under OUT, so other clusters on the machine are left alone.
+export HOME="$OUT/home" TPURAY_REGISTRY_DIR="$OUT/registry" TPURAY_TEMP_DIR="$OUT/tmp"
+mkdir -p "$HOME" "$TPURAY_REGISTRY_DIR" "$TPURAY_TEMP_DIR"
+load=$(cut -d' ' -f1 /proc/loadavg)
+if python3 -c "import sys; sys.exit(0 if $load > 0.5 else 1)"; then
+    echo "sync_profile.sh: warning: load average $load: other work shares the machine, and its CPU counts in every figure here" >&2
+fi
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 "$BIN/tpuray" start --head --port "$PORT" --node-ip-address 127.0.0.1 --dashboard-port 0 --num-cpus 4 >"$OUT/start.log" 2>&1
 trap '"$BIN/tpuray" stop >/dev/null 2>&1 || true' EXIT
@@ -64,7 +73,7 @@ for case in "single client tasks sync:500" "1:1 actor calls sync:1000"; do
             -o "$OUT/$tag.data" "$BIN/core_bench" "127.0.0.1:$PORT" >/dev/null 2>&1
         perf report -i "$OUT/$tag.data" --no-children --sort comm,dso,sym --stdio \
             >"$OUT/$tag.report" 2>/dev/null || true
-        perf report -i "$OUT/$tag.data" --no-children --sort comm --stdio \
+        perf report -i "$OUT/$tag.data" --no-children --sort comm --stdio -g none \
             >"$OUT/$tag.bycomm" 2>/dev/null || true
         calls=$((ROUNDS * per))
         rate=$(grep "^$name per second" "$OUT/$tag.out" | awk '{print $(NF-2)}')
@@ -72,4 +81,4 @@ for case in "single client tasks sync:500" "1:1 actor calls sync:1000"; do
         python3 -c "print('%-26s %-7s %10s %12.1f %14.1f' % ('$name', '$mode', '$rate', ($cpu-$cpu0)*1e6/$calls, ($sw-$sw0)/$calls))"
     done
 done
-echo "reports: $OUT/*.report (by process, library, symbol) and $OUT/*.bycomm (by thread name)"
+echo "reports: $OUT/*.report (by thread name, library, symbol) and $OUT/*.bycomm (by thread name; threads of one name in several processes add up)"

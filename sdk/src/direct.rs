@@ -6,13 +6,16 @@
 //! hands it to the actor's sender task, that to the HTTP/2 connection task, which writes;
 //! on the worker the connection task hands it to the handler, that to an executor thread,
 //! which hands the reply back to the runtime to write; and the reply's way back in the
-//! caller crosses the connection task and the call's task before the caller wakes. On
-//! this 2-core VM each hand-off costs about half a raw loopback round trip. Here the
+//! caller crosses the connection task and the call's task before the caller wakes. Each
+//! hand-off is a thread wake; where the CPUs are idle between calls (a VM whose idle
+//! vCPUs halt, as the 2-core VM of issue 35, where waking one cost about half of a 55 µs
+//! raw loopback round trip) the wakes are most of a sync call's time. Here the
 //! caller's own thread writes an actor call (when the actor's sender has nothing queued,
 //! see `core::actors`), one reader thread per connection on each side reads, and the
 //! executor thread (or an async actor's event loop) writes the reply itself: two
-//! hand-offs a side fewer. A leased worker's tasks go on it one at a time from the
-//! lease's task (`core::leasing`; batches stay on `PushTasks`), the worker answering from
+//! hand-offs a side fewer. A push of a single task to a leased worker goes on it from the
+//! lease's task (`core::leasing`); pipelined batches of several stay on `PushTasks`, and
+//! so does a push made before the connection is open. The worker answers from
 //! the executor thread and handing a queued task back unrun as over gRPC (CORE-9).
 //!
 //! The connection shares the worker's gRPC port: its first byte, [`FIRST_BYTE`], is never
@@ -27,7 +30,8 @@
 //!   bytes (length 0: none); the worker answers one byte, 1 accepted or 0 refused (a
 //!   missing or wrong token where auth is required, as `ServerAuth` decides, or
 //!   [`MAX_CONNECTIONS`] open already), then closes a refused connection. A refused
-//!   caller keeps gRPC, whose calls then fail with the named UNAUTHENTICATED error.
+//!   caller keeps its calls on gRPC: with a wrong token they fail there with the named
+//!   UNAUTHENTICATED error, past the connection limit they simply run there.
 //! - a frame: its length (u32, what follows), the call id (u64, the caller's), a kind
 //!   (u8), the body. Caller to worker: kind 0, an encoded `TaskSpec`. Worker to caller:
 //!   kind 0, an encoded `PushTaskReply`; kind 1, a refusal: a gRPC code (u32) and a UTF-8
@@ -78,8 +82,8 @@ const READER_STACK: usize = 2 * 1024 * 1024;
 /// Direct connections this process opened that are not closed yet.
 static OPEN: AtomicUsize = AtomicUsize::new(0);
 
-/// Whether this process's actor calls may use direct connections: not with TLS, and not
-/// when `TPURAY_DIRECT_CALLS=0`.
+/// Whether this process's actor calls and task pushes may use direct connections: not
+/// with TLS, and not when `TPURAY_DIRECT_CALLS` is `0` (read once per process).
 pub(crate) fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
