@@ -33,6 +33,24 @@ fn assert_mentions(msg: &str, needles: &[&str], what: &str) {
     }
 }
 
+/// A job registered at the head `h` with `entrypoint`.
+async fn register_job(
+    h: &mut pb::head_service_client::HeadServiceClient<tpuray_proto::client::AuthChannel>,
+    entrypoint: &str,
+) -> pb::JobInfo {
+    h.register_job(pb::RegisterJobRequest {
+        request_id: tpuray_proto::new_request_id(),
+        protocol_version: tpuray_proto::PROTOCOL_VERSION,
+        entrypoint: entrypoint.into(),
+        ..Default::default()
+    })
+    .await
+    .expect("RegisterJob")
+    .into_inner()
+    .job
+    .expect("job")
+}
+
 /// The head still answers `GetClusterStatus` with `nodes` live nodes.
 async fn head_still_serves(c: &Cluster) {
     let st = within(
@@ -530,18 +548,7 @@ async fn negative_resource_amounts_are_refused_naming_the_resource() {
     let mut c = Cluster::new();
     let head = c.start_head(&["--num-cpus", "1"]);
     let mut h = c.head_client();
-    let job = h
-        .register_job(pb::RegisterJobRequest {
-            request_id: tpuray_proto::new_request_id(),
-            protocol_version: tpuray_proto::PROTOCOL_VERSION,
-            entrypoint: "neg".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .job
-        .unwrap();
+    let job = register_job(&mut h, "neg").await;
     let r = h
         .create_actor(pb::CreateActorRequest {
             request_id: tpuray_proto::new_request_id(),
@@ -652,18 +659,7 @@ async fn actor_lifecycle() {
     let agents: HashMap<String, NodeHandle> =
         [(a.node_id.clone(), a.clone()), (b.node_id.clone(), b.clone())].into();
     let mut h = c.head_client();
-    let job = h
-        .register_job(pb::RegisterJobRequest {
-            request_id: tpuray_proto::new_request_id(),
-            protocol_version: tpuray_proto::PROTOCOL_VERSION,
-            entrypoint: "actor_lifecycle".into(),
-            ..Default::default()
-        })
-        .await
-        .expect("RegisterJob")
-        .into_inner()
-        .job
-        .expect("job");
+    let job = register_job(&mut h, "actor_lifecycle").await;
     let create = |name: &str| pb::CreateActorRequest {
         request_id: tpuray_proto::new_request_id(),
         job_id: job.job_id.clone(),
@@ -934,18 +930,7 @@ async fn overlapping_requests_to_start_one_actor_start_one_worker() {
     let mut c = Cluster::new();
     let head = c.start_head(&["--num-cpus", "1"]);
     let mut h = c.head_client();
-    let job = h
-        .register_job(pb::RegisterJobRequest {
-            request_id: tpuray_proto::new_request_id(),
-            protocol_version: tpuray_proto::PROTOCOL_VERSION,
-            entrypoint: "overlapping_starts".into(),
-            ..Default::default()
-        })
-        .await
-        .expect("RegisterJob")
-        .into_inner()
-        .job
-        .expect("job");
+    let job = register_job(&mut h, "overlapping_starts").await;
     let start = || {
         let mut a = c.agent_client(&head.address);
         let req = pb::StartActorWorkerRequest {

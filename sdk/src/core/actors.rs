@@ -75,6 +75,15 @@ impl ActorConn {
         let _ = self.retry_tx.send(r);
     }
 
+    /// Takes `d` as the direct connection when it leads to the actor's current address
+    /// (the actor may have moved while it was opened).
+    fn adopt(&self, d: Arc<crate::direct::DirectConn>) {
+        let mut st = self.state.lock().unwrap();
+        if st.current.as_ref().is_some_and(|c| c.0 == d.address) {
+            st.direct = Some(d);
+        }
+    }
+
     /// Closes the direct connection, if any (its calls in flight fail as lost).
     pub(super) fn close_direct(&self) {
         if let Some(d) = self.state.lock().unwrap().direct.take() {
@@ -438,18 +447,8 @@ impl Core {
         }
         // Set now when open; when being opened, set once open (unless the actor moved).
         let later = Arc::clone(conn);
-        let wanted = address.to_string();
-        let opened = move |d: Arc<crate::direct::DirectConn>| {
-            let mut st = later.state.lock().unwrap();
-            if st.current.as_ref().is_some_and(|c| c.0 == wanted) {
-                st.direct = Some(d);
-            }
-        };
-        if let Some(d) = self.direct_to(address, node_id, opened) {
-            let mut st = conn.state.lock().unwrap();
-            if st.current.as_ref().is_some_and(|c| c.0 == address) {
-                st.direct = Some(d);
-            }
+        if let Some(d) = self.direct_to(address, node_id, move |d| later.adopt(d)) {
+            conn.adopt(d);
         }
     }
 
