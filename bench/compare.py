@@ -264,6 +264,10 @@ def main() -> int:
     rounds = a.rounds or (1 if a.quick else 3)
     pause = a.warmup_sleep if a.warmup_sleep is not None else (0.0 if a.quick else 10.0)
     cases = a.cases.split("|") if a.cases else (QUICK_CASES if a.quick else [])
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        sys.exit(f"compare.py: --cases: no case named {', '.join(map(repr, unknown))} "
+                 f"(expected whole names from Ray's list: {', '.join(CASES)})")
 
     ray_py = None if a.skip_ray else ensure_ray(Path(a.ray_venv), a.ray_version)
     tp_py = ensure_tpuray(Path(a.tpuray_venv))
