@@ -50,6 +50,12 @@ pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 /// the whole durable state, KV values included.
 pub const MAX_PEER_MESSAGE_BYTES: usize = 1024 * 1024 * 1024;
 
+/// Set to `1` in a worker's environment by its node agent when the agent, not the
+/// node's or the runtime environment's variables, gave it `MIMALLOC_ALLOW_THP=0`
+/// (ALLOC-2): the worker then narrows mimalloc's process-wide huge page disable to
+/// mimalloc's own heap (ALLOC-3, `tpuray::thp`).
+pub const THP_EXCEPT_ADVISED_ENV: &str = "TPURAY_THP_EXCEPT_ADVISED";
+
 /// The connections `listener` accepts, with `TCP_NODELAY` set on each (NET-1). tonic's
 /// `Server::tcp_nodelay` is ignored for a listener handed to `serve_with_incoming*`, and
 /// with Nagle's algorithm on, a reply written in two pieces waits for the peer's delayed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 import time
@@ -660,3 +661,54 @@ def test_alloc2_workers_start_without_mimallocs_huge_pages_unless_asked():
     assert ray.get(thp.remote()) == "0"
     asked = thp.options(runtime_env={"env_vars": {"MIMALLOC_ALLOW_THP": "1"}})
     assert ray.get(asked.remote()) == "1"
+
+
+def _thp_probe():
+    """In a worker: PR_GET_THP_DISABLE's answer and whether a 4 MiB anonymous region
+    advised MADV_HUGEPAGE (as numpy advises its large arrays) may get huge pages (the
+    region's THPeligible in /proc/self/smaps)."""
+    import ctypes
+    import mmap
+    import os
+
+    state = ctypes.CDLL(None).prctl(42, 0, 0, 0, 0)  # PR_GET_THP_DISABLE
+    region = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    region[0] = 1
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    eligible = None
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= start < hi
+            elif inside and head == "THPeligible:":
+                eligible = line.split()[1] == "1"
+    return state, eligible, os.environ.get("TPURAY_THP_EXCEPT_ADVISED")
+
+
+def test_alloc3_a_worker_keeps_huge_pages_for_the_memory_it_advises():
+    """ALLOC-3: mimalloc's MIMALLOC_ALLOW_THP=0 disables huge pages for the whole
+    process (prctl PR_SET_THP_DISABLE); a worker given it by default narrows that to
+    "except advised regions" (Linux 6.18+), or clears it where the host's mode is
+    madvise, so numpy's advised arrays keep them. Asked for explicitly, the full disable
+    stays."""
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        mode = f.read()
+    major, minor = re.match(r"(\d+)\.(\d+)", os.uname().release).groups()
+    if (int(major), int(minor)) >= (6, 18):
+        expected = 3  # disabled except advised regions
+    elif "[madvise]" in mode:
+        expected = 0
+    else:
+        expected = 1
+    probe = ray.remote(_thp_probe)
+    state, eligible, marker = ray.get(probe.remote())
+    assert (state, marker) == (expected, "1")
+    if "[never]" not in mode and expected != 1:
+        assert eligible, "an advised region in a worker is not eligible for huge pages"
+    asked = probe.options(runtime_env={"env_vars": {"MIMALLOC_ALLOW_THP": "0"}})
+    state, eligible, marker = ray.get(asked.remote())
+    assert (state, eligible, marker) == (1, False, None)

@@ -43,6 +43,7 @@ pub mod placement_group;
 pub mod raw;
 pub mod registry;
 mod service;
+mod thp;
 pub mod worker;
 
 use std::time::{Duration, Instant};

@@ -50,6 +50,7 @@ pub fn is_worker_process() -> bool {
 /// [`WorkerError`] when the environment lacks the agent's settings or the
 /// agent refuses the registration.
 pub fn run_worker() -> Result<(), WorkerError> {
+    crate::thp::narrow_disable();
     let agent_address = env("TPURAY_AGENT_ADDRESS")?;
     let worker_id = env("TPURAY_WORKER_ID")?;
     let node_id = env("TPURAY_NODE_ID").unwrap_or_default();

@@ -115,15 +115,6 @@ impl Agent {
             .split_first()
             .ok_or_else(|| AgentError::Internal("no worker command configured".into()))?;
         let mut cmd = tokio::process::Command::new(prog);
-        // ALLOC-2: the worker's mimalloc (ALLOC-1) asks for no transparent huge pages
-        // unless the node's environment (or the runtime environment's env_vars, set
-        // below) says otherwise. With them, a worker zeroed a 2 MiB page at each of its
-        // first allocations: a fifth of a starting Python worker's CPU and 10 MiB of RSS
-        // each; 200 actors created at once: 19-23 -> 31-34 a second (bench/limits.py
-        // --cases actors). `MIMALLOC_ALLOW_THP` is mimalloc's option `allow_thp`.
-        if std::env::var_os(MIMALLOC_THP).is_none() {
-            cmd.env(MIMALLOC_THP, "0");
-        }
         // Where the worker sends its output (Python workers; Ray prints it at the driver).
         if let Ok((_, driver)) = self.job_record(&key.job_id).await
             && !driver.is_empty()
@@ -137,6 +128,21 @@ impl Agent {
         let runtime_vars = task_env.as_ref().map(runtime_env_vars).unwrap_or_default();
         for (k, v) in &runtime_vars {
             cmd.env(k, v);
+        }
+        // ALLOC-2: the worker's mimalloc (ALLOC-1) asks for no transparent huge pages
+        // unless the node's environment or the runtime environment's env_vars say
+        // otherwise. With them, a worker zeroed a 2 MiB page at each of its first
+        // allocations: a fifth of a starting Python worker's CPU and 10 MiB of RSS each;
+        // 200 actors created at once: 19-23 -> 31-34 a second (bench/limits.py --cases
+        // actors). `MIMALLOC_ALLOW_THP` is mimalloc's option `allow_thp`. mimalloc turns
+        // them off for the whole process, so the worker narrows that to its heap
+        // (ALLOC-3, `tpuray::thp`) when the choice was this default.
+        let thp_chosen = std::env::var_os(MIMALLOC_THP).is_some()
+            || runtime_vars.iter().any(|(k, _)| k == MIMALLOC_THP);
+        if thp_chosen {
+            cmd.env_remove(tpuray_proto::THP_EXCEPT_ADVISED_ENV);
+        } else {
+            cmd.env(MIMALLOC_THP, "0").env(tpuray_proto::THP_EXCEPT_ADVISED_ENV, "1");
         }
         cmd.args(args)
             .env("TPURAY_AGENT_ADDRESS", &self.config.advertise_address)
