@@ -30,41 +30,23 @@ const PR_GET_THP_DISABLE: libc::c_int = 42;
 /// advised `MADV_HUGEPAGE`. `PR_GET_THP_DISABLE` then answers `1 | EXCEPT_ADVISED`.
 const PR_THP_DISABLE_EXCEPT_ADVISED: libc::c_ulong = 1 << 1;
 
-/// What a worker does about a process-wide huge page disable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Narrowing {
-    /// Nothing to narrow: not disabled, disabled except advised already, or unknown.
-    Leave,
-    /// Ask for "disabled except advised regions".
-    ExceptAdvised,
-}
-
-/// The first step for a process whose `PR_GET_THP_DISABLE` answered `state`.
-pub(crate) fn first_step(state: libc::c_int) -> Narrowing {
-    if state == 1 { Narrowing::ExceptAdvised } else { Narrowing::Leave }
-}
-
 /// Whether clearing the disable is safe when the kernel refuses
 /// `PR_THP_DISABLE_EXCEPT_ADVISED`: the host's mode (the contents of
 /// `/sys/kernel/mm/transparent_hugepage/enabled`, the selected mode in brackets) gives
 /// huge pages only to advised regions.
-pub(crate) fn may_clear(host_mode: &str) -> bool {
+fn may_clear(host_mode: &str) -> bool {
     host_mode.contains("[madvise]")
 }
 
 /// Narrows this process's huge page disable as the module says, when the agent asked
-/// for it ([`THP_EXCEPT_ADVISED_ENV`]). Returns `PR_GET_THP_DISABLE`'s answer after it (0: not
-/// disabled, 1: disabled, 3: disabled except advised regions; -1: unknown). Never fails:
-/// a refused call leaves the process as it was.
-pub(crate) fn narrow_disable() -> libc::c_int {
+/// for it ([`THP_EXCEPT_ADVISED_ENV`]) and the whole process is disabled
+/// (`PR_GET_THP_DISABLE` answers 1; 3 is "except advised" already). Never fails: a
+/// refused call leaves the process as it was.
+pub(crate) fn narrow_disable() {
     // SAFETY: these prctl calls read or set one flag of this process's memory map.
-    let get = || unsafe { libc::prctl(PR_GET_THP_DISABLE, 0, 0, 0, 0) };
-    if std::env::var(THP_EXCEPT_ADVISED_ENV).as_deref() != Ok("1") {
-        return get();
-    }
-    let state = get();
-    if first_step(state) == Narrowing::Leave {
-        return state;
+    let whole = unsafe { libc::prctl(PR_GET_THP_DISABLE, 0, 0, 0, 0) } == 1;
+    if std::env::var(THP_EXCEPT_ADVISED_ENV).as_deref() != Ok("1") || !whole {
+        return;
     }
     // SAFETY: as above.
     let narrowed =
@@ -77,20 +59,11 @@ pub(crate) fn narrow_disable() -> libc::c_int {
             unsafe { libc::prctl(PR_SET_THP_DISABLE, 0, 0, 0, 0) };
         }
     }
-    get()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn only_a_whole_process_disable_is_narrowed_alloc_3() {
-        assert_eq!(first_step(1), Narrowing::ExceptAdvised);
-        for state in [-1, 0, 3] {
-            assert_eq!(first_step(state), Narrowing::Leave, "state {state}");
-        }
-    }
 
     #[test]
     fn the_disable_is_cleared_on_an_older_kernel_only_in_madvise_mode_alloc_3() {
