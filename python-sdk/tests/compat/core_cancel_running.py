@@ -24,8 +24,10 @@ class Log:
 
 @ray.remote(max_retries=3)
 def sleeper(log, tag):
-    ray.get(log.add.remote(f"{tag} started"))
     try:
+        # Inside the try: the driver cancels once it reads this line, which can be before
+        # this get returns here, and the interrupt fires at the next bytecode.
+        ray.get(log.add.remote(f"{tag} started"))
         # Short sleeps: the interrupt fires between them (as in Ray, it does not cut a
         # time.sleep short).
         for _ in range(12000):
