@@ -712,3 +712,38 @@ def test_alloc3_a_worker_keeps_huge_pages_for_the_memory_it_advises():
     asked = probe.options(runtime_env={"env_vars": {"MIMALLOC_ALLOW_THP": "0"}})
     state, eligible, marker = ray.get(asked.remote())
     assert (state, eligible, marker) == (1, False, None)
+
+
+@ray.remote
+class _Busy:
+    def __init__(self):
+        self.ran = []
+
+    def long(self, seconds):
+        time.sleep(seconds)
+        self.ran.append("long")
+
+    def quick(self, tag):
+        self.ran.append(tag)
+
+    def log(self):
+        return self.ran
+
+
+def test_a_call_queued_behind_a_long_one_long_after_the_last_call_can_be_cancelled():
+    """Issue 35: an actor's only executor thread reads its direct connection while it is
+    idle; while it runs a call, the connection's own thread still takes calls that
+    arrive, also more than a second after the last one, so a call queued behind a long
+    one is on the worker and is cancelled there before it starts (Ray 2.60: a queued
+    actor task that is cancelled never runs and its get raises TaskCancelledError)."""
+    a = _Busy.remote()
+    ray.get(a.quick.remote("first"))
+    long = a.long.remote(4)
+    time.sleep(2)  # the connection's thread has seen no call for over a second
+    queued = a.quick.remote("queued")
+    time.sleep(0.5)
+    ray.cancel(queued)
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(queued, timeout=30)
+    ray.get(long, timeout=30)
+    assert ray.get(a.log.remote()) == ["first", "long"]

@@ -375,31 +375,45 @@ impl Incoming {
         true
     }
 
-    /// The connection's own thread: every [`LAZY`] (while calls came in the last
-    /// [`IDLE`]) reads what arrived while the executor thread does not read, until the
-    /// connection breaks.
+    /// The connection's own thread: reads what arrives while the executor thread runs a
+    /// call (it reads the connection itself while idle), until the connection breaks.
+    /// While calls came in the last [`IDLE`] it looks every [`LAZY`]; after that it waits
+    /// for a call on the socket while the executor runs one (so a call queued behind a
+    /// long one is taken at once, and can be cancelled before it starts), and for the
+    /// executor to take a call while the executor reads.
     fn watch(&self) {
         let mut body = Vec::new();
         loop {
-            {
-                let mut t = self.ticking.lock().unwrap();
-                if self.broken.load(Ordering::SeqCst) {
-                    return;
-                }
-                t.0 = t.1.elapsed() >= IDLE;
-                t = if t.0 {
-                    self.wake.wait(t).unwrap()
-                } else {
-                    self.wake.wait_timeout(t, LAZY).unwrap().0
-                };
-                t.0 = false;
+            if self.broken.load(Ordering::SeqCst) {
+                return;
             }
-            // Held by the executor thread while it waits for calls: nothing to do then.
-            let Ok(mut r) = self.reader.try_lock() else { continue };
-            while !r.buffer().is_empty() || ready(&[(self.fd, libc::POLLIN)], 0)[0] {
-                if !self.take_one(&mut r, &mut body) {
-                    return;
+            // Free: the executor runs a call. Held: it waits for calls on the socket.
+            let executor_reads = match self.reader.try_lock() {
+                Ok(mut r) => {
+                    while !r.buffer().is_empty() || ready(&[(self.fd, libc::POLLIN)], 0)[0] {
+                        if !self.take_one(&mut r, &mut body) {
+                            return;
+                        }
+                    }
+                    false
                 }
+                Err(_) => true,
+            };
+            let mut t = self.ticking.lock().unwrap();
+            if self.broken.load(Ordering::SeqCst) {
+                return;
+            }
+            if t.1.elapsed() < IDLE {
+                drop(self.wake.wait_timeout(t, LAZY).unwrap());
+            } else if executor_reads {
+                t.0 = true;
+                t = self.wake.wait(t).unwrap();
+                t.0 = false;
+            } else {
+                drop(t);
+                // Readable: a call (or the connection's end) while the executor is busy;
+                // if the executor reads again meanwhile, the lock says so next time.
+                ready(&[(self.fd, libc::POLLIN)], IDLE.as_millis() as libc::c_int);
             }
         }
     }
