@@ -702,6 +702,10 @@ pub(crate) fn kick() {
 /// reads that connection. Reads until `settled` answers true (asked after each reply),
 /// the connection has no call in flight, or `deadline` (or [`READ_SLICE`]) passes
 /// between replies. False when it read nothing: wait for the objects another way.
+///
+/// Every reply read runs its call's `Done` on this thread, also other calls' on the same
+/// connection: a `Done` must not block waiting for an object (they record results and
+/// start runtime tasks), or it would wait for the reads of the thread it runs on.
 pub(crate) fn read_own_replies(
     waiting: &[&str],
     settled: &dyn Fn() -> bool,
