@@ -196,7 +196,6 @@ impl Core {
                     let _ = tx.send((q, result, t.elapsed()));
                 }
             }),
-            None,
         );
         match sent {
             crate::direct::Sent::Yes => None,
