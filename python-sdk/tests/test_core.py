@@ -731,11 +731,12 @@ class _Busy:
 
 
 def test_a_call_queued_behind_a_long_one_long_after_the_last_call_can_be_cancelled():
-    """Issue 35: an actor's only executor thread reads its direct connection while it is
-    idle; while it runs a call, the connection's own thread still takes calls that
-    arrive, also more than a second after the last one, so a call queued behind a long
-    one is on the worker and is cancelled there before it starts (Ray 2.60: a queued
-    actor task that is cancelled never runs and its get raises TaskCancelledError)."""
+    """A call sent to an actor busy with a long call, more than a second after the
+    caller's last call, reaches the worker's queue while the long call runs, so
+    `cancel` finds it there and it never starts (Ray 2.60: a queued actor task that is
+    cancelled never runs and its get raises TaskCancelledError). Issue 35's first try at
+    letting an idle executor thread read its connection itself left such a call unread
+    in the socket, and it ran."""
     a = _Busy.remote()
     ray.get(a.quick.remote("first"))
     long = a.long.remote(4)
