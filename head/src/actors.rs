@@ -17,7 +17,10 @@ use tpuray_proto::{now_ms, pb};
 use tpuray_scheduler::{Decision, ResourceSet};
 
 use crate::convert::actor_to_proto;
-use crate::state::{ActorRecord, ActorStatus, Command, CommandKind, DEFAULT_NAMESPACE, Outcome};
+use crate::state::{
+    ActorRecord, ActorStatus, Command, CommandKind, DEFAULT_NAMESPACE, NodeStatus as NodeLife,
+    Outcome,
+};
 
 use crate::server::{Head, mark_waiting, rejection_status, require_id};
 
@@ -69,6 +72,20 @@ impl Head {
                     }
                 }
                 let strategy = a.strategy();
+                // HEAD-8: a node alive in the records that has not reported to this leader
+                // yet is not gone: its resources are unknown until its first heartbeat (or
+                // its death clock runs out). An actor bound to it, softly too, waits for
+                // that rather than falling back elsewhere after every head failover.
+                if let tpuray_scheduler::Strategy::NodeAffinity { node, .. } = &strategy {
+                    let id = NodeId::from_wire(node.clone());
+                    let alive =
+                        inner.sm.nodes.get(&id).is_some_and(|n| n.status == NodeLife::Alive);
+                    if alive && inner.soft.get(&id).is_some_and(|s| !s.reported) {
+                        let reason = format!("waiting for node {id}'s first report to this head");
+                        mark_waiting(&mut inner.actor_pending, &a.actor_id, reason, false);
+                        continue;
+                    }
+                }
                 let req = tpuray_scheduler::Request {
                     demand: a.placement_resources.clone(),
                     strategy,
@@ -130,13 +147,14 @@ impl Head {
         .await;
         match result {
             Ok(reply) => {
+                let worker_id = WorkerId::from_wire(reply.worker_id.clone());
                 let outcome = self
                     .commit(Command {
                         request_id: String::new(),
                         kind: CommandKind::ActorAlive {
                             actor_id: actor.actor_id.clone(),
                             node_id: node_id.clone(),
-                            worker_id: WorkerId::from_wire(reply.worker_id.clone()),
+                            worker_id: worker_id.clone(),
                             address: reply.worker_address,
                             pid: reply.pid,
                         },
@@ -147,10 +165,12 @@ impl Head {
                 self.lock().placing.remove(&actor.actor_id);
                 match outcome {
                     Ok(Outcome::Rejected(r)) => {
-                        // Killed while starting: stop the worker we just made.
-                        tracing::info!(actor_id = %actor.actor_id, %r, "actor started after it was killed; stopping its worker");
-                        let _ =
-                            self.kill_actor_worker(&address, &actor.actor_id, None, false).await;
+                        // Killed while starting, or another start of it was recorded
+                        // first: stop the worker we just made, and only that one.
+                        tracing::info!(actor_id = %actor.actor_id, %worker_id, %r, "the actor's record refused the started worker; stopping it");
+                        let _ = self
+                            .kill_actor_worker(&address, &actor.actor_id, Some(&worker_id), false)
+                            .await;
                     }
                     Ok(_) => {}
                     // Not leader any more: the next leader finds the worker when it

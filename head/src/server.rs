@@ -168,14 +168,15 @@ impl Inner {
         }
     }
 
-    /// Forgets the soft state of a leadership term.
+    /// Forgets the soft state of a leadership term. `placing` and `pg_placing` stay: their
+    /// entries are starts and reservations this process still runs, each removing its own
+    /// entry when it ends; should this head lead again meanwhile, it must neither place
+    /// those twice nor take their workers and bundles for orphans (HEAD-8).
     fn reset_soft(&mut self) {
         self.new_view_log();
         self.soft.clear();
         self.actor_pending.clear();
-        self.placing.clear();
         self.pg_pending.clear();
-        self.pg_placing.clear();
         self.returning.clear();
         self.jobs_soft = Default::default();
     }

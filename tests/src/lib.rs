@@ -625,8 +625,17 @@ impl Cluster {
         out
     }
 
+    /// Prints the last 40 lines of every log; with `TPURAY_TEST_KEEP_LOGS=<dir>` set, also
+    /// copies every whole log into `<dir>/<cluster folder>/` for a later look.
     fn print_log_tails(&self) {
+        let keep = std::env::var_os("TPURAY_TEST_KEEP_LOGS")
+            .map(|d| PathBuf::from(d).join(self.dir.path().file_name().unwrap_or_default()));
         for p in self.logs() {
+            if let Some(k) = &keep {
+                let _ = std::fs::create_dir_all(k);
+                let rel = p.strip_prefix(self.dir.path()).unwrap_or(&p);
+                let _ = std::fs::copy(&p, k.join(rel.to_string_lossy().replace('/', "_")));
+            }
             let s = std::fs::read_to_string(&p).unwrap_or_default();
             let lines: Vec<&str> = s.lines().collect();
             let tail = &lines[lines.len().saturating_sub(40)..];

@@ -52,6 +52,17 @@ impl StateMachine {
         if actor.is_dead() {
             return Outcome::Rejected(Rejection::Invalid(format!("actor {actor_id} is dead")));
         }
+        // HEAD-8: two starts of one attempt can both succeed (a start in flight when its
+        // leader lost the term, and the new leader's own placement): the first recorded
+        // worker is the actor's; the other is refused, and its starter stops it.
+        if let ActorStatus::Alive { worker_id: running, .. } = &actor.status {
+            if *running == worker_id {
+                return Outcome::Actor(actor_id);
+            }
+            return Outcome::Rejected(Rejection::AlreadyExists(format!(
+                "actor {actor_id} already runs in worker {running}"
+            )));
+        }
         actor.last_placement = Some((node_id.clone(), pid));
         self.set_actor_status(&actor_id, ActorStatus::Alive { node_id, worker_id, address, pid });
         changed.push(Changed::Actor(actor_id.clone()));

@@ -153,6 +153,46 @@ fn alive_actors_by_node_follow_each_change_and_survive_a_snapshot() {
     assert_eq!(sm.alive_actors_on(&n2), HashMap::from([(ia.clone(), wa2)]));
 }
 
+/// HEAD-8: a leader that lost its term and led again can see two starts of one attempt
+/// succeed: the first worker recorded is the actor's, a second is refused (its starter
+/// stops it), and recording the first again changes nothing.
+#[test]
+fn a_second_start_of_an_alive_actor_is_refused_and_the_first_worker_stays() {
+    let mut sm = StateMachine::new();
+    let (n1, n2) = (NodeId::random(), NodeId::random());
+    for n in [&n1, &n2] {
+        sm.apply(cmd(CommandKind::RegisterNode(node(n))));
+    }
+    let a = actor("k", -1);
+    let id = a.actor_id.clone();
+    sm.apply(cmd(CommandKind::CreateActor { actor: a, get_if_exists: false }));
+    let alive = |n: &NodeId, w: &WorkerId, pid: u32| {
+        cmd(CommandKind::ActorAlive {
+            actor_id: id.clone(),
+            node_id: n.clone(),
+            worker_id: w.clone(),
+            address: format!("w{pid}"),
+            pid,
+        })
+    };
+    let (first, second) = (WorkerId::random(), WorkerId::random());
+    assert_eq!(sm.apply(alive(&n1, &first, 1)).0, Outcome::Actor(id.clone()));
+    let refused = sm.apply(alive(&n2, &second, 2)).0;
+    assert!(
+        matches!(&refused, Outcome::Rejected(Rejection::AlreadyExists(m)) if m.contains(&first.to_string())),
+        "{refused:?}"
+    );
+    assert_eq!(sm.apply(alive(&n1, &first, 1)).0, Outcome::Actor(id.clone()));
+    match &sm.actors[&id].status {
+        ActorStatus::Alive { node_id, worker_id, pid, .. } => {
+            assert_eq!((node_id, worker_id, *pid), (&n1, &first, 1));
+        }
+        s => panic!("not alive: {s:?}"),
+    }
+    assert_eq!(sm.alive_actors_on(&n2).len(), 0);
+    assert_eq!(sm.actors[&id].num_restarts, 0);
+}
+
 /// ACTOR-1: an exit code 0 not asked for counts as a restart; an intended exit ends the
 /// actor (and frees its name, HEAD-3).
 #[test]
