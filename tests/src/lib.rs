@@ -5,7 +5,8 @@
 //!
 //! Every wait has a timeout ([`wait_until`], [`eventually`]); a [`Cluster`]
 //! stops and, if need be, SIGKILLs what it started when dropped, and prints
-//! the tail of every process log when the test is failing.
+//! the tail of every process log when the test is failing
+//! (`TPURAY_TEST_KEEP_LOGS=<dir>` also copies every whole log of a failing test there).
 //!
 //! The suites (`tests/tests/`), each running the real binary: `cluster.rs` (the control
 //! plane); `core.rs` (tasks, actors and failures); `recovery.rs` (lineage reconstruction
