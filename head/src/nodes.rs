@@ -204,6 +204,7 @@ impl Head {
             heartbeat_interval_ms: self.config.heartbeat_interval.as_millis() as u64,
             auth_required: self.config.auth_required,
             tls: tpuray_proto::tls::enabled(),
+            node_death_timeout_ms: self.config.node_death_timeout.as_millis() as u64,
         }))
     }
 

@@ -353,11 +353,28 @@ pub async fn diagnose_heads(address: &str) -> Option<String> {
     None
 }
 
+/// AGENT-1: how long one heartbeat call may take: at least the interval, at most 2 s,
+/// and no more than a third of the node death timeout (`death`, 0 when the head did not
+/// say), so that a call stuck on a head that cannot answer now (one restarting after a
+/// kill, or a loaded one) is given up, and the next heartbeat tried, well before the
+/// leader declares this node dead. Heartbeats go one at a time: with a 2 s call and a
+/// 1.5 s death timeout, one stuck call was enough to lose the node.
+fn heartbeat_call_timeout(interval: Duration, death: Duration) -> Duration {
+    let cap = Duration::from_secs(2);
+    let cap = if death.is_zero() { cap } else { cap.min(death / 3) };
+    interval.max(cap)
+}
+
 /// AGENT-1: heartbeats on a dedicated OS thread with its own runtime, so
-/// nothing the agent's main runtime does can delay them. Stops the process
-/// when the head declares this node dead, or after `head_lost_after` without
-/// a successful heartbeat.
-fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after: Duration) {
+/// nothing the agent's main runtime does can delay them; each call is bounded by
+/// [`heartbeat_call_timeout`]. Stops the process when the head declares this node dead,
+/// or after `head_lost_after` without a successful heartbeat.
+fn spawn_heartbeat_thread(
+    agent: Arc<Agent>,
+    interval: Duration,
+    call_timeout: Duration,
+    head_lost_after: Duration,
+) {
     std::thread::Builder::new()
         .name("tpuray-heartbeat".into())
         .spawn(move || {
@@ -396,7 +413,7 @@ fn spawn_heartbeat_thread(agent: Arc<Agent>, interval: Duration, head_lost_after
                         view_epoch: view.0,
                         view_version: view.1,
                     });
-                    req.set_timeout(interval.max(Duration::from_secs(2)));
+                    req.set_timeout(call_timeout);
                     match client.heartbeat(req).await {
                         Ok(r) => {
                             let r = r.into_inner();
@@ -601,9 +618,11 @@ pub async fn serve_agent(
     agent.metrics.set_cluster_id(&reply.cluster_id);
     crate::metrics::spawn_sampler(Arc::clone(&agent));
     let interval = Duration::from_millis(reply.heartbeat_interval_ms.max(10));
+    let death = Duration::from_millis(reply.node_death_timeout_ms);
     spawn_heartbeat_thread(
         Arc::clone(&agent),
         interval,
+        heartbeat_call_timeout(interval, death),
         env_duration_ms("TPURAY_HEAD_LOST_TIMEOUT_MS", 60_000),
     );
     let reaper = Arc::clone(&agent);
@@ -696,6 +715,21 @@ pub fn env_duration_ms(var: &str, default_ms: u64) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// AGENT-1: a heartbeat call ends well inside the death timeout, never before the
+    /// next tick, and at 2 s when an older head states no death timeout.
+    #[test]
+    fn agent_1_a_heartbeat_call_is_given_up_well_inside_the_death_timeout() {
+        let ms = Duration::from_millis;
+        // The tests' cluster: 100 ms heartbeats, dead after 1.5 s.
+        assert_eq!(heartbeat_call_timeout(ms(100), ms(1500)), ms(500));
+        // The defaults: 1 s heartbeats, dead after 5 s.
+        assert_eq!(heartbeat_call_timeout(ms(1000), ms(5000)), ms(5000) / 3);
+        assert_eq!(heartbeat_call_timeout(ms(1000), ms(60_000)), ms(2000));
+        assert_eq!(heartbeat_call_timeout(ms(1000), Duration::ZERO), ms(2000));
+        // Never shorter than the interval itself.
+        assert_eq!(heartbeat_call_timeout(ms(3000), ms(1500)), ms(3000));
+    }
 
     #[test]
     fn cpu_inside_resources_json_is_refused_naming_the_flag() {
