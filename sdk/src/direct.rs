@@ -11,12 +11,17 @@
 //! vCPUs halt, as the 2-core VM of issue 35, where waking one cost about half of a 55 µs
 //! raw loopback round trip) the wakes are most of a sync call's time. Here the
 //! caller's own thread writes an actor call (when the actor's sender has nothing queued,
-//! see `core::actors`), one reader thread per connection on each side reads, and the
-//! executor thread (or an async actor's event loop) writes the reply itself: two
-//! hand-offs a side fewer. A push of a single task to a leased worker goes on it from the
-//! lease's task (`core::leasing`); pipelined batches of several stay on `PushTasks`, and
-//! so does a push made before the connection is open. The worker answers from
-//! the executor thread and handing a queued task back unrun as over gRPC (CORE-9).
+//! see `core::actors`), and the executor thread (or an async actor's event loop) writes
+//! the reply itself: two hand-offs a side fewer. Reading, too, is done where it can be by
+//! the thread that needs what is read: a caller waiting in a sync `get` for the reply to
+//! a call it sent reads that reply itself ([`read_own_replies`]), and an actor whose
+//! calls run on one executor thread has that thread read its next call while it waits
+//! ([`IdleReader`]); otherwise each connection's own thread reads (issue 35: one thread
+//! wake fewer a side, the call then wakes only the thread the socket wakes). A push of a
+//! single task to a leased worker goes on it from the lease's task (`core::leasing`);
+//! pipelined batches of several stay on `PushTasks`, and so does a push made before the
+//! connection is open. The worker answers from the executor thread and handing a queued
+//! task back unrun as over gRPC (CORE-9).
 //!
 //! The connection shares the worker's gRPC port: its first byte, [`FIRST_BYTE`], is never
 //! the first byte of HTTP/2's preface (`P`), and the worker's server hands it here
@@ -51,8 +56,8 @@ use std::collections::HashMap;
 use std::io::{self, BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use prost::Message;
 use tonic::Status;
@@ -212,24 +217,31 @@ impl DirectServer {
         if !self.opening(&mut reader, &writer) {
             return;
         }
+        let (local, peer) = (closer.local_addr().ok(), closer.peer_addr().ok());
         self.conns.lock().unwrap().push(closer);
-        let mut body = Vec::new();
-        while let Ok((id, kind)) = read_frame(&mut reader, &mut body) {
-            let refused = match self.call(id, kind, &body, &writer) {
-                Ok(()) => continue,
-                Err(status) => refusal(id, &status),
-            };
-            if writer.lock().unwrap().write_all(&refused).is_err() {
-                break;
+        let conn = Arc::new(Incoming::new(Arc::clone(&self), reader, writer));
+        match self.svc.executor.get().and_then(|ex| ex.idle_reader()) {
+            Some(idle) if idle.adopt(&conn) => {
+                conn.watch();
+                idle.release(&conn);
             }
+            _ => conn.read_all(),
         }
-        let me = reader.get_ref();
-        let _ = me.shutdown(Shutdown::Both);
         let mut conns = self.conns.lock().unwrap();
-        if let (Ok(local), Ok(peer)) = (me.local_addr(), me.peer_addr()) {
+        if let (Some(local), Some(peer)) = (local, peer) {
             conns
                 .retain(|c| c.local_addr().ok() != Some(local) || c.peer_addr().ok() != Some(peer));
         }
+    }
+
+    /// Takes one call read from a connection, or sends its refusal; false when the
+    /// connection broke.
+    fn take_call(&self, id: u64, kind: u8, body: &[u8], writer: &Arc<Mutex<TcpStream>>) -> bool {
+        let refused = match self.call(id, kind, body, writer) {
+            Ok(()) => return true,
+            Err(status) => refusal(id, &status),
+        };
+        writer.lock().unwrap().write_all(&refused).is_ok()
     }
 
     /// Reads the opening and answers it; false when refused or broken.
@@ -297,6 +309,253 @@ impl DirectServer {
     }
 }
 
+/// A connection to an actor whose calls run on one executor thread: that thread reads the
+/// connection itself while it has nothing to run ([`IdleReader`]), and the connection's
+/// own thread only reads what arrives while the executor runs a call for longer than
+/// [`LAZY`] (to refuse it when the worker stops, and so a queued call can be cancelled).
+struct Incoming {
+    server: Arc<DirectServer>,
+    reader: Mutex<BufReader<TcpStream>>,
+    writer: Arc<Mutex<TcpStream>>,
+    fd: std::os::fd::RawFd,
+    broken: AtomicBool,
+    /// The connection's own thread: (whether it waits without a timeout, the last call).
+    ticking: Mutex<(bool, Instant)>,
+    wake: Condvar,
+}
+
+impl Incoming {
+    fn new(
+        server: Arc<DirectServer>,
+        reader: BufReader<TcpStream>,
+        writer: Arc<Mutex<TcpStream>>,
+    ) -> Self {
+        use std::os::fd::AsRawFd;
+        let fd = reader.get_ref().as_raw_fd();
+        Self {
+            server,
+            reader: Mutex::new(reader),
+            writer,
+            fd,
+            broken: AtomicBool::new(false),
+            ticking: Mutex::new((false, Instant::now())),
+            wake: Condvar::new(),
+        }
+    }
+
+    /// Reads calls on this thread until the connection breaks.
+    fn read_all(&self) {
+        let mut r = self.reader.lock().unwrap();
+        let mut body = Vec::new();
+        while self.take_one(&mut r, &mut body) {}
+    }
+
+    /// Reads and takes one call (blocking until it is whole); false once the connection
+    /// broke, which this then shuts down.
+    fn take_one(&self, r: &mut BufReader<TcpStream>, body: &mut Vec<u8>) -> bool {
+        if self.broken.load(Ordering::SeqCst) {
+            return false;
+        }
+        let taken = match read_frame(r, body) {
+            Ok((id, kind)) => self.server.take_call(id, kind, body, &self.writer),
+            Err(_) => false,
+        };
+        if !taken {
+            self.broken.store(true, Ordering::SeqCst);
+            let _ = r.get_ref().shutdown(Shutdown::Both);
+            self.wake.notify_one();
+            return false;
+        }
+        let mut t = self.ticking.lock().unwrap();
+        t.1 = Instant::now();
+        if t.0 {
+            // Its own thread waits without a timeout: it ticks again while calls come.
+            self.wake.notify_one();
+        }
+        true
+    }
+
+    /// The connection's own thread: reads what arrives while the executor thread runs a
+    /// call (it reads the connection itself while idle), until the connection breaks.
+    /// While calls came in the last [`IDLE`] it looks every [`LAZY`]; after that it waits
+    /// for a call on the socket while the executor runs one (so a call queued behind a
+    /// long one is taken at once, and can be cancelled before it starts), and for the
+    /// executor to take a call while the executor reads.
+    fn watch(&self) {
+        let mut body = Vec::new();
+        loop {
+            if self.broken.load(Ordering::SeqCst) {
+                return;
+            }
+            // Free: the executor runs a call. Held: it waits for calls on the socket.
+            let executor_reads = match self.reader.try_lock() {
+                Ok(mut r) => {
+                    while !r.buffer().is_empty() || ready(&[(self.fd, libc::POLLIN)], 0)[0] {
+                        if !self.take_one(&mut r, &mut body) {
+                            return;
+                        }
+                    }
+                    false
+                }
+                Err(_) => true,
+            };
+            let mut t = self.ticking.lock().unwrap();
+            if self.broken.load(Ordering::SeqCst) {
+                return;
+            }
+            if t.1.elapsed() < IDLE {
+                drop(self.wake.wait_timeout(t, LAZY).unwrap());
+            } else if executor_reads {
+                t.0 = true;
+                t = self.wake.wait(t).unwrap();
+                t.0 = false;
+            } else {
+                drop(t);
+                // Readable: a call (or the connection's end) while the executor is busy;
+                // if the executor reads again meanwhile, the lock says so next time.
+                ready(&[(self.fd, libc::POLLIN)], IDLE.as_millis() as libc::c_int);
+            }
+        }
+    }
+}
+
+/// What an actor's only executor thread reads while it waits for its next call: one
+/// direct connection (the first a caller opened; calls on others are read by their own
+/// threads), besides its queue. A call arriving then wakes the thread that runs it, not
+/// a reader thread that hands it over: one thread wake fewer for each call (issue 35).
+pub(crate) struct IdleReader {
+    /// Signalled when a job is queued while the executor thread waits in `poll`.
+    event: Event,
+    polling: AtomicBool,
+    conn: Mutex<Option<Arc<Incoming>>>,
+}
+
+impl IdleReader {
+    /// `None` when the system gives no eventfd.
+    pub(crate) fn new() -> Option<Self> {
+        Some(Self {
+            event: Event::new().ok()?,
+            polling: AtomicBool::new(false),
+            conn: Mutex::new(None),
+        })
+    }
+
+    /// Makes `conn` the connection the executor thread reads, unless it reads one.
+    fn adopt(&self, conn: &Arc<Incoming>) -> bool {
+        let mut c = self.conn.lock().unwrap();
+        if c.as_ref().is_some_and(|c| !c.broken.load(Ordering::SeqCst)) {
+            return false;
+        }
+        *c = Some(Arc::clone(conn));
+        drop(c);
+        self.queued();
+        true
+    }
+
+    fn release(&self, conn: &Arc<Incoming>) {
+        let mut c = self.conn.lock().unwrap();
+        if c.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
+            *c = None;
+        }
+    }
+
+    /// Call after queueing a job for the executor thread: wakes it if it waits in `poll`.
+    pub(crate) fn queued(&self) {
+        if self.polling.load(Ordering::SeqCst) {
+            self.event.signal();
+        }
+    }
+
+    /// The executor thread's next job from `rx`, reading the connection meanwhile.
+    pub(crate) fn next_job<J>(
+        &self,
+        rx: &std::sync::mpsc::Receiver<J>,
+    ) -> Result<J, std::sync::mpsc::RecvError> {
+        use std::sync::mpsc::TryRecvError;
+        let mut body = Vec::new();
+        loop {
+            match rx.try_recv() {
+                Ok(j) => return Ok(j),
+                Err(TryRecvError::Disconnected) => return Err(std::sync::mpsc::RecvError),
+                Err(TryRecvError::Empty) => {}
+            }
+            let conn = self.conn.lock().unwrap().clone();
+            let conn = conn.filter(|c| !c.broken.load(Ordering::SeqCst));
+            let mut r = conn.as_ref().map(|c| c.reader.lock().unwrap());
+            self.polling.store(true, Ordering::SeqCst);
+            // A job queued before `polling` was set did not write the eventfd.
+            if let Ok(j) = rx.try_recv() {
+                self.polling.store(false, Ordering::SeqCst);
+                return Ok(j);
+            }
+            let event = (self.event.fd(), libc::POLLIN);
+            let call = match (&conn, &r) {
+                (Some(_), Some(r)) if !r.buffer().is_empty() => true,
+                (Some(c), Some(_)) => ready(&[(c.fd, libc::POLLIN), event], -1)[0],
+                // No connection yet: `adopt` signals the event.
+                _ => {
+                    ready(&[event], -1);
+                    false
+                }
+            };
+            self.polling.store(false, Ordering::SeqCst);
+            self.event.drain();
+            if let (true, Some(c), Some(r)) = (call, &conn, r.as_mut())
+                && !c.take_one(r, &mut body)
+            {
+                self.release(c);
+            }
+        }
+    }
+}
+
+/// Which of `fds` (each with the `poll` events it waits for) are ready, or broke, waiting
+/// at most `ms` (-1: until one is).
+fn ready(fds: &[(std::os::fd::RawFd, libc::c_short)], ms: libc::c_int) -> Vec<bool> {
+    let mut polled: Vec<libc::pollfd> =
+        fds.iter().map(|&(fd, events)| libc::pollfd { fd, events, revents: 0 }).collect();
+    loop {
+        // SAFETY: a live array of `fds.len()` pollfds for the duration of the call.
+        let n = unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, ms) };
+        if n >= 0 || io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            return polled.iter().map(|p| n > 0 && p.revents != 0).collect();
+        }
+    }
+}
+
+/// An eventfd: one thread waits for it in `poll`, others signal it.
+struct Event(std::os::fd::OwnedFd);
+
+impl Event {
+    fn new() -> io::Result<Self> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: eventfd returns a new descriptor or -1.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a descriptor just opened and owned by nothing else.
+        Ok(Self(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }))
+    }
+
+    fn fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.0.as_raw_fd()
+    }
+
+    fn signal(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to the eventfd.
+        let _ = unsafe { libc::write(self.fd(), one.as_ptr().cast(), 8) };
+    }
+
+    fn drain(&self) {
+        let mut count = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live buffer (nonblocking).
+        let _ = unsafe { libc::read(self.fd(), count.as_mut_ptr().cast(), 8) };
+    }
+}
+
 /// A call's way back; dropped unanswered (its executor stopped), it answers as the gRPC
 /// handler does then: `executor stopped`.
 struct Answer {
@@ -359,19 +618,125 @@ pub(crate) enum Sent {
 }
 
 /// A caller's direct connection to one worker address.
+///
+/// Its replies are read by one thread at a time, the connection's reader: a caller waiting
+/// in a sync `get` for the reply to a call it sent from its own thread reads it itself
+/// ([`read_own_replies`]), saving the hand-off from a reader thread (issue 35: a thread
+/// wake, about 50 µs on a 2-vCPU VM whose idle vCPUs halt). Otherwise the connection's
+/// own thread reads: at once for a call sent from the runtime (the actor's sender task, a
+/// lease's push) or when anything else waits for an owned object ([`kick`]), and for a
+/// call sent from a caller's thread that no one waits for, after [`LAZY`].
 pub(crate) struct DirectConn {
     pub(crate) address: String,
     writer: Mutex<TcpStream>,
-    calls: Mutex<HashMap<u64, Done>>,
+    read: Mutex<ReadSide>,
+    /// What the connection's thread waits for besides its socket.
+    event: Event,
     next_id: AtomicU64,
     alive: AtomicBool,
     /// Why it was closed from this side (a dead node): what its calls fail with.
     closed_with: Mutex<Option<Status>>,
+    rt: tokio::runtime::Handle,
+}
+
+/// A connection's calls in flight and who reads their replies.
+struct ReadSide {
+    calls: HashMap<u64, Done>,
+    /// The read half while no thread reads (a reader takes it); `None` while one does, and
+    /// for good once the connection broke.
+    reader: Option<BufReader<TcpStream>>,
+    /// Since when calls wait with no thread reading.
+    unread_since: Option<Instant>,
+    /// The connection's thread is to read now.
+    kicked: bool,
+    /// The connection's thread waits without a timeout (no call for [`IDLE`]).
+    parked: bool,
+    last_call: Instant,
+    /// The connection broke: its thread ends.
+    broken: bool,
+}
+
+/// A reply nobody waits for is read this long after its call at the latest (while its
+/// thread ticks, every [`LAZY`], which it does while calls went out in the last [`IDLE`]).
+const LAZY: Duration = Duration::from_millis(10);
+/// How long a connection's thread keeps ticking after a call.
+const IDLE: Duration = Duration::from_secs(1);
+/// The longest a waiting caller reads in one go before it looks at its objects again.
+const READ_SLICE: Duration = Duration::from_millis(100);
+
+thread_local! {
+    /// The connection of the last call this thread sent itself, and that call's returns:
+    /// what a sync `get` on this thread may read itself.
+    static SENT_HERE: std::cell::RefCell<Option<(std::sync::Weak<DirectConn>, Vec<String>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Connections with calls sent from a caller's thread and not read yet, for [`kick`].
+static UNREAD: Mutex<Vec<std::sync::Weak<DirectConn>>> = Mutex::new(Vec::new());
+/// Whether [`UNREAD`] may hold any (read without its lock).
+static ANY_UNREAD: AtomicBool = AtomicBool::new(false);
+
+/// Something other than a caller reading its own replies waits for an owned object: every
+/// connection with unread calls sent from a caller's thread starts reading them now.
+pub(crate) fn kick() {
+    if !ANY_UNREAD.load(Ordering::Acquire) {
+        return;
+    }
+    let conns: Vec<_> = {
+        let mut unread = UNREAD.lock().unwrap();
+        ANY_UNREAD.store(false, Ordering::Release);
+        unread.drain(..).collect()
+    };
+    for c in conns.iter().filter_map(std::sync::Weak::upgrade) {
+        let mut st = c.read.lock().unwrap();
+        if st.unread_since.is_some() {
+            st.kicked = true;
+            c.event.signal();
+        }
+    }
+}
+
+/// Reads replies on this thread, as its connection's reader, for a caller waiting for
+/// owned objects `waiting` (ids) until `deadline`: when the last call this thread sent
+/// itself went on a direct connection, returns one of `waiting`, and no other thread
+/// reads that connection. Reads until `settled` answers true (asked after each reply),
+/// the connection has no call in flight, or `deadline` (or [`READ_SLICE`]) passes
+/// between replies. False when it read nothing: wait for the objects another way.
+///
+/// Every reply read runs its call's `Done` on this thread, also other calls' on the same
+/// connection: a `Done` must not block waiting for an object (they record results and
+/// start runtime tasks), or it would wait for the reads of the thread it runs on.
+pub(crate) fn read_own_replies(
+    waiting: &[&str],
+    settled: &dyn Fn() -> bool,
+    deadline: Instant,
+) -> bool {
+    let conn = SENT_HERE.with(|s| {
+        let s = s.borrow();
+        let (conn, returns) = s.as_ref()?;
+        if !returns.iter().any(|r| waiting.contains(&r.as_str())) {
+            return None;
+        }
+        conn.upgrade()
+    });
+    let Some(conn) = conn else { return false };
+    let reader = {
+        let mut st = conn.read.lock().unwrap();
+        if st.calls.is_empty() {
+            return false;
+        }
+        let Some(r) = st.reader.take() else { return false };
+        st.unread_since = None;
+        r
+    };
+    let until = deadline.min(Instant::now() + READ_SLICE);
+    conn.read_replies(reader, Some(settled), Some(until));
+    true
 }
 
 impl DirectConn {
     /// Connects to the worker at `address` and opens a direct connection (blocking, up to
-    /// 5 s for each step); its reader thread runs with `rt` entered, so what the calls'
+    /// 5 s for each step); replies are read with `rt` entered, so what the calls'
     /// `Done`s start runs on that runtime.
     ///
     /// # Errors
@@ -425,22 +790,31 @@ impl DirectConn {
         }
         s.set_read_timeout(None)?;
         s.set_write_timeout(None)?;
-        let reader = s.try_clone()?;
+        let reader = BufReader::with_capacity(64 * 1024, s.try_clone()?);
         let conn = Arc::new(Self {
             address: address.to_string(),
             writer: Mutex::new(s),
-            calls: Mutex::new(HashMap::new()),
+            read: Mutex::new(ReadSide {
+                calls: HashMap::new(),
+                reader: Some(reader),
+                unread_since: None,
+                kicked: false,
+                parked: true,
+                last_call: Instant::now(),
+                broken: false,
+            }),
+            event: Event::new()?,
             next_id: AtomicU64::new(1),
             alive: AtomicBool::new(true),
             closed_with: Mutex::new(None),
+            rt,
         });
         let me = Arc::clone(&conn);
         std::thread::Builder::new()
             .name("tpuray-direct-out".into())
             .stack_size(READER_STACK)
             .spawn(move || {
-                let _rt = rt.enter();
-                me.read_replies(reader);
+                me.reader_thread();
                 OPEN.fetch_sub(1, Ordering::SeqCst);
             })?;
         Ok(conn)
@@ -452,21 +826,50 @@ impl DirectConn {
     }
 
     /// Sends a call [`encode_call`] made, on the calling thread; `done` gets its reply or
-    /// failure from the reader thread, unless this says otherwise.
-    pub(crate) fn call(&self, mut frame: Vec<u8>, done: Done) -> Sent {
+    /// failure from the thread that reads it, unless this says otherwise. `mine`: the
+    /// caller's own thread sends it (not the runtime), and a sync `get` on this thread
+    /// may read the reply itself ([`read_own_replies`]); its return ids are `returns`.
+    pub(crate) fn call(
+        self: &Arc<Self>,
+        mut frame: Vec<u8>,
+        done: Done,
+        mine: Option<Vec<String>>,
+    ) -> Sent {
         if !self.alive() {
             return Sent::Not(done, frame);
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         frame[4..12].copy_from_slice(&id.to_le_bytes());
-        self.calls.lock().unwrap().insert(id, done);
+        {
+            let mut st = self.read.lock().unwrap();
+            st.calls.insert(id, done);
+            st.last_call = Instant::now();
+            if st.reader.is_some() && st.unread_since.is_none() {
+                st.unread_since = Some(st.last_call);
+            }
+            if mine.is_none() {
+                st.kicked = true;
+                self.event.signal();
+            } else if st.parked {
+                // It starts ticking, to read the reply after `LAZY` if no one waits for it.
+                self.event.signal();
+            }
+        }
+        if let Some(returns) = mine {
+            SENT_HERE.with(|s| *s.borrow_mut() = Some((Arc::downgrade(self), returns)));
+            let mut unread = UNREAD.lock().unwrap();
+            if !unread.iter().any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(self))) {
+                unread.push(Arc::downgrade(self));
+            }
+            ANY_UNREAD.store(true, Ordering::Release);
+        }
         let written = self.writer.lock().unwrap().write_all(&frame);
         match written {
             Ok(()) => Sent::Yes,
             Err(e) => {
                 self.close(None);
                 // The reader fails it, unless it finished failing the others first.
-                let done = self.calls.lock().unwrap().remove(&id);
+                let done = self.read.lock().unwrap().calls.remove(&id);
                 match done {
                     Some(done) => Sent::Lost(done, lost(&self.address, &e)),
                     None => Sent::Yes,
@@ -482,15 +885,91 @@ impl DirectConn {
         }
         self.alive.store(false, Ordering::SeqCst);
         let _ = self.writer.lock().unwrap().shutdown(Shutdown::Both);
+        // A connection no thread reads fails its calls on its own thread.
+        let mut st = self.read.lock().unwrap();
+        st.kicked = true;
+        self.event.signal();
     }
 
-    fn read_replies(&self, s: TcpStream) {
-        let mut r = BufReader::with_capacity(64 * 1024, s);
+    /// The connection's own thread: reads replies when kicked, when calls went unread
+    /// for [`LAZY`], or when the worker closed the connection while no one reads it (its
+    /// socket is watched for that, not for replies, which the thread waiting for them
+    /// reads); ends once the connection broke.
+    fn reader_thread(&self) {
+        let mut st = self.read.lock().unwrap();
+        loop {
+            if st.broken {
+                return;
+            }
+            let due = st.kicked || st.unread_since.is_some_and(|t| t.elapsed() >= LAZY);
+            if (due && !st.calls.is_empty() || !self.alive())
+                && let Some(r) = st.reader.take()
+            {
+                st.kicked = false;
+                st.unread_since = None;
+                drop(st);
+                self.read_replies(r, None, None);
+                st = self.read.lock().unwrap();
+                continue;
+            }
+            st.kicked = false;
+            st.parked = st.last_call.elapsed() >= IDLE;
+            let ms = if st.parked { -1 } else { LAZY.as_millis() as libc::c_int };
+            let watched = st.reader.as_ref().map(|r| {
+                use std::os::fd::AsRawFd;
+                r.get_ref().as_raw_fd()
+            });
+            drop(st);
+            let event = (self.event.fd(), libc::POLLIN);
+            let closed = match watched {
+                Some(fd) => ready(&[(fd, libc::POLLRDHUP), event], ms)[0],
+                None => {
+                    ready(&[event], ms);
+                    false
+                }
+            };
+            self.event.drain();
+            if closed {
+                // What it sent before closing is still read, then its calls fail.
+                self.alive.store(false, Ordering::SeqCst);
+            }
+            st = self.read.lock().unwrap();
+            st.parked = false;
+        }
+    }
+
+    /// Reads replies as the connection's one reader, handing each to its call's `Done`,
+    /// until no call is in flight, or (a caller reading its own) `settled` answers true or
+    /// `until` passes between replies; then gives the read half back (and kicks the
+    /// connection's thread when calls are left). A broken connection fails every call.
+    fn read_replies(
+        &self,
+        mut r: BufReader<TcpStream>,
+        settled: Option<&dyn Fn() -> bool>,
+        until: Option<Instant>,
+    ) {
+        let _rt = self.rt.enter();
         let mut body = Vec::new();
         let error = loop {
+            if settled.is_some_and(|f| f()) {
+                break None;
+            }
+            {
+                let mut st = self.read.lock().unwrap();
+                if st.calls.is_empty() && self.alive() {
+                    st.reader = Some(r);
+                    return;
+                }
+            }
+            if let Some(until) = until
+                && r.buffer().is_empty()
+                && !readable(r.get_ref(), until)
+            {
+                break None;
+            }
             let (id, kind) = match read_frame(&mut r, &mut body) {
                 Ok(f) => f,
-                Err(e) => break e,
+                Err(e) => break Some(e),
             };
             let result = match kind {
                 KIND_REPLY => pb::PushTaskReply::decode(body.as_slice()).map_err(|e| {
@@ -504,20 +983,57 @@ impl DirectConn {
                     ))
                 }
                 _ => {
-                    break io::Error::new(io::ErrorKind::InvalidData, format!("frame kind {kind}"));
+                    break Some(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("frame kind {kind}"),
+                    ));
                 }
             };
-            let done = self.calls.lock().unwrap().remove(&id);
+            let done = self.read.lock().unwrap().calls.remove(&id);
             if let Some(done) = done {
                 done(result);
             }
         };
+        let Some(error) = error else {
+            // A caller done reading its own: the rest goes to the connection's thread.
+            let mut st = self.read.lock().unwrap();
+            st.reader = Some(r);
+            if !st.calls.is_empty() {
+                st.kicked = true;
+                self.event.signal();
+            }
+            return;
+        };
         self.alive.store(false, Ordering::SeqCst);
         let _ = r.get_ref().shutdown(Shutdown::Both);
         let status = self.closed_with.lock().unwrap().clone();
-        let failed: Vec<Done> = self.calls.lock().unwrap().drain().map(|(_, d)| d).collect();
+        let failed: Vec<Done> = {
+            let mut st = self.read.lock().unwrap();
+            st.broken = true;
+            self.event.signal();
+            st.calls.drain().map(|(_, d)| d).collect()
+        };
         for done in failed {
             done(Err(status.clone().unwrap_or_else(|| lost(&self.address, &error))));
+        }
+    }
+}
+
+/// Whether `s` has bytes to read (or broke) before `until`.
+fn readable(s: &TcpStream, until: Instant) -> bool {
+    use std::os::fd::AsRawFd;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let mut fd = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: one valid pollfd, for the duration of the call.
+        let n = unsafe { libc::poll(&mut fd, 1, ms) };
+        if n == 0 {
+            return false;
+        }
+        // Readable, or an error the read reports.
+        if n > 0 || io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            return true;
         }
     }
 }
@@ -526,3 +1042,7 @@ impl DirectConn {
 fn lost(address: &str, e: &io::Error) -> Status {
     Status::unknown(format!("transport error: the direct connection to {address} broke: {e}"))
 }
+
+#[cfg(test)]
+#[path = "direct_tests.rs"]
+mod tests;

@@ -93,6 +93,9 @@ fn get_inner<T: DeserializeOwned>(r: &ObjectRef<T>, deadline: Option<Instant>) -
     let core = core::core()?;
     let _blocked =
         if core.rt.block_on(core.is_ready(r.raw())) { None } else { raw::Blocked::enter() };
+    // An owned object is waited for on this thread, which may read its reply itself.
+    let forever = || Instant::now() + Duration::from_secs(365 * 24 * 3600);
+    core.settle_owned(std::slice::from_ref(r.raw()), deadline.unwrap_or_else(forever));
     let data = core.rt.block_on(core.get_data(r.raw(), deadline)).map_err(|e| match e {
         Error::Timeout(..) => Error::Timeout(
             deadline.map(|d| d.saturating_duration_since(Instant::now())).unwrap_or_default(),

@@ -320,9 +320,15 @@ impl Core {
                         };
                         let core = Arc::clone(self);
                         // Written under the state's lock: calls leave in their order.
+                        // A sync get on this thread may read the reply itself, unless
+                        // this is a runtime thread (which never blocks in one).
+                        let mine = tokio::runtime::Handle::try_current()
+                            .is_err()
+                            .then(|| spec.return_ids.clone());
                         let sent = d.call(
                             frame,
                             Box::new(move |result| core.settle_actor_call(call, result)),
+                            mine,
                         );
                         drop(st);
                         match sent {

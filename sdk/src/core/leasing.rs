@@ -196,6 +196,7 @@ impl Core {
                     let _ = tx.send((q, result, t.elapsed()));
                 }
             }),
+            None,
         );
         match sent {
             crate::direct::Sent::Yes => None,

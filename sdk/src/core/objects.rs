@@ -188,6 +188,7 @@ impl Core {
                     }
                 }
             }
+            crate::direct::kick();
             match deadline {
                 Some(d) => {
                     if tokio::time::timeout_at(d.into(), notified).await.is_err() {
@@ -496,7 +497,10 @@ impl Core {
 
     /// Resolves when any owned object changes state. Create it before checking states,
     /// so a change between the check and the wait is not missed.
+    /// Replies sent to direct connections that no one reads yet are read now
+    /// ([`crate::direct::kick`]).
     pub(crate) fn objects_changed(&self) -> tokio::sync::futures::Notified<'_> {
+        crate::direct::kick();
         self.objects_changed.notified()
     }
 
@@ -506,21 +510,31 @@ impl Core {
     /// It parks the thread instead of setting a runtime timer: a timer set from outside
     /// the runtime wakes the runtime's driver thread, one more thread wake for every
     /// `get` that waits in slices (the Python SDK's do, to see Ctrl-C).
+    ///
+    /// When the last call this thread sent went on a direct connection and one of `refs`
+    /// is its return, the thread reads that connection's replies itself meanwhile
+    /// ([`crate::direct::read_own_replies`]): no reader thread hands it the reply.
     pub(crate) fn settle_owned(&self, refs: &[RawRef], deadline: Instant) {
         let pending = || {
             let objs = self.objects.lock().unwrap();
             refs.iter()
                 .any(|r| objs.get(r.id()).is_some_and(|o| matches!(o.state, ObjState::Pending)))
         };
+        let ids: Vec<&str> = refs.iter().map(RawRef::id).collect();
+        let settled = || !pending();
         block_on_until(
             async {
                 loop {
-                    let changed = self.objects_changed();
+                    let changed = self.objects_changed.notified();
                     tokio::pin!(changed);
                     changed.as_mut().enable();
-                    if !pending() {
+                    if !pending() || Instant::now() >= deadline {
                         return;
                     }
+                    if crate::direct::read_own_replies(&ids, &settled, deadline) {
+                        continue;
+                    }
+                    crate::direct::kick();
                     changed.await;
                 }
             },

@@ -86,10 +86,12 @@ impl Executor {
             };
             match loop_runtime(&j.spec) {
                 Some(rt) => self.start_on_loop(rt, j, group),
-                None => {
-                    let tx = self.groups.get(&group).map_or(&self.tx, |(_, tx)| tx);
-                    let _ = tx.send(j);
-                }
+                None => match self.groups.get(&group) {
+                    Some((_, tx)) => {
+                        let _ = tx.send(j);
+                    }
+                    None => self.queue(j),
+                },
             }
         }
     }

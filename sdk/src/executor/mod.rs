@@ -129,12 +129,28 @@ pub(crate) struct Executor {
     /// event loop, started without an executor thread (see [`Executor::start_on_loop`]),
     /// and those waiting for one of the group's places.
     on_loop: Mutex<HashMap<String, Places<Job>>>,
+    /// An actor whose calls run on one executor thread: what that thread reads while it
+    /// waits for its next call (a direct connection, issue 35).
+    idle_reader: Option<crate::direct::IdleReader>,
 }
 
 /// Executor threads of one actor at most (`max_concurrency` above this shares them).
 const MAX_EXECUTOR_THREADS: u32 = 256;
 
 impl Executor {
+    /// What an actor's only executor thread reads while idle, if it is one.
+    pub(crate) fn idle_reader(&self) -> Option<&crate::direct::IdleReader> {
+        self.idle_reader.as_ref()
+    }
+
+    /// Queues `job` on the default group's executor threads.
+    fn queue(&self, job: Job) {
+        let _ = self.tx.send(job);
+        if let Some(r) = &self.idle_reader {
+            r.queued();
+        }
+    }
+
     /// Starts `threads` executor threads. For an actor worker, `creation`
     /// is the actor's creation task, run here before anything else.
     ///
@@ -193,6 +209,9 @@ impl Executor {
             }
             None => None,
         };
+        let idle_reader = (actor.is_some() && threads == 1 && group_limits.is_empty())
+            .then(crate::direct::IdleReader::new)
+            .flatten();
         let (tx, rx) = std::sync::mpsc::channel::<Job>();
         let mut groups = HashMap::new();
         let mut group_rx = Vec::new();
@@ -214,6 +233,7 @@ impl Executor {
             actor_group,
             max_concurrency,
             on_loop: Mutex::new(HashMap::new()),
+            idle_reader,
         });
         spawn_threads(&ex, rx, threads, "");
         for (name, limit, grx) in group_rx {

@@ -62,6 +62,7 @@ pub(super) fn spawn_threads(
     group: &str,
 ) {
     let rx = Arc::new(Mutex::new(rx));
+    let default_group = group.is_empty();
     for i in 0..threads {
         let ex = Arc::clone(ex);
         let rx = Arc::clone(&rx);
@@ -74,7 +75,13 @@ pub(super) fn spawn_threads(
             .name(name)
             .spawn(move || {
                 loop {
-                    let job = { rx.lock().unwrap().recv() };
+                    let job = {
+                        let rx = rx.lock().unwrap();
+                        match ex.idle_reader.as_ref().filter(|_| default_group) {
+                            Some(idle) => idle.next_job(&rx),
+                            None => rx.recv(),
+                        }
+                    };
                     let Ok(job) = job else { return };
                     if ex.retiring.load(Ordering::SeqCst) && job.spec.actor_id.is_empty() {
                         // max_calls ran out: back to the owner unrun (CORE-9's path).
@@ -117,7 +124,7 @@ impl Executor {
         let (tx, rx) = oneshot::channel();
         let state = Arc::new(AtomicU8::new(QUEUED));
         self.running.lock().unwrap().insert(spec.task_id.clone(), ());
-        let _ = self.tx.send(Job { spec, reply: Replier::Rpc(tx), state: Arc::clone(&state) });
+        self.queue(Job { spec, reply: Replier::Rpc(tx), state: Arc::clone(&state) });
         QueuedTask { core: Arc::clone(&self.core), rx, state }
     }
 
@@ -135,12 +142,12 @@ impl Executor {
         };
         if idle {
             // Nothing in front of it: it starts at once, and nothing can hand it back.
-            let _ = self.tx.send(Job { spec, reply, state });
+            self.queue(Job { spec, reply, state });
             return;
         }
         let slot = Arc::new(Mutex::new(Some(reply)));
         let watched = (Arc::clone(&self.core), Arc::clone(&slot), Arc::clone(&state));
-        let _ = self.tx.send(Job { spec, reply: Replier::Either(slot), state });
+        self.queue(Job { spec, reply: Replier::Either(slot), state });
         self.core.rt.spawn(async move {
             let (core, slot, state) = watched;
             let blocked = core.blocked_now.notified();
