@@ -14,10 +14,14 @@
 //! see `core::actors`), and the executor thread (or an async actor's event loop) writes
 //! the reply itself: two hand-offs a side fewer. Reading, too, is done where it can be by
 //! the thread that needs what is read: a caller waiting in a sync `get` for the reply to
-//! a call it sent reads that reply itself ([`read_own_replies`]), and an actor whose
-//! calls run on one executor thread has that thread read its next call while it waits
-//! ([`IdleReader`]); otherwise each connection's own thread reads (issue 35: one thread
-//! wake fewer a side, the call then wakes only the thread the socket wakes). A push of a
+//! a call it sent reads that reply itself ([`read_own_replies`]), and a worker whose
+//! calls and tasks run on one executor thread (a task worker, or an actor without
+//! concurrency) has that thread read its next call while it waits ([`IdleReader`]);
+//! otherwise each connection's own thread reads (issue 35: one thread wake fewer a side,
+//! the call then wakes only the thread the socket wakes). A thread that waits for a
+//! frame that is due (a reply to a call in flight, or an idle executor's next call)
+//! polls for up to [`spin_budget`] before it sleeps (CORE-16), so on a VM the frame
+//! finds it awake and wakes no halted vCPU. A push of a
 //! single task to a leased worker goes on it from the lease's task (`core::leasing`);
 //! pipelined batches of several stay on `PushTasks`, and so does a push made before the
 //! connection is open. The worker answers from the executor thread and handing a queued
@@ -309,7 +313,7 @@ impl DirectServer {
     }
 }
 
-/// A connection to an actor whose calls run on one executor thread: that thread reads the
+/// A connection to a worker whose calls run on one executor thread: that thread reads the
 /// connection itself while it has nothing to run ([`IdleReader`]), and the connection's
 /// own thread only reads what arrives while the executor runs a call for longer than
 /// [`LAZY`] (to refuse it when the worker stops, and so a queued call can be cancelled).
@@ -419,7 +423,8 @@ impl Incoming {
     }
 }
 
-/// What an actor's only executor thread reads while it waits for its next call: one
+/// What a worker's only executor thread (a task worker's, or an actor's without
+/// concurrency groups) reads while it waits for its next call: one
 /// direct connection (the first a caller opened; calls on others are read by their own
 /// threads), besides its queue. A call arriving then wakes the thread that runs it, not
 /// a reader thread that hands it over: one thread wake fewer for each call (issue 35).
@@ -491,7 +496,10 @@ impl IdleReader {
             let event = (self.event.fd(), libc::POLLIN);
             let call = match (&conn, &r) {
                 (Some(_), Some(r)) if !r.buffer().is_empty() => true,
-                (Some(c), Some(_)) => ready(&[(c.fd, libc::POLLIN), event], -1)[0],
+                (Some(c), Some(_)) => {
+                    let fds = [(c.fd, libc::POLLIN), event];
+                    spin_ready(&fds, far()) || ready(&fds, -1)[0]
+                }
                 // No connection yet: `adopt` signals the event.
                 _ => {
                     ready(&[event], -1);
@@ -520,6 +528,24 @@ fn ready(fds: &[(std::os::fd::RawFd, libc::c_short)], ms: libc::c_int) -> Vec<bo
         if n >= 0 || io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
             return polled.iter().map(|p| n > 0 && p.revents != 0).collect();
         }
+    }
+}
+
+/// Whether `fds[0]` turns ready (or broke) while polling `fds` without sleeping for up to
+/// [`spin_budget`], yielding the CPU between polls; false as soon as another of `fds` is
+/// ready. An executor does this after each call before it sleeps, so that a caller's next
+/// call, often on its way, wakes nobody (see [`spin_budget`]).
+fn spin_ready(fds: &[(std::os::fd::RawFd, libc::c_short)], deadline: Instant) -> bool {
+    let until = deadline.min(Instant::now() + spin_budget());
+    loop {
+        let ready = ready(fds, 0);
+        if ready[0] {
+            return true;
+        }
+        if ready.iter().any(|r| *r) || Instant::now() >= until {
+            return false;
+        }
+        std::thread::yield_now();
     }
 }
 
@@ -967,6 +993,11 @@ impl DirectConn {
             {
                 break None;
             }
+            if until.is_none() && r.buffer().is_empty() {
+                use std::os::fd::AsRawFd;
+                // The connection's thread, reading because calls are due: see spin_budget.
+                spin_ready(&[(r.get_ref().as_raw_fd(), libc::POLLIN)], far());
+            }
             let (id, kind) = match read_frame(&mut r, &mut body) {
                 Ok(f) => f,
                 Err(e) => break Some(e),
@@ -1019,9 +1050,63 @@ impl DirectConn {
     }
 }
 
-/// Whether `s` has bytes to read (or broke) before `until`.
+/// How long a caller waiting for its own reply polls the socket before it sleeps in
+/// `poll` (`TPURAY_DIRECT_SPIN_US`, microseconds, default [`DEFAULT_SPIN`]; 0: never; read
+/// once per process).
+///
+/// Why: a thread asleep in `poll` is woken by the peer's `send`, and when its CPU is
+/// idle that CPU halts. On a VM a halted vCPU is woken by an inter-processor interrupt
+/// that exits to the hypervisor: measured on this project's 2-vCPU Firecracker VM, about
+/// 28 µs in the sender's `send` (`sock_def_readable` -> `try_to_wake_up`) plus the
+/// waiter's own exit from halt, per wake. A caller that keeps polling for a reply that is
+/// on its way is not asleep, so the reply wakes nobody. It is the same trade as the
+/// kernel's `haltpoll` cpuidle governor (`guest_halt_poll_ns`), made only where a reply
+/// is known to be due: a sync `get` of a direct call this thread just sent.
+fn spin_budget() -> Duration {
+    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        let given = std::env::var("TPURAY_DIRECT_SPIN_US").ok();
+        match given.as_deref().map(|v| v.trim().parse::<u64>()) {
+            Some(Ok(us)) => Duration::from_micros(us),
+            Some(Err(_)) => {
+                tracing::warn!(
+                    "TPURAY_DIRECT_SPIN_US={:?} is not a whole number of microseconds; \
+                     using the default {} µs",
+                    given.unwrap_or_default(),
+                    DEFAULT_SPIN.as_micros()
+                );
+                default_spin()
+            }
+            None => default_spin(),
+        }
+    })
+}
+
+/// A deadline that does not come (an hour away), for [`spin_ready`] without one.
+fn far() -> Instant {
+    Instant::now() + Duration::from_secs(3600)
+}
+
+/// The default of [`spin_budget`] on a machine with more than one CPU: a little more
+/// than a small sync call's round trip.
+const DEFAULT_SPIN: Duration = Duration::from_micros(200);
+
+/// [`DEFAULT_SPIN`], or 0 where this process may use only one CPU: there a poller only
+/// delays the peer it waits for.
+fn default_spin() -> Duration {
+    match std::thread::available_parallelism() {
+        Ok(n) if n.get() > 1 => DEFAULT_SPIN,
+        _ => Duration::ZERO,
+    }
+}
+
+/// Whether `s` has bytes to read (or broke) before `until`: polls it without sleeping
+/// for up to [`spin_budget`] first (yielding the CPU between polls), then sleeps in `poll`.
 fn readable(s: &TcpStream, until: Instant) -> bool {
     use std::os::fd::AsRawFd;
+    if spin_ready(&[(s.as_raw_fd(), libc::POLLIN)], until) {
+        return true;
+    }
     loop {
         let left = until.saturating_duration_since(Instant::now());
         let mut fd = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 };

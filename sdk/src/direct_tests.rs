@@ -201,3 +201,42 @@ fn close_fails_the_calls_in_flight_with_its_status() {
     let (code, msg) = outcome(&rx).err.expect("the call failed");
     assert_eq!((code, msg.as_str()), (tonic::Code::Unavailable, "node died: x"));
 }
+
+/// A connected pair of loopback sockets.
+fn socket_pair() -> (TcpStream, TcpStream) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (b, _) = l.accept().unwrap();
+    (a, b)
+}
+
+#[test]
+fn core_16_a_poller_sees_a_frame_that_arrives_while_it_spins() {
+    use std::os::fd::AsRawFd;
+    let (a, b) = socket_pair();
+    let writer = thread::spawn(move || {
+        thread::sleep(Duration::from_micros(50));
+        (&b).write_all(b"x").unwrap();
+        b
+    });
+    // A deadline of 5 s: with the spin (or without it, TPURAY_DIRECT_SPIN_US=0) the byte
+    // is seen by `readable`, and `spin_ready` reports what it saw within its own budget.
+    assert!(readable(&a, Instant::now() + Duration::from_secs(5)));
+    assert!(spin_ready(&[(a.as_raw_fd(), libc::POLLIN)], far()));
+    drop(writer.join().unwrap());
+}
+
+#[test]
+fn core_16_a_poller_stops_at_its_budget_or_deadline_and_for_another_ready_fd() {
+    use std::os::fd::AsRawFd;
+    let (a, _b) = socket_pair();
+    let (c, d) = socket_pair();
+    // Nothing arrives: false, after at most the budget (or the deadline, here now).
+    assert!(!spin_ready(&[(a.as_raw_fd(), libc::POLLIN)], Instant::now()));
+    assert!(!spin_ready(&[(a.as_raw_fd(), libc::POLLIN)], far()));
+    // Another of the fds (an executor's queued-job event) is ready: false at once.
+    (&d).write_all(b"x").unwrap();
+    while !ready(&[(c.as_raw_fd(), libc::POLLIN)], 1000)[0] {}
+    assert!(!spin_ready(&[(a.as_raw_fd(), libc::POLLIN), (c.as_raw_fd(), libc::POLLIN)], far()));
+    assert!(!readable(&a, Instant::now() + Duration::from_millis(20)));
+}

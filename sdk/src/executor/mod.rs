@@ -209,7 +209,7 @@ impl Executor {
             }
             None => None,
         };
-        let idle_reader = (actor.is_some() && threads == 1 && group_limits.is_empty())
+        let idle_reader = (threads == 1 && group_limits.is_empty())
             .then(crate::direct::IdleReader::new)
             .flatten();
         let (tx, rx) = std::sync::mpsc::channel::<Job>();
