@@ -122,7 +122,8 @@ fn every_numbered_invariant_is_written_at_its_code_and_its_test() {
         let test_file = rel.contains("/tests/")
             || rel.starts_with("tests/")
             || name.starts_with("test_")
-            || name == "tests.rs";
+            || name == "tests.rs"
+            || name.ends_with("_tests.rs");
         let (code, test) = match (test_file, text.find("#[cfg(test)]")) {
             (true, _) => ("", text.as_str()),
             (false, Some(i)) if name.ends_with(".rs") => text.split_at(i),
