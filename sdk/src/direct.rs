@@ -1050,9 +1050,9 @@ impl DirectConn {
     }
 }
 
-/// How long a caller waiting for its own reply polls the socket before it sleeps in
-/// `poll` (`TPURAY_DIRECT_SPIN_US`, microseconds, default [`DEFAULT_SPIN`]; 0: never; read
-/// once per process).
+/// How long a thread waiting for a direct frame that is due polls its socket before it
+/// sleeps in `poll` (`TPURAY_DIRECT_SPIN_US`, microseconds, default [`DEFAULT_SPIN`]; 0:
+/// never; read once per process; CORE-16).
 ///
 /// Why: a thread asleep in `poll` is woken by the peer's `send`, and when its CPU is
 /// idle that CPU halts. On a VM a halted vCPU is woken by an inter-processor interrupt
@@ -1060,8 +1060,10 @@ impl DirectConn {
 /// 28 µs in the sender's `send` (`sock_def_readable` -> `try_to_wake_up`) plus the
 /// waiter's own exit from halt, per wake. A caller that keeps polling for a reply that is
 /// on its way is not asleep, so the reply wakes nobody. It is the same trade as the
-/// kernel's `haltpoll` cpuidle governor (`guest_halt_poll_ns`), made only where a reply
-/// is known to be due: a sync `get` of a direct call this thread just sent.
+/// kernel's `haltpoll` cpuidle governor (`guest_halt_poll_ns`), made only where a frame
+/// is due: a sync `get` of a direct call this thread just sent, a connection's thread
+/// reading replies to calls in flight, and an idle executor's next call right after it
+/// answered the last.
 fn spin_budget() -> Duration {
     static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *SPIN.get_or_init(|| {
