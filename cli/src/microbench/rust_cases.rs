@@ -8,18 +8,74 @@
 //! The remote functions and actors below are this crate's, so the cluster's
 //! workers (`tpuray _worker`: this same CLI, DESIGN.md §8) find them by name; the
 //! job registers without uploading a binary. Values: Ray's `b"ok"` is a [`Blob`],
-//! its `np.zeros(n, int64)` a zeroed [`Blob`] of `8 n` bytes. Ray's async-actor
+//! its `np.zeros(n, int64)` a [`Zeros`] of `8 n` bytes. Ray's async-actor
 //! cases are reported as skipped: the Rust SDK has no async actors.
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::ptr::NonNull;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use tpuray::{ActorOptions, Blob, ObjectRef};
 
 use super::Timing;
+
+/// `np.zeros(n, dtype=np.int64)` as numpy makes it (`default_calloc` in numpy's
+/// `_core/src/multiarray/alloc.c`): `8 n` zeroed bytes from the C library's `calloc`, which
+/// for a block this large maps fresh pages the kernel zeroes lazily, advised
+/// `MADV_HUGEPAGE` from its first whole page on when it is 4 MiB or more. So nothing writes
+/// the bytes before the put reads them, and reading them maps the shared zero page. A
+/// `vec![0u8; len]` from this binary's allocator (mimalloc, ALLOC-1) is zeroed with a
+/// `memset` when mimalloc reuses a freed block: in the multi client case that `memset`
+/// was a fifth of the workers' CPU (perf), a cost Ray's workload does not carry.
+/// Serialized as bytes, as [`Blob`] is.
+pub struct Zeros {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl Zeros {
+    /// `len` (at least 1) zeroed bytes.
+    ///
+    /// # Panics
+    /// `len` is 0 or the C library cannot allocate it.
+    pub fn new(len: usize) -> Self {
+        /// numpy advises huge pages for arrays of this many bytes or more.
+        const HUGEPAGE_MIN: usize = 4 << 20;
+        const PAGE: usize = 4096;
+        assert!(len > 0, "Zeros of 0 bytes");
+        let layout = Layout::from_size_align(len, 1).expect("a byte array layout");
+        // SAFETY: `layout` has a non-zero size.
+        let ptr = NonNull::new(unsafe { System.alloc_zeroed(layout) })
+            .unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        if len >= HUGEPAGE_MIN {
+            // As numpy: from the next page boundary on, errors ignored (advice only).
+            let offset = PAGE - ptr.as_ptr() as usize % PAGE;
+            // SAFETY: the range lies inside the allocation; advice changes no contents.
+            unsafe {
+                libc::madvise(ptr.as_ptr().add(offset).cast(), len - offset, libc::MADV_HUGEPAGE)
+            };
+        }
+        Self { ptr, len }
+    }
+}
+
+impl Drop for Zeros {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `System` with this layout in `new`.
+        unsafe { System.dealloc(self.ptr.as_ptr(), Layout::from_size_align_unchecked(self.len, 1)) }
+    }
+}
+
+impl serde::Serialize for Zeros {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        // SAFETY: `len` initialised (zeroed) bytes owned by `self` for its lifetime.
+        s.serialize_bytes(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) })
+    }
+}
 
 fn ok() -> Blob {
     Blob(b"ok".to_vec())
@@ -41,7 +97,7 @@ pub fn do_put_small() -> Result<u8, String> {
 #[tpuray::remote]
 pub fn do_put() -> Result<u8, String> {
     for _ in 0..10 {
-        tpuray::put(&Blob(vec![0u8; 10 * 1024 * 1024 * 8])).map_err(|e| e.to_string())?;
+        tpuray::put(&Zeros::new(10 * 1024 * 1024 * 8)).map_err(|e| e.to_string())?;
     }
     Ok(0)
 }
@@ -214,7 +270,7 @@ fn cases(t: &Timing) -> Result<()> {
         Ok(())
     })?;
     if t.selected("single client put gigabytes") {
-        let arr = Blob(vec![0u8; 100 * 1024 * 1024 * 8]);
+        let arr = Zeros::new(100 * 1024 * 1024 * 8);
         t.timeit("single client put gigabytes", 8.0 * 0.1, || {
             tpuray::put(&arr)?;
             Ok(())
@@ -342,4 +398,24 @@ fn cases(t: &Timing) -> Result<()> {
         Ok(())
     })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The Rust cases' `np.zeros` is zeroed and encodes as a zeroed [`Blob`] of its
+    /// length does, both below and above numpy's huge-page advice size.
+    #[test]
+    fn zeros_are_zero_and_encode_as_a_zeroed_blob() {
+        for len in [1, 4095, (4 << 20) + 4097] {
+            let z = Zeros::new(len);
+            let want = tpuray::codec::encode(&Blob(vec![0u8; len]));
+            assert_eq!(tpuray::codec::encode(&z), want, "{len} bytes");
+            // The bytes are this process's own, writable as any allocation.
+            // SAFETY: `len` bytes owned by `z`.
+            unsafe { z.ptr.as_ptr().add(len - 1).write(7) };
+            assert_ne!(tpuray::codec::encode(&z), want);
+        }
+    }
 }
