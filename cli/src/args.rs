@@ -683,7 +683,8 @@ pub struct StopArgs {
 
 #[derive(Args, Debug, Default)]
 pub struct MicrobenchmarkArgs {
-    /// Run the task, actor and object cases from the Rust SDK instead of the Python SDK's.
+    /// Run the task, actor, object and placement group cases from the Rust SDK instead of
+    /// the Python SDK's.
     #[arg(long)]
     pub rust: bool,
     /// One JSON object per case ({"name", "mean", "sd", "unit"}) instead of text lines.
@@ -714,7 +715,8 @@ pub struct MicrobenchmarkArgs {
     /// Do not measure the floor (loopback RPC, raw loopback TCP, memcpy).
     #[arg(long)]
     pub no_floor: bool,
-    /// Measure a debug build anyway (refused by default: its figures are not tpuray's).
+    /// Measure a debug build anyway (refused by default: its figures are not tpuray's);
+    /// TPURAY_ALLOW_DEBUG_BUILD=1 does the same.
     #[arg(long)]
     pub allow_debug_build: bool,
 }

@@ -177,7 +177,10 @@ pub fn mean_sd(xs: &[f64]) -> (f64, f64) {
 /// No Python with tpuray installed, a cluster that does not start, or a failed case.
 pub fn run(a: MicrobenchmarkArgs) -> Result<i32> {
     let timing = Timing::from_args(&a)?;
-    check_build(OPTIMIZED, a.allow_debug_build)?;
+    check_build(
+        OPTIMIZED,
+        debug_build_allowed(a.allow_debug_build, std::env::var(ALLOW_ENV).ok()),
+    )?;
     if !a.no_floor {
         let floor_timing =
             Timing { pause: Duration::ZERO, filter: None, skip: None, ..timing.clone() };
@@ -192,6 +195,17 @@ pub fn run(a: MicrobenchmarkArgs) -> Result<i32> {
 
 /// Whether this binary was compiled with optimisations (cargo's release profile).
 pub const OPTIMIZED: bool = !cfg!(debug_assertions);
+
+/// Set to `1` to measure a debug build anyway, as `--allow-debug-build` does (the
+/// variable every `bench/*` script and the Python package's guard read:
+/// `tpuray._private.build.ALLOW_ENV`).
+const ALLOW_ENV: &str = "TPURAY_ALLOW_DEBUG_BUILD";
+
+/// Whether a debug build may be measured: `--allow-debug-build`, or [`ALLOW_ENV`]
+/// (`env`, its value when set) is `1`.
+fn debug_build_allowed(flag: bool, env: Option<String>) -> bool {
+    flag || env.as_deref() == Some("1")
+}
 
 /// Refuses to measure a debug build (`optimized` false) unless `allow`; then warns.
 /// Ray's `ray microbenchmark` warns about the same (`ray._raylet.OPTIMIZED`,
@@ -218,7 +232,7 @@ fn check_build(optimized: bool, allow: bool) -> Result<()> {
             "refusing to measure a debug build of tpuray ({exe}): its figures would not be \
              tpuray's. Build a release one (`cargo build --release -p tpuray-cli`, or \
              `pip install ./python-sdk` with MATURIN_PEP517_ARGS unset, as ./scripts/demo.sh \
-             does), or pass --allow-debug-build to measure it anyway"
+             does), or pass --allow-debug-build (or set {ALLOW_ENV}=1) to measure it anyway"
         );
     }
     eprintln!("tpuray microbenchmark: WARNING: measuring a debug build ({exe})");
@@ -269,7 +283,7 @@ fn run_python(a: &MicrobenchmarkArgs, t: &Timing) -> Result<i32> {
         .env_remove("TPURAY_ADDRESS");
     if a.allow_debug_build {
         // The interpreter's extension may be a debug build while this binary is not.
-        cmd.env("TPURAY_ALLOW_DEBUG_BUILD", "1");
+        cmd.env(ALLOW_ENV, "1");
     }
     let status = cmd.status().with_context(|| format!("cannot run {}", python.display()))?;
     Ok(status.code().unwrap_or(1))
@@ -285,6 +299,12 @@ mod tests {
         let e = check_build(false, false).unwrap_err().to_string();
         assert!(e.contains("debug build") && e.contains("--allow-debug-build"), "{e}");
         assert!(check_build(false, true).is_ok());
+        // TPURAY_ALLOW_DEBUG_BUILD=1 allows it as the flag does; other values do not.
+        assert!(debug_build_allowed(true, None));
+        assert!(debug_build_allowed(false, Some("1".into())));
+        for other in [None, Some("0".into()), Some("yes".into()), Some(String::new())] {
+            assert!(!debug_build_allowed(false, other.clone()), "{other:?}");
+        }
     }
 
     #[test]
