@@ -974,9 +974,13 @@ def test_rest_api_put_get_delete_applications(tmp_path):
         assert st == 200, body
 
         def app_state():
+            # The proxy starts with the first application that has a route; until it is
+            # HEALTHY, http_options shows the configured port (0 here), as Ray's shows its.
             doc = json.loads(call("GET")[1])
             a = doc["applications"].get("rest")
-            return a and a["status"] == "RUNNING" and doc
+            proxies = doc["proxies"].values()
+            healthy = proxies and all(p["status"] == "HEALTHY" for p in proxies)
+            return a and a["status"] == "RUNNING" and healthy and doc
 
         doc = _wait_for(app_state, 120, "the declared application to run")
         assert doc["applications"]["rest"]["deployments"]["Word"]["name"] == "Word"
